@@ -1,0 +1,23 @@
+"""snapkv-bench's library: KV-cache compression (SnapKV, H2O, StreamingLLM, full) inside unmodified
+HuggingFace transformers models, plus generation with timing and memory probes."""
+
+from snapkv.cache import CompressedCache, CompressibleLayer
+from snapkv.generation import GenerationResult, generate, generate_ids, stop_token_ids
+from snapkv.hooks import apply, hooks_installed, session
+from snapkv.methods import METHODS, Method, build_method, register
+
+__all__ = [
+    "METHODS",
+    "CompressedCache",
+    "CompressibleLayer",
+    "GenerationResult",
+    "Method",
+    "apply",
+    "build_method",
+    "generate",
+    "generate_ids",
+    "hooks_installed",
+    "register",
+    "session",
+    "stop_token_ids",
+]

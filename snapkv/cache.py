@@ -1,0 +1,158 @@
+"""A transformers `DynamicCache` whose full-attention layers can be compressed per KV head.
+
+Keys are cached after RoPE, so a kept key keeps its original position. What must change after
+compression is the bookkeeping (DESIGN.md §2): `get_seq_length()` has to keep returning the number
+of tokens *seen* (so that `position_ids`, `generate()`'s input slicing and the causal mask stay
+right), while `get_mask_sizes()` has to describe what is really *stored*. transformers' own
+`DynamicSlidingWindowLayer` does exactly this; `CompressibleLayer` does it for arbitrary per-head
+selections.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+
+
+class CompressibleLayer(DynamicLayer):
+    """Cache layer of one full-attention layer, compressible per KV head.
+
+    Stores `keys` / `values` `[batch, kv_heads, stored, head_dim]` and, beside them,
+    `positions` `[batch, kv_heads, stored]` (the original token position of every stored entry,
+    int64) and an optional per-entry `scores` `[batch, kv_heads, stored]` (fp32) that methods which
+    accumulate attention (H2O) keep aligned with the entries. Every head of a layer stores the same
+    number of entries (a uniform per-head budget).
+
+    `seen` counts the tokens that went through the layer (the original sequence length); it is what
+    `get_seq_length()` returns. `next_position` is the position the next token gets: `seen` with
+    original positions, the stored length with StreamingLLM's compacted positions.
+    """
+
+    is_compileable = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.seen = 0
+        self.positions: torch.Tensor | None = None
+        self.scores: torch.Tensor | None = None
+        # "empty" -> "prefilling" (chunked prefill under way) -> "ready" (prefill done; decoding)
+        self.state = "empty"
+        self.compressed = False
+        self.compacted = False
+        self.full_length = 0  # tokens seen when the prefill compression ran
+        self.last_kept: torch.Tensor | None = None  # indices of the last keep() (for re-rotation)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        b, h, _, _ = key_states.shape
+        self.positions = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        b, h, q, _ = key_states.shape
+        # Original token indices (with compacted positions the keys are rotated at their slot instead).
+        new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
+        self.positions = torch.cat([self.positions, new_pos], dim=-1)
+        if self.scores is not None:
+            self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, q)], dim=-1)
+        self.seen += q
+        return super().update(key_states, value_states)
+
+    @property
+    def stored(self) -> int:
+        return 0 if self.keys is None or not self.is_initialized else self.keys.shape[-2]
+
+    @property
+    def next_position(self) -> int:
+        return self.stored if self.compacted else self.seen
+
+    def get_seq_length(self) -> int:
+        return self.next_position
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # The stored entries plus the incoming queries; the offset makes the incoming block causal
+        # and every stored entry visible (their positions all precede the queries').
+        stored = self.stored
+        return stored + query_length, self.next_position - stored
+
+    def keep(self, indices: torch.Tensor) -> None:
+        """Keep only the entries at `indices` `[batch, kv_heads, k]` (indices into the stored axis)."""
+        self.last_kept = indices
+        idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys = self.keys.gather(2, idx).contiguous()
+        self.values = self.values.gather(2, idx).contiguous()
+        self.positions = self.positions.gather(2, indices)
+        if self.scores is not None:
+            self.scores = self.scores.gather(2, indices)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise ValueError("a compressed KV cache cannot be cropped (assisted decoding is not supported)")
+
+    def reset(self) -> None:
+        super().reset()
+        self.seen = 0
+        self.positions = self.scores = None
+        self.state = "empty"
+        self.compressed = self.compacted = False
+        self.full_length = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
+        if self.scores is not None:
+            self.scores = self.scores.index_select(0, beam_idx.to(self.scores.device))
+
+
+def full_attention_layers(config) -> list[int]:
+    """Indices of the layers whose cache may be compressed: transformers' own layer typing
+    (`config.layer_types`, else inferred from `sliding_window`) says `full_attention`."""
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [i for i, t in enumerate(layer_types) if t == "full_attention"]
+
+
+class CompressedCache(DynamicCache):
+    """`DynamicCache` with a `CompressibleLayer` for every full-attention layer.
+
+    Other layer kinds (sliding window, chunked, linear) keep transformers' own cache layers and are
+    never compressed (hybrid models such as Gemma 3).
+    """
+
+    def __init__(self, config, **kwargs):
+        super().__init__(config=config, **kwargs)
+        compressible = set(full_attention_layers(config))
+        n = config.get_text_config(decoder=True).num_hidden_layers
+        if not self.layers:  # config without layer types: DynamicCache replicates lazily
+            self.layers = [DynamicLayer() for _ in range(n)]
+            self.layer_class_to_replicate = None
+        for i in compressible:
+            self.layers[i] = CompressibleLayer()
+        self.compressible = sorted(compressible)
+
+    def compressible_layers(self) -> list[tuple[int, CompressibleLayer]]:
+        return [(i, self.layers[i]) for i in self.compressible]
+
+    def kv_bytes(self) -> int:
+        """Bytes of the K/V tensors really stored, all layers (Σ numel · element_size)."""
+        total = 0
+        for layer in self.layers:
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
+    def kv_bytes_full(self) -> int:
+        """Bytes the same cache would hold with nothing evicted (each compressible layer at `seen`)."""
+        total = 0
+        for layer in self.layers:
+            keys = getattr(layer, "keys", None)
+            if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+                continue
+            b, h, stored, d = keys.shape
+            length = layer.seen if isinstance(layer, CompressibleLayer) else stored
+            total += 2 * b * h * length * d * keys.element_size()
+        return total
+
+    def kept_tokens(self) -> list[float]:
+        """Stored entries per compressible layer (per head; every head stores the same number)."""
+        return [float(layer.stored) for _, layer in self.compressible_layers()]

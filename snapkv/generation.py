@@ -1,0 +1,297 @@
+"""Greedy generation with KV-cache compression, timing and memory probes.
+
+`generate()` is the one call the harness makes per sample. The prefill runs through the model's own
+attention (sdpa / flash / eager) with `logits_to_keep=1` (never full-sequence logits), optionally
+in chunks with explicit positions; each compressible layer is compressed right after its attention
+in the last prefill chunk. Decoding is a plain greedy loop with explicit `position_ids`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import psutil
+import torch
+
+from snapkv.cache import CompressedCache
+from snapkv.hooks import cache_kwarg, session
+from snapkv.methods import Method, build_method
+
+# Chat end-of-turn tokens of common instruct models; used as stop tokens when in the vocabulary.
+CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+@dataclass
+class GenerationResult:
+    """Text plus measurements of one compressed generation.
+
+    kv_* fields are measured right after prefill + compression: `kv_tokens` is the mean number of
+    entries kept per compressible layer and KV head, `kv_bytes` the bytes really stored (all layers,
+    Σ numel·element_size), `kv_bytes_full` what the same cache holds with nothing evicted.
+    """
+
+    text: str
+    output_ids: list[int]
+    input_tokens: int
+    compressed: bool
+    kv_tokens: float
+    kv_tokens_per_layer: list[float]
+    kv_bytes_full: int
+    kv_bytes: int
+    prefill_s: float
+    ttft_s: float
+    tpot_s: float | None
+    peak_mem_bytes: int
+    attn_impl: str
+    device: str
+    new_tokens: int
+    stop_reason: str
+    decode_s: list[float] = field(default_factory=list, repr=False)
+    logits: list[torch.Tensor] | None = field(default=None, repr=False)
+
+    def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k != "logits"}
+        if not with_steps:
+            d.pop("decode_s")
+        return d
+
+
+class PeakMemory:
+    """Peak memory over a block: the CUDA allocator peak on GPU, else the process RSS peak (sampled
+    every `interval` s in a thread; the OS's own ru_maxrss cannot be reset within a process)."""
+
+    def __init__(self, device: torch.device, interval: float = 0.005):
+        self.device, self.interval = device, interval
+        self.peak = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._proc = psutil.Process()
+            self._stop = threading.Event()
+            self.peak = self._proc.memory_info().rss
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+def stop_token_ids(model, tokenizer) -> set[int]:
+    """The model's EOS id(s) and the chat end-of-turn tokens its tokenizer knows."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        eos = getattr(src, "eos_token_id", None)
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, list | tuple):
+            ids.update(int(e) for e in eos)
+    vocab = tokenizer.get_vocab()
+    ids.update(vocab[t] for t in CHAT_END_TOKENS if t in vocab)
+    return ids
+
+
+def encode_prompt(tokenizer, context: str, question: str, chat_template: bool) -> tuple[list[int], list[int]]:
+    """Token ids of (context part, question part) of the prompt, chat template applied if asked.
+
+    The template wraps `context + question` as one user turn; the rendered text is split where the
+    context ends, so the question part carries the template's end-of-turn and assistant header.
+    """
+    text = context + question
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        start = rendered.find(text)
+        if start < 0:  # templates that trim the content
+            start = rendered.find(text.strip())
+            context = context.lstrip()
+        if start < 0:
+            raise ValueError("the chat template changed the prompt text; cannot split context/question")
+        split = start + len(context)
+        head, tail = rendered[:split], rendered[split:]
+        ids_head = tokenizer(head, add_special_tokens=False).input_ids
+        ids_tail = tokenizer(tail, add_special_tokens=False).input_ids
+    else:
+        ids_head = tokenizer(context).input_ids  # the tokenizer's own BOS handling
+        ids_tail = tokenizer(question, add_special_tokens=False).input_ids if question else []
+    return ids_head, ids_tail
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _chunks(n: int, chunk_size: int | None, min_last: int) -> list[tuple[int, int]]:
+    """[start, end) prefill chunks; the last one holds at least `min_last` tokens (SnapKV's window)."""
+    if not chunk_size or chunk_size >= n:
+        return [(0, n)]
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got chunk_size={chunk_size}")
+    bounds = list(range(0, n, chunk_size)) + [n]
+    spans = list(zip(bounds[:-1], bounds[1:]))
+    while len(spans) > 1 and spans[-1][1] - spans[-1][0] < min_last:
+        spans[-2:] = [(spans[-2][0], spans[-1][1])]
+    return spans
+
+
+@torch.inference_mode()
+def generate_ids(
+    model,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor | None = None,
+    method: Method | None = None,
+    *,
+    query_aware: bool = True,
+    max_new_tokens: int = 32,
+    stop_ids: set[int] | None = None,
+    chunk_size: int | None = None,
+    keep_logits: bool = False,
+) -> tuple[torch.Tensor, GenerationResult]:
+    """Greedy generation from token ids `[batch, len]` (equal lengths, no padding).
+
+    query_aware=True: context + question are prefilled (and compressed) together; False: the context
+    is prefilled and compressed alone, then the question is fed on the compressed cache.
+    Returns the generated ids `[batch, new]` and the measurements (text left empty);
+    `keep_logits` keeps each step's last-position logits `[batch, vocab]` in `result.logits`.
+    """
+    method = method if method is not None else build_method("full")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={max_new_tokens}")
+    device = model.device
+    context_ids = context_ids.to(device)
+    question_ids = question_ids.to(device) if question_ids is not None and question_ids.numel() else None
+    if query_aware and question_ids is not None:
+        context_ids, question_ids = torch.cat([context_ids, question_ids], dim=1), None
+    if context_ids.shape[1] == 0:
+        raise ValueError("empty prompt: the context has 0 tokens")
+    input_tokens = context_ids.shape[1] + (question_ids.shape[1] if question_ids is not None else 0)
+
+    cache = CompressedCache(model.config)
+    kw = cache_kwarg(model)
+    batch = context_ids.shape[0]
+    stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    def forward(ids: torch.Tensor):
+        start = cache.get_seq_length()
+        pos = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0).expand(batch, -1)
+        return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
+
+    window = getattr(method, "window", 1)
+    with session(model, method, cache) as s, PeakMemory(device) as mem:
+        t0 = _now(device)
+        spans = _chunks(context_ids.shape[1], chunk_size, window)
+        for i, (a, b) in enumerate(spans):
+            s.phase = "final" if i == len(spans) - 1 else "prefill"
+            out = forward(context_ids[:, a:b])
+        prefill_s = _now(device) - t0
+        kept = cache.kept_tokens()
+        kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
+        compressed = any(layer.compressed for _, layer in cache.compressible_layers())
+        s.phase = "decode"
+        if question_ids is not None:
+            out = forward(question_ids)
+        token = out.logits[:, -1].argmax(-1)
+        ttft_s = _now(device) - t0
+        logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
+        generated = [token]
+        steps: list[float] = []
+        while len(generated) < max_new_tokens:
+            finished |= torch.isin(token, stop)
+            if bool(finished.all()):
+                break
+            t = _now(device)
+            out = forward(token[:, None])
+            token = out.logits[:, -1].argmax(-1)
+            steps.append(_now(device) - t)
+            generated.append(token)
+            if logits is not None:
+                logits.append(out.logits[:, -1].float().cpu())
+        finished |= torch.isin(token, stop)
+    ids = torch.stack(generated, dim=1)
+    result = GenerationResult(
+        text="",
+        output_ids=ids[0].tolist(),
+        input_tokens=input_tokens,
+        compressed=compressed,
+        kv_tokens=sum(kept) / len(kept) if kept else 0.0,
+        kv_tokens_per_layer=kept,
+        kv_bytes_full=kv_bytes_full,
+        kv_bytes=kv_bytes,
+        prefill_s=prefill_s,
+        ttft_s=ttft_s,
+        tpot_s=statistics.median(steps) if steps else None,
+        peak_mem_bytes=int(mem.peak),
+        attn_impl=model.config._attn_implementation,
+        device=str(device),
+        new_tokens=ids.shape[1],
+        stop_reason="eos" if bool(finished.all()) else "length",
+        decode_s=steps,
+        logits=logits,
+    )
+    return ids, result
+
+
+def generate(
+    model,
+    tokenizer,
+    prompt: str | None = None,
+    *,
+    context: str | None = None,
+    question: str = "",
+    method: Method | str | None = None,
+    query_aware: bool = True,
+    chat_template: bool = True,
+    max_new_tokens: int = 32,
+    stop_ids: set[int] | None = None,
+    ignore_eos: bool = False,
+    chunk_size: int | None = None,
+) -> GenerationResult:
+    """Generate greedily from `prompt` (or `context` + `question`) with `method` compressing the KV cache.
+
+    Stop tokens: the model's EOS and the chat end-of-turn tokens (`ignore_eos=True` for speed runs).
+    """
+    if prompt is not None and context is not None:
+        raise ValueError("pass either prompt or context/question, not both")
+    context = prompt if prompt is not None else context
+    if not context:
+        raise ValueError("empty prompt: context is empty")
+    if isinstance(method, str):
+        method = build_method(method)
+    head, tail = encode_prompt(tokenizer, context, question, chat_template)
+    stops = set() if ignore_eos else (stop_ids if stop_ids is not None else stop_token_ids(model, tokenizer))
+    ids, result = generate_ids(
+        model,
+        torch.tensor([head]),
+        torch.tensor([tail]) if tail else None,
+        method,
+        query_aware=query_aware,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stops,
+        chunk_size=chunk_size,
+    )
+    out = ids[0].tolist()
+    if out and out[-1] in stops:
+        out = out[:-1]
+    result.text = tokenizer.decode(out, skip_special_tokens=True).strip()
+    return result

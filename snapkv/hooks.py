@@ -1,0 +1,248 @@
+"""Compression inside unmodified transformers models: wrapped attention functions + a session.
+
+The stock `sdpa`, `flash_attention_2` and `eager` attention functions are wrapped in place (names
+kept: a registered name containing "flash" would be treated as a Hub kernel). The wrapper receives
+the model's own post-RoPE (post-QK-norm) queries and the layer's cached K/V, so no per-model
+re-projection of queries is needed. It is inert unless a `Session` is active, and the wrappers are
+installed only while one is (removed in `finally`).
+
+After the attention of a compressible layer the session lets the method observe the queries and,
+at the end of prefill, compress that layer's cache right away: only one layer's full K/V is alive
+at a time during a single-pass prefill.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
+
+import torch
+from transformers import AttentionInterface
+
+from snapkv.cache import CompressedCache, CompressibleLayer
+from snapkv.methods.base import Method
+
+_ACTIVE: ContextVar[Session | None] = ContextVar("snapkv_session", default=None)
+_WRAPPED = ("sdpa", "flash_attention_2", "eager")
+_install_lock = threading.Lock()
+_install_count = 0
+_originals: dict[str, object] = {}
+
+
+class Session:
+    """One compressed generation: the method, the cache it compresses, and the prefill phase.
+
+    `phase`: "auto" (a layer's first forward is its whole prefill: `model.generate`), "prefill"
+    (a non-final chunk of a chunked prefill: observe only), "final" (the last prefill chunk:
+    compress after it), "decode".
+    """
+
+    def __init__(self, model, method: Method, cache: CompressedCache | None = None):
+        self.model = model
+        self.method = method
+        self.cache = cache
+        self.phase = "auto"
+        self.inv_freq = _rope_inv_freq(model) if getattr(method, "positions", "") == "compacted" else None
+
+    # Called by the attention wrapper, after the layer's attention ran.
+    def after_attention(
+        self, module, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor
+    ) -> None:
+        method = self.method
+        if layer.state in ("empty", "prefilling"):
+            method.observe(layer, query, key, module)
+            if self.phase == "prefill":
+                layer.state = "prefilling"
+                return
+            method.compress_prefill(layer, query, key, module)
+            layer.state = "ready"
+            if self.inv_freq is not None and layer.compressed:
+                _compact(layer, self.inv_freq)
+        else:
+            if not method.evicts_during_decode:
+                return
+            method.observe(layer, query, key, module)
+            before = layer.stored
+            method.evict(layer)
+            if self.inv_freq is not None and layer.stored < before:
+                _compact(layer, self.inv_freq)
+
+    def layer_for(self, module) -> CompressibleLayer | None:
+        cache = self.cache
+        idx = getattr(module, "layer_idx", None)
+        if cache is None or idx is None or idx >= len(cache.layers):
+            return None
+        layer = cache.layers[idx]
+        return layer if isinstance(layer, CompressibleLayer) else None
+
+
+def _rope_inv_freq(model) -> torch.Tensor:
+    found = [m.inv_freq for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+    if len(found) != 1:
+        raise ValueError(
+            f"positions='compacted' needs a model with one rotary embedding, found {len(found)} "
+            "(use positions='original')"
+        )
+    return found[0]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Move post-RoPE keys `[batch, kv_heads, n, d]` by `delta` `[batch, kv_heads, n]` positions.
+
+    RoPE rotations compose: R(p + δ) k = R(δ) R(p) k. Rotate-half convention (Llama, Qwen, Mistral).
+    """
+    angles = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)
+    emb = torch.cat((angles, angles), dim=-1)
+    k = keys.float()
+    return (k * emb.cos() + _rotate_half(k) * emb.sin()).to(keys.dtype)
+
+
+def _compact(layer: CompressibleLayer, inv_freq: torch.Tensor) -> None:
+    """StreamingLLM's compacted positions: after a `keep`, the key at stored slot i must be rotated
+    at position i. Before the keep, slot j was rotated at j (compacted) or at its original position
+    (first compression), so the delta is i - (old rotation position)."""
+    kept_old = layer.last_kept  # [b, kv, S] indices into the pre-keep slots
+    old_rot = kept_old if layer.compacted else layer.positions
+    new_rot = torch.arange(layer.stored, device=kept_old.device).expand_as(kept_old)
+    layer.keys = rerotate(layer.keys, new_rot - old_rot, inv_freq)
+    layer.compacted = True
+
+
+def _fix_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, impl: str):
+    """A mask sized for this layer when its stored length differs from what the model's shared
+    mask was built for (per-layer budgets), or when sdpa would otherwise fall back to its
+    top-left-aligned `is_causal`: every stored entry visible, causal inside the incoming block."""
+    q, k = query.shape[2], key.shape[2]
+    if impl.startswith("flash"):
+        return attention_mask  # flash-attn's causal mask is bottom-right aligned: already right
+    needs = (attention_mask is None and 1 < q < k) or (
+        isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] != k
+    )
+    if not needs:
+        return attention_mask
+    visible = torch.ones(q, k, dtype=torch.bool, device=query.device).tril(k - q)
+    if impl == "sdpa":
+        return visible[None, None]
+    mask = torch.zeros(q, k, dtype=query.dtype, device=query.device)
+    return mask.masked_fill(~visible, torch.finfo(query.dtype).min)[None, None]
+
+
+def _model_eager(module):
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        raise ValueError(f"no eager_attention_forward next to {type(module).__name__}")
+    return fn
+
+
+def _make_wrapper(impl: str, original):
+    @functools.wraps(original if callable(original) else _make_wrapper)
+    def wrapped(module, query, key, value, attention_mask, *args, **kwargs):
+        fn = _model_eager(module) if impl == "eager" else original
+        session = _ACTIVE.get()
+        layer = session.layer_for(module) if session is not None else None
+        if layer is None:
+            return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        attention_mask = _fix_mask(attention_mask, query, key, impl)
+        out = fn(module, query, key, value, attention_mask, *args, **kwargs)
+        session.after_attention(module, layer, query, key)
+        return out
+
+    wrapped.__snapkv_wrapper__ = True
+    return wrapped
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[None]:
+    """Install the attention wrappers for the duration (re-entrant; removed when the last exits)."""
+    global _install_count
+    mapping = AttentionInterface._global_mapping
+    with _install_lock:
+        if _install_count == 0:
+            for impl in _WRAPPED:
+                _originals[impl] = mapping.get(impl)
+                mapping[impl] = _make_wrapper(impl, mapping.get(impl))
+        _install_count += 1
+    try:
+        yield
+    finally:
+        with _install_lock:
+            _install_count -= 1
+            if _install_count == 0:
+                for impl in _WRAPPED:
+                    if _originals.get(impl) is None:
+                        mapping.pop(impl, None)
+                    else:
+                        mapping[impl] = _originals[impl]
+                _originals.clear()
+
+
+def hooks_installed() -> bool:
+    return any(getattr(f, "__snapkv_wrapper__", False) for f in AttentionInterface._global_mapping.values())
+
+
+@contextlib.contextmanager
+def session(model, method: Method, cache: CompressedCache | None = None) -> Iterator[Session]:
+    """Activate `method` on `model` for the duration (wrappers installed, session current)."""
+    s = Session(model, method, cache)
+    token = _ACTIVE.set(s)
+    try:
+        with installed():
+            yield s
+    finally:
+        _ACTIVE.reset(token)
+
+
+def cache_kwarg(model) -> str:
+    """The forward kwarg that takes the cache: `cache` from transformers 5.24, `past_key_values`
+    before (5.23 silently ignores `cache=` and builds its own: the one compatibility seam)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@contextlib.contextmanager
+def apply(model, method: Method) -> Iterator[Session]:
+    """Apply `method` to `model.generate` (and direct forwards given a `CompressedCache`).
+
+    `model.generate(...)` inside the block gets a fresh `CompressedCache` unless one is passed;
+    its prefill forward compresses each layer, later forwards decode (and evict, for methods that
+    do). Positions stay original, so generate's own position bookkeeping is right.
+    """
+    if getattr(method, "positions", "original") == "compacted":
+        raise ValueError("positions='compacted' is only supported by snapkv.generate, not model.generate")
+    kw = cache_kwarg(model)
+    original_generate = model.generate
+
+    with session(model, method) as s:
+
+        def hook(mod, args, kwargs):
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is not None and not isinstance(cache, CompressedCache):
+                raise ValueError(
+                    f"method {method.name!r} needs a snapkv.CompressedCache, got {type(cache).__name__}"
+                )
+            s.cache = cache
+
+        @functools.wraps(original_generate)
+        def generate(*args, **kwargs):
+            if kwargs.get(kw) is None and kwargs.get("past_key_values") is None:
+                kwargs[kw] = CompressedCache(model.config)
+            return original_generate(*args, **kwargs)
+
+        handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        model.generate = generate
+        try:
+            yield s
+        finally:
+            handle.remove()
+            del model.generate  # back to the class's method

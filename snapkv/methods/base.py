@@ -1,0 +1,176 @@
+"""Base class of every compression method, and the scoring helpers they share.
+
+A method (kvpress style) is a small dataclass: its fields are the hyper-parameters, and it says how
+to score the cached entries of one layer. This base class owns everything else: protection of the
+leading (sink) / trailing (window, recent) entries, top-k, gather, decode-time eviction and the
+bookkeeping on the cache layer. Shapes follow transformers: queries `[batch, heads, q, head_dim]`,
+keys `[batch, kv_heads, k, head_dim]`, scores `[batch, kv_heads, k]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from snapkv.cache import CompressibleLayer
+
+GQA_REDUCTIONS = ("mean", "max", "sum")
+
+
+@dataclass
+class Method:
+    """A KV-cache compression method. `budget` = entries kept per KV head per layer (None: no limit)."""
+
+    name: ClassVar[str] = ""
+    # Whether the method also evicts while decoding (H2O's original, StreamingLLM's rolling cache).
+    evicts_during_decode: ClassVar[bool] = False
+
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- what a method defines -------------------------------------------------------------
+    def validate(self) -> None:
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
+            raise ValueError(f"budget must be a positive integer, got budget={self.budget!r}")
+
+    def protected(self) -> tuple[int, int]:
+        """(leading, trailing) entries always kept, e.g. StreamingLLM's sinks, SnapKV's window."""
+        return 0, 0
+
+    def observe(self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module) -> None:
+        """Called after attention for every forward on the layer (prefill chunks and decoding):
+        methods that accumulate statistics (H2O) update `layer.scores` here."""
+
+    def score(self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module) -> torch.Tensor:
+        """Scores `[batch, kv_heads, stored]` of the stored entries at the end of prefill; higher is kept.
+        `query` is the last prefill chunk's queries, `key` all stored keys."""
+        return torch.zeros(key.shape[:3], device=key.device)
+
+    def decode_score(self, layer: CompressibleLayer) -> torch.Tensor:
+        """Scores of the stored entries for decode-time eviction."""
+        return torch.zeros(layer.positions.shape, device=layer.positions.device)
+
+    # ---- owned by the base class -------------------------------------------------------------
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep."""
+        n = scores.shape[-1]
+        first, last = self.protected()
+        scores = scores.float().clone()
+        if first:
+            scores[..., :first] = math.inf
+        if last:
+            scores[..., max(n - last, 0) :] = math.inf
+        # A stable sort, not topk: ties (frequent after max-pooling) go to the earlier position on
+        # every device, so selections are reproducible.
+        order = scores.sort(dim=-1, descending=True, stable=True).indices
+        return order[..., :budget].sort(dim=-1).values
+
+    def compress_prefill(
+        self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module
+    ) -> None:
+        layer.full_length = layer.seen
+        if self.budget is None or layer.stored <= self.budget:
+            return  # short prompts are left uncompressed (the result row says so)
+        layer.keep(self.select(self.score(layer, query, key, module), self.budget))
+        layer.compressed = True
+
+    def evict(self, layer: CompressibleLayer) -> None:
+        """Decode-time eviction back to the budget (evicted entries never return)."""
+        if self.budget is None or layer.stored <= self.budget:
+            return
+        layer.keep(self.select(self.decode_score(layer), self.budget))
+        layer.compressed = True
+
+
+# ---- scoring helpers -------------------------------------------------------------------------
+
+
+def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`[batch, heads, q, d]` -> `[batch, kv_heads, group, q, d]` (a view: no repeated K/V)."""
+    b, h, q, d = query.shape
+    return query.view(b, kv_heads, h // kv_heads, q, d)
+
+
+def reduce_group(x: torch.Tensor, how: str, dim: int = 2) -> torch.Tensor:
+    if how == "mean":
+        return x.mean(dim)
+    if how == "max":
+        return x.amax(dim)
+    if how == "sum":
+        return x.sum(dim)
+    raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={how!r}")
+
+
+def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float) -> torch.Tensor:
+    """Attention of the last `window` queries over ALL keys, summed over the window queries.
+
+    query `[batch, heads, q>=window, d]`, key `[batch, kv_heads, L, d]` (the last `window` keys are
+    the window's own tokens). Softmax in fp32 over the full row, causal inside the window block.
+    Returns `[batch, kv_heads, group, L]`; memory `heads x window x L` (never L x L).
+    """
+    kv_heads, length = key.shape[1], key.shape[2]
+    q = grouped(query[:, :, -window:], kv_heads).float()
+    logits = torch.einsum("bhgqd,bhkd->bhgqk", q, key.float()) * scaling
+    # Window query i sits at position L-window+i and may not see the window keys after it.
+    causal = torch.ones(window, window, dtype=torch.bool, device=key.device).triu(1)
+    logits[..., length - window :].masked_fill_(causal, -math.inf)
+    return logits.softmax(dim=-1).sum(dim=-2)
+
+
+def pool(scores: torch.Tensor, kernel_size: int, how: str) -> torch.Tensor:
+    """Pool along the last (sequence) axis, stride 1, padding kernel//2 (the SnapKV code's pooling,
+    `count_include_pad` as in F.avg_pool1d's default); output length = input length."""
+    if how == "none" or kernel_size == 1:
+        return scores
+    shape = scores.shape
+    x = scores.reshape(-1, 1, shape[-1])
+    if how == "max":
+        x = F.max_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
+    elif how == "avg":
+        x = F.avg_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
+    else:
+        raise ValueError(f"pooling must be one of ('max', 'avg', 'none'), got pooling={how!r}")
+    return x[..., : shape[-1]].reshape(shape)
+
+
+def causal_column_sums(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    block: int = 256,
+    max_block_bytes: int = 256 * 2**20,
+) -> torch.Tensor:
+    """Σ over queries of each key's causal softmax attention, in query blocks (never q x L at once).
+
+    query `[batch, heads, q, d]` at `query_positions` `[q]`; key `[batch, kv_heads, L, d]` at
+    `key_positions` `[batch, kv_heads, L]` (per head after compression). A query sees the keys whose
+    position is <= its own. Returns `[batch, kv_heads, group, L]` in fp32.
+    """
+    b, kv_heads, length, _ = key.shape
+    g = query.shape[1] // kv_heads
+    # Bound the block's logits (b x heads x block x L fp32) whatever L is.
+    per_row = max(1, b * kv_heads * g * length * 4)
+    block = max(1, min(block, max_block_bytes // per_row))
+    out = torch.zeros(b, kv_heads, g, length, dtype=torch.float32, device=key.device)
+    k = key.float()
+    qg = grouped(query, kv_heads)
+    kpos = key_positions[:, :, None, None, :]  # [b, kv, 1, 1, L]
+    for s in range(0, query.shape[2], block):
+        q = qg[:, :, :, s : s + block].float()
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", q, k) * scaling
+        visible = kpos <= query_positions[s : s + block].view(1, 1, 1, -1, 1)
+        logits.masked_fill_(~visible, -math.inf)
+        out += logits.softmax(dim=-1).sum(dim=-2)
+    return out

@@ -1,0 +1,82 @@
+"""H2O: "Heavy-Hitter Oracle for Efficient Generative Inference" (https://arxiv.org/abs/2306.14048).
+
+Each key's score is the attention it has accumulated: the column sums of the causal softmax over
+every query so far (prefill queries, then each decoded token's row). A layer keeps the `recent`
+last tokens plus the `budget - recent` heaviest. With `evict_during_decode` (the original) eviction
+runs at every decoding step and evicted tokens never return; otherwise only once after prefill.
+`normalize` divides a key's sum by the number of queries that could see it (column sums favour
+early tokens). Scores are computed in query blocks against the causal prefix, never L x L.
+GQA: the query heads' sums are reduced over the group (`gqa_reduce`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from snapkv.methods.base import GQA_REDUCTIONS, Method, causal_column_sums, reduce_group
+from snapkv.methods.registry import register
+
+
+@register
+@dataclass
+class H2O(Method):
+    name = "h2o"
+
+    budget: int | None = 1024  # heavy + recent
+    recent: int | None = None  # recent tokens kept; None: recent_ratio * budget
+    recent_ratio: float = 0.5
+    evict_during_decode: bool = True
+    normalize: bool = False
+    gqa_reduce: str = "mean"
+    block_size: int = 256  # queries per scoring block (bounded further by memory)
+
+    @property
+    def evicts_during_decode(self) -> bool:  # type: ignore[override]
+        return self.evict_during_decode
+
+    def validate(self) -> None:
+        super().validate()
+        if self.budget is None:
+            raise ValueError("h2o needs a budget, got budget=None")
+        if not 0.0 <= self.recent_ratio < 1.0:
+            raise ValueError(f"recent_ratio must be in [0, 1), got recent_ratio={self.recent_ratio!r}")
+        if self.recent is not None and not (isinstance(self.recent, int) and 0 <= self.recent < self.budget):
+            raise ValueError(
+                f"recent must be in [0, budget), got recent={self.recent!r}, budget={self.budget}"
+            )
+        if self.gqa_reduce not in GQA_REDUCTIONS:
+            raise ValueError(
+                f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={self.gqa_reduce!r}"
+            )
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got block_size={self.block_size!r}")
+
+    @property
+    def n_recent(self) -> int:
+        return self.recent if self.recent is not None else int(self.budget * self.recent_ratio)
+
+    def protected(self) -> tuple[int, int]:
+        return 0, self.n_recent
+
+    def observe(self, layer, query, key, module) -> None:
+        if layer.state == "ready" and not self.evict_during_decode:
+            return  # prefill-only variant: scores are not needed any more
+        q = query.shape[2]
+        qpos = torch.arange(layer.seen - q, layer.seen, device=key.device)
+        sums = causal_column_sums(query, key, qpos, layer.positions, module.scaling, self.block_size)
+        sums = reduce_group(sums, self.gqa_reduce)
+        layer.scores = sums if layer.scores is None else layer.scores + sums
+
+    def _scores(self, layer) -> torch.Tensor:
+        if not self.normalize:
+            return layer.scores
+        # Queries that could see key j: those at positions >= its own.
+        return layer.scores / (layer.seen - layer.positions).clamp(min=1)
+
+    def score(self, layer, query, key, module) -> torch.Tensor:
+        return self._scores(layer)
+
+    def decode_score(self, layer) -> torch.Tensor:
+        return self._scores(layer)

@@ -1,0 +1,64 @@
+"""SnapKV: "LLM Knows What You are Looking for Before Generation" (https://arxiv.org/abs/2404.14469).
+
+Once per layer at the end of prefill, the last `window` prompt tokens (the observation window; with
+LongBench prompts the question is inside it) vote for prefix positions: their fp32 softmax attention
+over the full row is summed over the window, pooled along the sequence (`kernel_size`, max or avg),
+and each KV head keeps the top `budget - window` prefix positions plus the whole window. Kept keys
+keep their original positions; nothing is evicted while decoding. Paper settings: LongBench
+window 32, kernel 7, max-pool, budget 1024/2048/4096; needle to 380K: window 16, kernel 5, budget 1024.
+
+GQA: the original code repeats K/V to every query head before caching. Here each query head scores,
+the scores are pooled per query head and reduced over the group (`gqa_reduce`), and the cache stays
+at KV-head granularity.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from snapkv.methods.base import GQA_REDUCTIONS, Method, pool, reduce_group, window_attention
+from snapkv.methods.registry import register
+
+
+@register
+@dataclass
+class SnapKV(Method):
+    name = "snapkv"
+
+    budget: int | None = 1024  # entries kept per KV head per layer, INCLUDING the window
+    window: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"  # max | avg | none
+    gqa_reduce: str = "mean"  # mean | max | sum
+
+    def validate(self) -> None:
+        super().validate()
+        if not isinstance(self.window, int) or self.window <= 0:
+            raise ValueError(f"window must be a positive integer, got window={self.window!r}")
+        if self.budget is not None and self.window >= self.budget:
+            raise ValueError(f"window must be < budget, got window={self.window}, budget={self.budget}")
+        if not isinstance(self.kernel_size, int) or self.kernel_size <= 0:
+            raise ValueError(f"kernel_size must be a positive integer, got kernel_size={self.kernel_size!r}")
+        if self.pooling not in ("max", "avg", "none"):
+            raise ValueError(f"pooling must be one of ('max', 'avg', 'none'), got pooling={self.pooling!r}")
+        if self.gqa_reduce not in GQA_REDUCTIONS:
+            raise ValueError(
+                f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={self.gqa_reduce!r}"
+            )
+
+    def protected(self) -> tuple[int, int]:
+        return 0, self.window
+
+    def score(self, layer, query, key, module) -> torch.Tensor:
+        if query.shape[2] < self.window:
+            raise ValueError(
+                f"the last prefill chunk must hold the observation window, got {query.shape[2]} tokens "
+                f"< window={self.window}"
+            )
+        votes = window_attention(query, key, self.window, module.scaling)  # [b, kv, g, L]
+        prefix = pool(votes[..., : -self.window], self.kernel_size, self.pooling)
+        scores = torch.zeros(votes.shape[:2] + votes.shape[3:], device=votes.device)
+        scores[..., : -self.window] = reduce_group(prefix, self.gqa_reduce)
+        return scores  # the window's own entries are protected

@@ -1,0 +1,41 @@
+"""StreamingLLM: "Efficient Streaming Language Models with Attention Sinks" (https://arxiv.org/abs/2309.17453).
+
+Keeps the first `n_sink` tokens (attention sinks) and the most recent `budget - n_sink`, rolling
+while decoding. `positions="original"` (default, what harnesses usually do) keeps each key at its
+original position; `positions="compacted"` re-rotates the kept keys to their slot in the cache, as
+the paper does (it caches keys before RoPE) — this matches the paper only in that mode, needs a
+standard rotate-half RoPE, and only works in `snapkv.generate` (not `model.generate`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snapkv.methods.base import Method
+from snapkv.methods.registry import register
+
+
+@register
+@dataclass
+class StreamingLLM(Method):
+    name = "streamingllm"
+    evicts_during_decode = True
+
+    budget: int | None = 1024
+    n_sink: int = 4
+    positions: str = "original"  # original | compacted
+
+    def validate(self) -> None:
+        super().validate()
+        if self.budget is None:
+            raise ValueError("streamingllm needs a budget, got budget=None")
+        if not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a non-negative integer, got n_sink={self.n_sink!r}")
+        if self.n_sink >= self.budget:
+            raise ValueError(f"n_sink must be < budget, got n_sink={self.n_sink}, budget={self.budget}")
+        if self.positions not in ("original", "compacted"):
+            raise ValueError(f"positions must be 'original' or 'compacted', got positions={self.positions!r}")
+
+    def protected(self) -> tuple[int, int]:
+        # Together exactly the budget: sinks + the most recent tokens; scores are not needed.
+        return self.n_sink, self.budget - self.n_sink

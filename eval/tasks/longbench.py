@@ -279,6 +279,6 @@ class LongBenchTask:
         )
 
     def score(self, sample: Sample, prediction: str) -> float:
-        from eval.metrics import score_sample  # lazy: metrics pulls in rouge/rapidfuzz
+        from eval.metrics import score_sample  # lazy: metrics pulls in rouge
 
         return score_sample(sample.dataset, prediction, sample.answers, sample.all_classes)

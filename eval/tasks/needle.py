@@ -1,0 +1,401 @@
+"""Needle-in-a-Haystack (gkamradt / RULER single-needle style): data + prompt + metric.
+
+One sample per (context length, depth) cell. A needle sentence is inserted into a haystack at a
+depth percentage, on a sentence boundary, and the prompt (instruction + haystack + question, inside
+the chat template when used) is sized in the model's own tokenizer to the requested length.
+
+Sizing: the haystack is tokenized once per `samples()` call (with character offsets), each cell
+takes a token budget of it, and the budget is corrected (a few short re-tokenizations of the final
+prompt) until the full prompt measures the requested length; the measured length goes to
+``extra["actual_tokens"]``. Prompts are counted as `render_prompt` renders them: through
+``tokenizer.apply_chat_template`` (user turn, generation prompt) and encoded without extra special
+tokens when the sample uses the chat template, else the raw text with the tokenizer's special tokens.
+
+Insertion (gkamradt convention): at token ``int(n * depth / 100)`` of the n haystack tokens, moved back
+to the previous sentence end (a '.' followed by whitespace, an upper-case letter or the end). Depth 0
+puts the needle first, depth 100 last (after the trimmed haystack, as gkamradt does).
+
+Credits: the needle convention, the San Francisco needle and its question come from gkamradt's
+LLMTest_NeedleInAHaystack (MIT, https://github.com/gkamradt/LLMTest_NeedleInAHaystack); the magic
+number needle, its prompt wording and the substring match from RULER's niah task (Apache-2.0,
+https://github.com/NVIDIA/RULER).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from eval.tasks.base import Sample
+from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
+
+# --------------------------------------------------------------------------------------------------
+# Needles
+
+
+@dataclass(frozen=True)
+class NeedleSpec:
+    """A needle kind: its sentence, the prompt around it, the expected answer, applicable metrics."""
+
+    name: str
+    instruction: str  # before the haystack
+    needle: str  # may use {number}
+    question: str  # after the haystack (starts with its own separator)
+    answer_prefix: str  # appended to the question only without a chat template
+    answer: str  # may use {number}
+    metrics: tuple[str, ...]  # first one is the default main metric
+
+    @property
+    def uses_number(self) -> bool:
+        return "{number}" in self.needle
+
+
+NEEDLES: dict[str, NeedleSpec] = {
+    # RULER niah_single style; the number is 7 digits, drawn per cell (or fixed by `number`).
+    "magic_number": NeedleSpec(
+        name="magic_number",
+        instruction=(
+            "A special magic number is hidden within the following text. Make sure to memorize it. "
+            "I will quiz you about the number afterwards.\n\n"
+        ),
+        needle="The special magic number is: {number}.",
+        question="\n\nWhat is the special magic number mentioned in the provided text?",
+        answer_prefix=" The special magic number mentioned in the provided text is",
+        answer="{number}",
+        metrics=("exact", "partial"),
+    ),
+    # gkamradt's original needle, scored by word recall of the answer part.
+    "sf": NeedleSpec(
+        name="sf",
+        instruction=(
+            "Read the following text and answer the question about it. "
+            "Keep your response short and direct.\n\n"
+        ),
+        needle="The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.",
+        question=(
+            "\n\nWhat is the best thing to do in San Francisco? "
+            "Don't give information outside the document or repeat your findings."
+        ),
+        answer_prefix=" The best thing to do in San Francisco is",
+        answer="eat a sandwich and sit in Dolores Park on a sunny day",
+        metrics=("word_recall", "exact"),
+    ),
+}
+
+# --------------------------------------------------------------------------------------------------
+# Metrics
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def exact_match(prediction: str, answer: str) -> float:
+    """1.0 if the answer occurs in the prediction. Digit answers: plain substring (RULER's
+    string_match); text answers: as a word sequence, lowercased, punctuation ignored."""
+    if answer.isdigit():
+        return float(answer in prediction)
+    ans = " ".join(_words(answer))
+    return float(bool(ans) and f" {ans} " in f" {' '.join(_words(prediction))} ")
+
+
+def partial_match(prediction: str, answer: str) -> float:
+    """Longest correct prefix of the answer's digit string, over its length, best over the digit
+    runs of the prediction (answer 4829173, prediction "... 4821 ..." -> 3/7)."""
+    digits = "".join(re.findall(r"\d", answer))
+    if not digits:
+        return 0.0
+    best = 0
+    for run in re.findall(r"\d+", prediction):
+        n = 0
+        for a, b in zip(run, digits):
+            if a != b:
+                break
+            n += 1
+        best = max(best, n)
+    return best / len(digits)
+
+
+def word_recall(prediction: str, answer: str) -> float:
+    """Fraction of the answer's distinct words found in the prediction (lowercased, no punctuation)."""
+    ans = set(_words(answer))
+    if not ans:
+        return 0.0
+    pred = set(_words(prediction))
+    return len(ans & pred) / len(ans)
+
+
+METRICS = {"exact": exact_match, "partial": partial_match, "word_recall": word_recall}
+
+# --------------------------------------------------------------------------------------------------
+# Prompt rendering / counting (shared with the runner so counts match what the model sees)
+
+
+def has_chat_template(tokenizer: Any) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(tokenizer: Any, prompt: str, chat_template: bool) -> str:
+    """The text fed to the model: the prompt as a user turn in the chat template (with the
+    generation prompt) when ``chat_template`` and the tokenizer has one, else the prompt itself."""
+    if chat_template and has_chat_template(tokenizer):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+    return prompt
+
+
+def count_prompt_tokens(tokenizer: Any, prompt: str, chat_template: bool) -> int:
+    """Token count of the prompt as the model sees it (see `render_prompt`); a templated text already
+    carries its special tokens, so only a raw prompt gets the tokenizer's own (e.g. BOS)."""
+    templated = chat_template and has_chat_template(tokenizer)
+    text = render_prompt(tokenizer, prompt, chat_template)
+    return len(tokenizer(text, add_special_tokens=not templated, verbose=False)["input_ids"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Haystack tokens and insertion
+
+
+def _is_sentence_end(text: str, c: int) -> bool:
+    """True if char position ``c`` follows a sentence end: a '.' (then maybe whitespace), itself
+    followed by whitespace, an upper-case letter or the end of the text (so not '3.5', 'a.com')."""
+    i = c - 1
+    while i >= 0 and text[i].isspace():
+        i -= 1
+    if i < 0 or text[i] != ".":
+        return False
+    if i < c - 1:
+        return True
+    return c >= len(text) or text[c].isspace() or text[c].isupper()
+
+
+@dataclass
+class _HaystackTokens:
+    text: str
+    ends: list[int]  # ends[k]: char offset just after token k
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def char_at(self, n_tokens: int) -> int:
+        return self.ends[n_tokens - 1] if n_tokens > 0 else 0
+
+    def insertion_token(self, n: int, depth: float) -> int:
+        """Token index (0..n) where the needle goes in the first n tokens."""
+        if depth >= 100:
+            return n
+        p = int(n * depth / 100)
+        while p > 0 and not _is_sentence_end(self.text, self.ends[p - 1]):
+            p -= 1
+        return p
+
+
+def _tokenize_haystack(tokenizer: Any, base: str, sep: str, need: int) -> _HaystackTokens:
+    """Tokenize (once) enough of the repeated haystack for ``need`` tokens, keeping char offsets."""
+    chars = need * 5 + 1024
+    while True:
+        text = repeat_text(base, sep, chars)
+        try:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+        except NotImplementedError as e:  # slow (python) tokenizers have no offsets
+            raise TypeError("the needle task needs a fast tokenizer (return_offsets_mapping)") from e
+        ends = [int(e) for _, e in enc["offset_mapping"]]
+        # keep a margin: the last tokens may be cut mid-word by the char limit
+        if len(ends) >= need + 8:
+            return _HaystackTokens(text, ends[:-4])
+        chars = int(chars * max(2.0, 1.2 * (need + 8) / max(len(ends), 1)))
+
+
+def _join(before: str, needle: str, after: str) -> str:
+    out = before
+    if out and not out[-1].isspace():
+        out += " "
+    out += needle
+    if after and not after[0].isspace():
+        out += " "
+    return out + after
+
+
+def _fmt_depth(depth: float) -> str:
+    return f"{float(depth):g}"
+
+
+# --------------------------------------------------------------------------------------------------
+# The task
+
+
+@dataclass
+class NeedleTask:
+    """Needle-in-a-Haystack over a ``lengths`` x ``depths`` grid.
+
+    haystack: ``paul_graham`` (downloaded once via pip), ``noise`` (offline) or ``dir:PATH``.
+    needle: ``magic_number`` (7-digit number, metrics exact/partial) or ``sf`` (gkamradt's San
+    Francisco sentence, metrics word_recall/exact). metric: main metric returned by `score`
+    (default: the needle's first). number: fix the magic number (default: drawn per cell from
+    (seed, length, depth)).
+    """
+
+    haystack: str = "paul_graham"
+    lengths: list[int] = field(default_factory=lambda: [1000, 2000, 4000])
+    depths: list[float] = field(default_factory=lambda: [10.0, 50.0, 90.0])
+    needle: str = "magic_number"
+    metric: str | None = None
+    max_new_tokens: int = 32
+    chat_template: bool = True
+    seed: int = 42
+    number: int | None = None
+    name: str = "needle"
+
+    def __post_init__(self) -> None:
+        if self.needle not in NEEDLES:
+            raise ValueError(f"unknown needle {self.needle!r}; known: {', '.join(NEEDLES)}")
+        spec = NEEDLES[self.needle]
+        if self.metric is None:
+            self.metric = spec.metrics[0]
+        if self.metric not in spec.metrics:
+            raise ValueError(
+                f"metric {self.metric!r} does not apply to needle {self.needle!r}; "
+                f"choose one of {', '.join(spec.metrics)}"
+            )
+        check_haystack_name(self.haystack)
+        self.lengths = _dedup([_check_length(x) for x in self.lengths])
+        self.depths = _dedup([_check_depth(x) for x in self.depths])
+        if not self.lengths:
+            raise ValueError("lengths is empty")
+        if not self.depths:
+            raise ValueError("depths is empty")
+        if self.number is not None and (int(self.number) != self.number or self.number < 0):
+            raise ValueError(f"number must be a non-negative integer, got {self.number!r}")
+        if self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be positive, got {self.max_new_tokens!r}")
+
+    @property
+    def spec(self) -> NeedleSpec:
+        return NEEDLES[self.needle]
+
+    def cell_number(self, length: int, depth: float) -> str:
+        """The magic number of a cell: fixed by ``number`` or drawn from (seed, length, depth)."""
+        if self.number is not None:
+            return str(int(self.number))
+        rng = random.Random(f"needle:{self.seed}:{length}:{_fmt_depth(depth)}")
+        return str(rng.randint(1_000_000, 9_999_999))
+
+    @staticmethod
+    def sample_id(length: int, depth: float) -> str:
+        return f"len{length}_depth{_fmt_depth(depth)}"
+
+    # ---- prompt pieces
+
+    def _pieces(self, length: int, depth: float, templated: bool) -> tuple[str, str, str]:
+        spec = self.spec
+        number = self.cell_number(length, depth) if spec.uses_number else ""
+        needle = spec.needle.format(number=number)
+        answer = spec.answer.format(number=number)
+        question = spec.question + ("" if templated else spec.answer_prefix)
+        return needle, answer, question
+
+    def samples(self, tokenizer: Any) -> Iterator[Sample]:
+        """Validate every length against the prompt overhead (ValueError naming a length too small
+        to hold the prompt), tokenize the haystack once, and return an iterator over the samples."""
+        templated = self.chat_template and has_chat_template(tokenizer)
+        overheads = {}
+        for length in self.lengths:
+            for depth in self.depths:
+                needle, _, question = self._pieces(length, depth, templated)
+                prompt = self.spec.instruction + needle + question
+                overhead = count_prompt_tokens(tokenizer, prompt, templated)
+                if overhead >= length:
+                    raise ValueError(
+                        f"context length {length} is too small: the prompt without haystack already "
+                        f"takes {overhead} tokens"
+                    )
+                overheads[length, depth] = overhead
+        base, sep = load_haystack(self.haystack)
+        hay = _tokenize_haystack(tokenizer, base, sep, max(self.lengths) + 64)
+        return self._generate(tokenizer, hay, overheads, templated)
+
+    def _generate(
+        self, tokenizer: Any, hay: _HaystackTokens, overheads: dict, templated: bool
+    ) -> Iterator[Sample]:
+        spec = self.spec
+        for length in self.lengths:
+            for depth in self.depths:
+                needle, answer, question = self._pieces(length, depth, templated)
+                budget = length - overheads[length, depth]
+                best = None  # (key, context, actual, budget, p)
+                tried = set()
+                for _ in range(8):
+                    budget = max(1, min(budget, len(hay)))
+                    if budget in tried:
+                        break
+                    tried.add(budget)
+                    p = hay.insertion_token(budget, depth)
+                    before = hay.text[: hay.char_at(p)]
+                    after = hay.text[hay.char_at(p) : hay.char_at(budget)]
+                    context = spec.instruction + _join(before, needle, after)
+                    actual = count_prompt_tokens(tokenizer, context + question, templated)
+                    key = (abs(actual - length), actual > length)
+                    if best is None or key < best[0]:
+                        best = (key, context, actual, budget, p)
+                    if actual == length:
+                        break
+                    budget += length - actual
+                _, context, actual, budget, p = best
+                yield Sample(
+                    sample_id=self.sample_id(length, depth),
+                    dataset=self.name,
+                    context=context,
+                    question=question,
+                    answers=[answer],
+                    max_new_tokens=self.max_new_tokens,
+                    chat_template=templated,
+                    extra={
+                        "context_length": length,
+                        "depth_percent": depth,
+                        "needle": needle,
+                        "actual_tokens": actual,
+                        "actual_depth_percent": round(100.0 * p / budget, 2),
+                        "haystack": self.haystack,
+                    },
+                )
+
+    # ---- scoring
+
+    def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
+        """Every metric that applies to this needle (best over the sample's answers)."""
+        return {
+            m: max((METRICS[m](prediction, a) for a in sample.answers), default=0.0)
+            for m in self.spec.metrics
+        }
+
+    def score(self, sample: Sample, prediction: str) -> float:
+        """The main metric (``metric``)."""
+        return max((METRICS[self.metric](prediction, a) for a in sample.answers), default=0.0)
+
+
+def _check_length(x: Any) -> int:
+    try:
+        ok = not isinstance(x, bool) and int(x) == x and int(x) > 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValueError(f"context length must be a positive integer, got {x!r}")
+    return int(x)
+
+
+def _check_depth(x: Any) -> float:
+    try:
+        d = float(x)
+    except (TypeError, ValueError):
+        d = float("nan")
+    if isinstance(x, bool) or not 0.0 <= d <= 100.0:
+        raise ValueError(f"depth percent must be within 0..100, got {x!r}")
+    return d
+
+
+def _dedup(xs: list) -> list:
+    return list(dict.fromkeys(xs))

@@ -104,6 +104,33 @@ def fetch_embedded(name: str, quiet: bool = False) -> Path:
     return target
 
 
+def _save_converted(model, tokenizer, target: Path) -> None:
+    """Save the de-quantized fp32 weights (safetensors) next to the GGUF, atomically (rename at the end)."""
+    import shutil
+
+    tmp = target.with_name(target.name + ".part")
+    # transformers keeps a GGUF "quantizer" on the model although the weights are plain fp32
+    # tensors, and refuses to save it; detach it (and its config entry) for the save only.
+    quantizer, qconfig = (
+        getattr(model, "hf_quantizer", None),
+        getattr(model.config, "quantization_config", None),
+    )
+    try:
+        model.hf_quantizer = None
+        if qconfig is not None:
+            del model.config.quantization_config
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(target)
+    except (OSError, ValueError) as e:  # a read-only cache is fine: GGUF loading still works
+        print(f"[snapkv-bench] could not cache a converted copy in {target}: {e}", file=sys.stderr)
+    finally:
+        model.hf_quantizer = quantizer
+        if qconfig is not None:
+            model.config.quantization_config = qconfig
+
+
 def resolve_attn_implementation(requested: str, device: str) -> str:
     """flash_attention_2 needs the flash-attn package and CUDA; otherwise sdpa (recorded in rows)."""
     if requested not in ("sdpa", "eager", "flash_attention_2"):
@@ -160,8 +187,10 @@ def load_model(
         context = config.max_position_embeddings
     else:
         if name in EMBEDDED:
-            path = fetch_embedded(name)
             context = EMBEDDED[name].context
+            converted = cache_root() / "models" / name / "hf"
+            # De-quantizing the GGUF takes ~10 s; later loads read a safetensors copy made once.
+            path = converted if (converted / "config.json").exists() else fetch_embedded(name)
         else:
             path = Path(name).expanduser()
         if path.suffix == ".gguf":
@@ -185,6 +214,8 @@ def load_model(
         except OSError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise FileNotFoundError(f"model {name!r} could not be loaded: {first}") from e
+        if name in EMBEDDED and path.suffix == ".gguf" and torch_dtype == torch.float32:
+            _save_converted(model, tokenizer, cache_root() / "models" / name / "hf")
         if device != "auto":
             model = model.to(device)
     model.eval()

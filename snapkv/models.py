@@ -65,6 +65,11 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
         max_position_embeddings=8192, rope_theta=100000.0, tie_word_embeddings=True,
     ),
+    # A few-MB Llama for smoke runs of the scripts on CPU (debug configs, tests).
+    "llama-tiny": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=512, max_position_embeddings=1048576,
+    ),
 }  # fmt: skip
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -30,8 +30,9 @@ class CompressibleLayer(DynamicLayer):
 
     is_compileable = False
 
-    def __init__(self, **kwargs):
+    def __init__(self, index: int = 0, num_layers: int = 1, **kwargs):
         super().__init__()
+        self.index, self.num_layers = index, num_layers  # for per-layer budgets (PyramidKV-style)
         self.seen = 0
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
@@ -126,7 +127,7 @@ class CompressedCache(DynamicCache):
             self.layers = [DynamicLayer() for _ in range(n)]
             self.layer_class_to_replicate = None
         for i in compressible:
-            self.layers[i] = CompressibleLayer()
+            self.layers[i] = CompressibleLayer(index=i, num_layers=n)
         self.compressible = sorted(compressible)
 
     def compressible_layers(self) -> list[tuple[int, CompressibleLayer]]:

@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
-
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Idle OpenMP workers that sleep cost a scheduler tick per wake-up on these VMs (see
+# scripts/bench_speed.py); must be set before torch loads its OpenMP runtime.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 

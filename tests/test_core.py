@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from conftest import random_ids, tiny_model
@@ -14,6 +16,7 @@ from reference import (
 )
 
 import snapkv
+import snapkv.methods.snapkv
 from snapkv import CompressedCache, build_method, generate_ids
 from snapkv.hooks import cache_kwarg, session
 
@@ -285,3 +288,27 @@ def test_empty_prompt_is_an_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="empty"):
         generate_ids(model, torch.zeros(1, 0, dtype=torch.long), None, build_method("full"))
+
+
+@dataclass
+class _LayerwiseSnapKV(snapkv.methods.snapkv.SnapKV):
+    """Test-only: different budgets per layer, so layers store different lengths."""
+
+    def layer_budget(self, layer):
+        return self.budget - 8 * layer.index
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "qwen2"])
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_unequal_layer_lengths_get_a_per_layer_mask(arch_name, impl):
+    model = tiny_model(arch_name, attn=impl)
+    ids = random_ids(PROMPT)
+    ctx, q = ids[:, :80], ids[:, 80:]
+    method = _LayerwiseSnapKV(budget=40, window=8)
+    # query-agnostic: a 16-token forward after compression, with layers at 40/32/24 entries
+    (out, res), records = record_visible(model, lambda: run(model, method, ctx, q, query_aware=False))
+    assert res.kv_tokens_per_layer == [40.0, 32.0, 24.0]
+    fed = [q] + [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
+    ref = masked_reference_logits(model, [ctx], fed, records)[-len(res.logits) :]
+    for a, b in zip(res.logits, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)

@@ -40,6 +40,12 @@ class Method:
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
             raise ValueError(f"budget must be a positive integer, got budget={self.budget!r}")
 
+    def layer_budget(self, layer: CompressibleLayer) -> int | None:
+        """Entries kept per KV head in this layer (uniform by default; PyramidKV-style schedules
+        override this). Layers may end up with different lengths: the attention wrapper then
+        builds a per-layer mask."""
+        return self.budget
+
     def protected(self) -> tuple[int, int]:
         """(leading, trailing) entries always kept, e.g. StreamingLLM's sinks, SnapKV's window."""
         return 0, 0
@@ -79,16 +85,18 @@ class Method:
         self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module
     ) -> None:
         layer.full_length = layer.seen
-        if self.budget is None or layer.stored <= self.budget:
+        budget = self.layer_budget(layer)
+        if budget is None or layer.stored <= budget:
             return  # short prompts are left uncompressed (the result row says so)
-        layer.keep(self.select(self.score(layer, query, key, module), self.budget))
+        layer.keep(self.select(self.score(layer, query, key, module), budget))
         layer.compressed = True
 
     def evict(self, layer: CompressibleLayer) -> None:
         """Decode-time eviction back to the budget (evicted entries never return)."""
-        if self.budget is None or layer.stored <= self.budget:
+        budget = self.layer_budget(layer)
+        if budget is None or layer.stored <= budget:
             return
-        layer.keep(self.select(self.decode_score(layer), self.budget))
+        layer.keep(self.select(self.decode_score(layer), budget))
         layer.compressed = True
 
 

@@ -92,7 +92,9 @@ def masked_reference_logits(model, prompt_chunks: list[torch.Tensor], fed: list[
                 if i >= len(prompt_chunks):
                     visible.update(records[i])
                 p = torch.arange(pos, pos + ids.shape[1]).unsqueeze(0)
-                out = model(input_ids=ids, position_ids=p, use_cache=True, **{hooks.cache_kwarg(model): cache})
+                out = model(
+                    input_ids=ids, position_ids=p, use_cache=True, **{hooks.cache_kwarg(model): cache}
+                )
                 pos += ids.shape[1]
                 outs.append(out.logits[:, -1].float())
         finally:

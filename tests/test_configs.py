@@ -1,0 +1,184 @@
+"""Every config in conf/ composes, resolves and instantiates (composition only: no model is loaded).
+
+Each file of every group is composed on top of conf/config.yaml, every experiment is composed (and
+each point of its sweep), and the method / task nodes are built the way the runner builds them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from eval.runner import TASKS, build_task
+from eval.tasks.longbench import model_max_length
+from snapkv import METHODS, build_method
+from snapkv.models import DTYPES, RANDOM_SHAPES
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+MODEL_KEYS = {"name", "tokenizer", "dtype", "device", "attn_implementation", "context", "max_prompt_tokens", "chat_template"}  # fmt: skip
+# conf/model file -> SnapKV's model2maxlen name (LongBench max prompt length must match the paper's).
+MODEL2MAXLEN_NAMES = {
+    "mistral-7b-instruct-v0.2": "mistral-7B-instruct-v0.2",
+    "longchat-7b-v1.5-32k": "longchat-v1.5-7b-32k",
+    "mixtral-8x7b-instruct": "mixtral-8x7B-instruct-v0.1",
+    "lwm-text-chat-1m": "lwm-text-chat-1m",
+}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def compose_cfg(overrides: list[str] = (), hydra: bool = False):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=hydra)
+
+
+def resolved(cfg) -> dict:
+    # Missing mandatory values (`???`, e.g. gemma3-270m's local path) stay unresolved, not errors.
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False)
+
+
+def check_buildable(cfg) -> None:
+    method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))
+    assert method.name == cfg.method.name
+    task, shard, num_shards = build_task(cfg.task)
+    assert task.name == cfg.task.name and (shard, num_shards) == (0, 1)
+
+
+def test_groups_are_complete():
+    assert set(options("method")) == set(METHODS)
+    assert set(options("task")) == set(TASKS)
+    assert {"smollm2-135m-instruct", "gemma3-270m", "mistral-7b-instruct-v0.2", "lwm-text-chat-1m",
+            "longchat-7b-v1.5-32k", "mixtral-8x7b-instruct", "llama-3.1-8b-instruct", "qwen2.5-7b-instruct",
+            "llama2-7b-random", "llama3-8b-random"} <= set(options("model"))  # fmt: skip
+    assert {"debug", "needle_methods", "longbench_multinews", "sweep_window_budget"} <= set(
+        options("experiment")
+    )
+
+
+def test_default_config():
+    cfg = compose_cfg()
+    assert OmegaConf.is_struct(cfg)
+    assert (
+        cfg.model.name == "smollm2-135m-instruct"
+        and cfg.method.name == "snapkv"
+        and cfg.task.name == "needle"
+    )
+    assert cfg.query_aware is True and cfg.prefill.chunk_size is None and cfg.task.num_shards == 1
+    # The default run stays small enough for a few minutes on 2 CPU cores.
+    assert len(cfg.task.lengths) * len(cfg.task.depths) <= 9 and max(cfg.task.lengths) <= 4000
+    assert cfg.task.max_new_tokens >= 32  # SmolLM2's needle answer is 19 tokens
+    check_buildable(cfg)
+
+
+@pytest.mark.parametrize("name", options("model"))
+def test_model_configs(name):
+    cfg = compose_cfg([f"model={name}", "task=longbench"])
+    model = resolved(cfg)["model"]
+    assert set(model) == MODEL_KEYS
+    assert model["dtype"] in DTYPES
+    assert model["attn_implementation"] in ("sdpa", "eager", "flash_attention_2")
+    assert model["device"] in ("cpu", "cuda", "auto") or model["device"].startswith("cuda:")
+    assert 0 < model["max_prompt_tokens"] <= model["context"]
+    # LongBench truncation follows the model (interpolated into the task).
+    assert resolved(cfg)["task"]["max_prompt_tokens"] == model["max_prompt_tokens"]
+    if name in MODEL2MAXLEN_NAMES:
+        assert model["max_prompt_tokens"] == model_max_length(MODEL2MAXLEN_NAMES[name])
+    if str(model["name"]).startswith("random:"):
+        assert model["name"].split(":", 1)[1] in RANDOM_SHAPES
+        assert model["tokenizer"], "random-weight models need a tokenizer for text tasks"
+    if name == "gemma3-270m":
+        assert OmegaConf.is_missing(cfg.model, "name")  # a local path the user supplies
+    else:
+        assert model["name"]
+    check_buildable(cfg)
+
+
+@pytest.mark.parametrize("name", options("method"))
+def test_method_configs_mirror_the_dataclasses(name):
+    cfg = compose_cfg([f"method={name}"])
+    params = OmegaConf.to_container(cfg.method, resolve=True)
+    cls = METHODS[params.pop("name")]
+    defaults = cls().params() if name == "full" else cls(budget=cfg.budget).params()
+    # Every field is listed (discoverable from the command line) and every default matches the code.
+    assert params == defaults
+    check_buildable(cfg)
+
+
+@pytest.mark.parametrize("name", options("method"))
+def test_method_parameters_from_the_command_line(name):
+    overrides = {
+        "snapkv": ["budget=512", "method.window=16", "method.kernel_size=5", "method.pooling=avg"],
+        "h2o": ["method.budget=300", "method.recent=100", "method.evict_during_decode=false"],
+        "streamingllm": ["budget=64", "method.n_sink=8", "method.positions=compacted"],
+        "full": ["budget=512"],  # full ignores the top-level budget
+    }[name]
+    cfg = compose_cfg([f"method={name}", *overrides])
+    method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))
+    expected = {o.split("=")[0].removeprefix("method."): o.split("=")[1] for o in overrides}
+    for key, value in expected.items():
+        if hasattr(method, key) and name != "full":
+            assert str(getattr(method, key)).lower() == value.lower()
+    if name == "full":
+        assert method.budget is None
+
+
+def test_struct_mode_rejects_typos():
+    with pytest.raises(ConfigCompositionException, match="budgt"):
+        compose_cfg(["method.budgt=5"])
+    with pytest.raises(ConfigCompositionException, match="lenghts"):
+        compose_cfg(["task.lenghts=[1]"])
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg(["method=nope"])
+
+
+@pytest.mark.parametrize("name", options("task"))
+def test_task_configs(name):
+    cfg = compose_cfg([f"task={name}"])
+    check_buildable(cfg)
+    cfg = compose_cfg([f"task={name}", "task.num_shards=4", "task.shard=3"])
+    assert build_task(cfg.task)[1:] == (3, 4)
+
+
+def sweep_points(params: dict) -> list[list[str]]:
+    keys = list(params)
+    values = [str(params[k]).split(",") for k in keys]
+    return [[f"{k}={v}" for k, v in zip(keys, combo)] for combo in itertools.product(*values)]
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_experiments(name):
+    resolved(compose_cfg([f"experiment={name}"]))
+    cfg = compose_cfg([f"experiment={name}"], hydra=True)
+    check_buildable(cfg)
+    params = cfg.hydra.sweeper.params or {}
+    for point in sweep_points(params):  # every job of the experiment's sweep is valid
+        check_buildable(compose_cfg([f"experiment={name}", *point]))
+
+
+def test_debug_experiment_is_tiny():
+    cfg = compose_cfg(["experiment=debug"])
+    assert cfg.task.haystack == "noise" and len(cfg.task.lengths) == 1 and len(cfg.task.depths) == 1
+    assert cfg.results_dir != compose_cfg().results_dir
+
+
+@pytest.mark.parametrize("launcher", ["joblib", "submitit_local", "submitit_slurm", "slurm"])
+def test_launchers(launcher):
+    cfg = compose_cfg([f"hydra/launcher={launcher}"], hydra=True)
+    target = cfg.hydra.launcher._target_
+    assert target.startswith("hydra_plugins.")
+    if launcher == "slurm":
+        assert target.endswith("SlurmLauncher")
+        assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.array_parallelism > 0
+
+
+def test_report_callback_is_configured():
+    cfg = compose_cfg(hydra=True)
+    assert cfg.hydra.callbacks.report._target_ == "eval.runner.ReportCallback"
+    assert cfg.hydra.job.chdir is False

@@ -1,0 +1,486 @@
+"""`python run.py` end to end on a tiny model: rows, resume, shards, failures, LongBench, bad input, sweeps.
+
+The tiny model is a real local model directory (random 2-layer Llama + a byte-level BPE tokenizer with
+a ChatML template, both built in code and saved with `save_pretrained`), so `model.name=<dir>` runs
+through the product's own loader in-process, in subprocesses and in joblib workers alike. Nothing
+touches the Hub; only the `slow` test loads the real default model (cached).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import eval.runner as runner
+from eval.store import ROW_FIELDS, ResultStore, fields_missing, read_rows
+from eval.tasks import haystack as hs
+from eval.tasks.needle import NEEDLES
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+SHARED_MULTI_NEWS = ROOT.parent / "shared" / "data" / "longbench" / "multi_news.jsonl"
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LENGTHS, DEPTHS = [150, 250], [0, 50, 100]
+REAL_GENERATE = runner.generate  # before any test replaces it
+REAL_LOAD_MODEL = runner.load_model
+N_CELLS = len(LENGTHS) * len(DEPTHS)
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """A saved tiny model directory: random 2-layer Llama (GQA 4/2) + byte-level BPE with a chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=["<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [hs.NOISE_TEXT] * 10 + [s.instruction + s.needle + s.question for s in NEEDLES.values()]
+    tok.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    tokenizer.chat_template = CHATML
+    out = tmp_path_factory.mktemp("models") / "tiny-llama"
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return str(out)
+
+
+def tiny_overrides(tiny_dir: str, results: Path, task: str = "needle") -> list[str]:
+    common = [
+        f"model.name={tiny_dir}",
+        "model.context=4096",
+        "model.max_prompt_tokens=400",
+        "budget=64",
+        f"results_dir={results}",
+        "progress=false",
+        "report=false",
+    ]
+    if task != "needle":
+        return common + [f"task={task}"]
+    return common + [
+        "task.haystack=noise",
+        f"task.lengths=[{','.join(map(str, LENGTHS))}]",
+        f"task.depths=[{','.join(map(str, DEPTHS))}]",
+        "task.max_new_tokens=6",
+    ]
+
+
+def make_cfg(tiny_dir: str, results: Path, *overrides: str, task: str = "needle"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=tiny_overrides(tiny_dir, results, task) + list(overrides))
+
+
+def result_files(results: Path) -> list[Path]:
+    return sorted(p for p in results.rglob("*.jsonl"))
+
+
+class CountingGenerate:
+    """Stands in for `eval.runner.generate`: records sample prompts, optionally fails some samples."""
+
+    def __init__(self, fail: dict[str, Exception] | None = None):
+        self.calls, self.fail = [], fail or {}
+
+    def __call__(self, model, tokenizer, **kw):
+        self.calls.append(kw["context"])
+        for marker, err in self.fail.items():
+            if marker in kw["context"]:
+                raise err
+        return REAL_GENERATE(model, tokenizer, **kw)
+
+
+def needle_of(row: dict) -> str:
+    return row["needle"]
+
+
+# ------------------------------------------------------------------------------------------- needle
+def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results, "report=true")
+    assert runner.run(cfg) == results
+
+    (path,) = result_files(results)
+    assert path.parent == results / "needle" / path.parent.name and path.name.startswith("snapkv-")
+    rows = read_rows(path)
+    assert len(rows) == N_CELLS
+    assert {r["sample_id"] for r in rows} == {f"len{n}_depth{d:g}" for n in LENGTHS for d in DEPTHS}
+    for row in rows:
+        assert fields_missing(row) == [], row["sample_id"]
+        assert row["status"] == "ok" and row["error"] is None
+        assert path.name == f"snapkv-{row['method_hash']}.jsonl"
+        assert row["model"] == tiny_dir and row["task"] == "needle" and row["dataset"] == "needle"
+        assert row["method_params"] == {"budget": 64, "window": 32, "kernel_size": 7, "pooling": "max", "gqa_reduce": "mean"}  # fmt: skip
+        assert row["query_aware"] is True and row["dtype"] == "float32" and row["device"] == "cpu"
+        assert row["attn_impl"] == "sdpa" and row["seed"] == 42
+        assert row["context_length"] in LENGTHS and row["depth_percent"] in DEPTHS and row["length"] is None
+        assert set(row["scores"]) == {"exact", "partial"} and 0.0 <= row["score"] <= 1.0
+        assert isinstance(row["prediction"], str) and row["answers"] and row["answers"][0].isdigit()
+        assert row["input_tokens"] == row["context_length"]  # the needle task sizes prompts exactly
+        assert row["compressed"] is (row["input_tokens"] > 64)
+        assert row["kv_tokens"] == min(row["input_tokens"], 64)
+        assert row["kv_bytes"] <= row["kv_bytes_full"] and row["prefill_s"] > 0 and row["peak_mem_bytes"] > 0
+        assert set(row["versions"]) == {"torch", "transformers", "snapkv_bench"}
+        assert row["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", row["git_sha"])
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", row["timestamp"])
+        assert row["trained_context"] == 4096 and row["haystack"] == "noise"
+
+    assert (results / "report.md").is_file() and (results / "summary.csv").is_file()
+    heatmaps = list(results.glob("needle_*.png"))
+    assert len(heatmaps) == 1 and heatmaps[0].stat().st_size > 1000
+    assert "snapkv b=64 w=32 k=7 max" in (results / "report.md").read_text()
+
+
+def test_resume_skips_done_samples_and_recomputes_a_truncated_row(tiny_dir, tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results)
+    runner.run(cfg)
+    (path,) = result_files(results)
+
+    counting = CountingGenerate()
+    monkeypatch.setattr(runner, "generate", counting)
+    runner.run(cfg)  # everything is done: nothing is computed, nothing appended
+    assert counting.calls == [] and len(read_rows(path)) == N_CELLS
+
+    # A process killed mid-write leaves half a line: exactly that sample is recomputed.
+    data = path.read_bytes()
+    last_start = data.rstrip(b"\n").rfind(b"\n") + 1
+    lost = json.loads(data[last_start:])
+    path.write_bytes(data[: last_start + (len(data) - last_start) // 2])
+    with pytest.warns(UserWarning, match="incomplete last line"):
+        runner.run(cfg)
+    assert len(counting.calls) == 1 and lost["needle"] in counting.calls[0]
+    rows = read_rows(path)
+    assert len(rows) == N_CELLS and len({r["sample_id"] for r in rows}) == N_CELLS
+    assert rows[-1]["sample_id"] == lost["sample_id"] and rows[-1]["status"] == "ok"
+
+
+def test_config_changes_get_their_own_file(tiny_dir, tmp_path):
+    """query_aware, prefill chunking and the method's parameters are part of the file's hash."""
+    results = tmp_path / "results"
+    one_cell = ["task.lengths=[150]", "task.depths=[50]"]
+    runner.run(make_cfg(tiny_dir, results, *one_cell))
+    runner.run(make_cfg(tiny_dir, results, *one_cell, "query_aware=false", "prefill.chunk_size=64"))
+    runner.run(make_cfg(tiny_dir, results, *one_cell, "method=full"))
+    files = result_files(results)
+    assert len(files) == 3 and sum(f.name.startswith("full-") for f in files) == 1
+    rows = [r for f in files for r in read_rows(f)]
+    assert sorted(r["query_aware"] for r in rows) == [False, True, True]
+    agnostic = next(r for r in rows if r["query_aware"] is False)
+    assert agnostic["prefill_chunk_size"] == 64 and agnostic["status"] == "ok"
+    full = next(r for r in rows if r["method"] == "full")
+    assert full["method_params"] == {"budget": None} and full["kv_bytes"] == full["kv_bytes_full"]
+    # Growing the grid keeps the file (lengths/depths only select samples): only new cells run.
+    runner.run(make_cfg(tiny_dir, results, "task.lengths=[150]", "task.depths=[50,100]", "method=full"))
+    assert len(result_files(results)) == 3
+    assert len(read_rows(next(f for f in result_files(results) if f.name.startswith("full-")))) == 2
+
+
+def test_shards_cover_every_sample_once(tiny_dir, tmp_path):
+    results = tmp_path / "results"
+    for i in (0, 1):
+        runner.run(make_cfg(tiny_dir, results, "task.num_shards=2", f"task.shard={i}"))
+    files = result_files(results)
+    assert [f.name.split(".", 1)[1] for f in files] == ["shard0of2.jsonl", "shard1of2.jsonl"]
+    ids = [[r["sample_id"] for r in read_rows(f)] for f in files]
+    assert not set(ids[0]) & set(ids[1]) and len(ids[0]) + len(ids[1]) == N_CELLS
+    merged = ResultStore.load_dir(results)
+    assert len(merged) == N_CELLS and not merged["sample_id"].duplicated().any()
+    assert runner.write_report(results, quiet=True) == results / "report.md"
+    import pandas as pd
+
+    summary = pd.read_csv(results / "summary.csv")
+    assert summary["n"].sum() == N_CELLS and summary["n_ok"].sum() == N_CELLS
+
+
+def test_failing_samples_are_recorded_and_the_run_goes_on(tiny_dir, tmp_path, monkeypatch):
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results)
+    # Which sample fails is decided by its needle sentence (its magic number differs per cell).
+    from eval.tasks.needle import NeedleTask
+
+    task = NeedleTask(haystack="noise", lengths=LENGTHS, depths=DEPTHS, seed=42)
+    bad = {
+        f"The special magic number is: {task.cell_number(150, 50)}.": RuntimeError("boom\nsecond line"),
+        f"The special magic number is: {task.cell_number(250, 0)}.": RuntimeError(
+            "CUDA out of memory. Tried to allocate 2.00 GiB"
+        ),
+    }
+    failing = CountingGenerate(fail=bad)
+    monkeypatch.setattr(runner, "generate", failing)
+    runner.run(cfg)
+    assert len(failing.calls) == N_CELLS
+    (path,) = result_files(results)
+    rows = {r["sample_id"]: r for r in read_rows(path)}
+    assert len(rows) == N_CELLS and all(fields_missing(r) == [] for r in rows.values())
+    assert rows["len150_depth50"]["status"] == "error"
+    assert rows["len150_depth50"]["error"] == "RuntimeError: boom"
+    assert rows["len250_depth0"]["status"] == "oom" and "out of memory" in rows["len250_depth0"]["error"]
+    for sid in ("len150_depth50", "len250_depth0"):
+        assert rows[sid]["prediction"] is None and rows[sid]["score"] is None
+        assert rows[sid]["context_length"] in LENGTHS and rows[sid]["method_hash"]
+    assert sum(r["status"] == "ok" for r in rows.values()) == N_CELLS - 2
+
+    # The next run retries exactly the failed samples; their ok rows win.
+    retry = CountingGenerate()
+    monkeypatch.setattr(runner, "generate", retry)
+    runner.run(cfg)
+    assert len(retry.calls) == 2
+    latest = ResultStore(path).latest()
+    assert len(latest) == N_CELLS and all(r["status"] == "ok" for r in latest.values())
+
+
+# ----------------------------------------------------------------------------------------- longbench
+def _record(dataset: str, i: int, **extra) -> dict:
+    text = " ".join(f"Paragraph {k}: the {dataset} record {i} mentions item {k * 7 + i}." for k in range(40))
+    return {
+        "input": f"What does record {i} mention?",
+        "context": text,
+        "answers": [f"item {i}"],
+        "length": 400 + i,
+        "dataset": dataset,
+        "language": "en",
+        "all_classes": None,
+        "_id": f"{dataset}-synthetic-{i}",
+        **extra,
+    }
+
+
+def write_longbench_dir(root: Path) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / "hotpotqa.jsonl", "w") as f:
+        for i in range(3):
+            f.write(json.dumps(_record("hotpotqa", i)) + "\n")
+    with open(root / "trec.jsonl", "w") as f:
+        for i in range(2):
+            f.write(
+                json.dumps(_record("trec", i, all_classes=["Location", "Number"], answers=["Number"])) + "\n"
+            )
+    return root
+
+
+def test_longbench_run(tiny_dir, tmp_path):
+    data = write_longbench_dir(tmp_path / "longbench")
+    datasets = ["hotpotqa", "trec"]
+    if SHARED_MULTI_NEWS.is_file():  # one real LongBench record (512 new tokens: the slowest sample)
+        with open(SHARED_MULTI_NEWS) as src, open(data / "multi_news.jsonl", "w") as dst:
+            dst.write(src.readline())
+        datasets.append("multi_news")
+    results = tmp_path / "results"
+    cfg = make_cfg(
+        tiny_dir, results, f"task.data_dir={data}", f"task.datasets=[{','.join(datasets)}]",
+        "task.limit=2", "model.max_prompt_tokens=300", task="longbench",
+    )  # fmt: skip
+    runner.run(cfg)
+    (path,) = result_files(results)
+    assert path.parent.parent.name == "longbench"
+    rows = read_rows(path)
+    expected = 2 + 2 + (1 if "multi_news" in datasets else 0)
+    assert len(rows) == expected
+    for row in rows:
+        assert fields_missing(row) == [] and row["status"] == "ok", row.get("error")
+        assert row["task"] == "longbench" and row["dataset"] in datasets
+        assert isinstance(row["length"], int) and row["context_length"] is None
+        assert 0.0 <= row["score"] <= 1.0 and row["scores"] == {}
+        assert row["input_tokens"] <= 300 + 16  # middle-truncated (+ the chat template's tokens)
+        assert row["compressed"] is (row["input_tokens"] > 64)
+    assert {r["sample_id"] for r in rows if r["dataset"] == "hotpotqa"} == {
+        "hotpotqa-synthetic-0",
+        "hotpotqa-synthetic-1",
+    }
+    if "multi_news" in datasets:
+        news = next(r for r in rows if r["dataset"] == "multi_news")
+        assert news["truncated"] is True and news["prompt_tokens"] > 300
+
+
+# ----------------------------------------------------------------------------------------- bad input
+# In-process runs leave the test process's logging alone (Hydra would reconfigure the root logger).
+QUIET_HYDRA = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
+
+
+def run_cli_in_process(monkeypatch, tmp_path, *args: str) -> int:
+    """`python run.py ARGS` in this process (through hydra.main); returns the exit code."""
+    import run as run_module
+
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["run.py", f"hydra.run.dir={tmp_path}/hydra", "hydra.output_subdir=null", *QUIET_HYDRA, *args],
+    )
+    with pytest.raises(SystemExit) as exc:
+        run_module.main()
+    return exc.value.code
+
+
+BAD_INPUT = {
+    "unknown method": (["method.name=nope"], "unknown method 'nope'"),
+    "budget < window": (["method.budget=16"], "window=32, budget=16"),
+    "depth > 100": (["task.depths=[150]"], "150"),
+    "negative length": (["task.lengths=[-5]"], "-5"),
+    "unknown task": (["task.name=nope"], "unknown task 'nope'"),
+    "unknown dataset": (["task=longbench", "task.datasets=[nope]"], "'nope'"),
+    "missing data dir": (
+        ["task=longbench", "task.datasets=[hotpotqa]", "task.data_dir={tmp}/missing"],
+        "{tmp}/missing/hotpotqa.jsonl",
+    ),
+    "malformed jsonl": (
+        ["task=longbench", "task.datasets=[hotpotqa]", "task.data_dir={tmp}/bad"],
+        "hotpotqa.jsonl:2",
+    ),
+    "model not found": (["model.name={tmp}/no-such-model"], "{tmp}/no-such-model"),
+    "missing model path": (["model=gemma3-270m"], "model.name"),
+    "bad shard": (["task.num_shards=2", "task.shard=2"], "shard=2"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_one_line_and_exit_2(case, monkeypatch, tmp_path, capsys):
+    args, expected = BAD_INPUT[case]
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "hotpotqa.jsonl").write_text(json.dumps(_record("hotpotqa", 0)) + "\n{not json\n")
+    args = [a.format(tmp=tmp_path) for a in args]
+    code = run_cli_in_process(monkeypatch, tmp_path, f"results_dir={tmp_path}/results", *args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("error: "), err
+    assert expected.format(tmp=tmp_path) in err[0]
+    assert not (tmp_path / "results").exists()  # failed before anything was written
+
+
+def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(
+        [sys.executable, str(ROOT / "run.py"), *args],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_cli_errors_in_a_subprocess(tmp_path):
+    proc = _cli(tmp_path, "method.budget=16", f"hydra.run.dir={tmp_path}/h")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["error: window must be < budget, got window=32, budget=16"]
+    # Hydra's own errors (unknown group option, typo in a key): non-zero, short, no traceback.
+    for args, needle in ((["method=nope"], "method/nope"), (["method.budgt=5"], "budgt")):
+        proc = _cli(tmp_path, *args)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and needle in out and "Traceback" not in out
+        assert len(out.strip().splitlines()) < 20
+
+
+# ---------------------------------------------------------------------------------------------- sweeps
+def test_multirun_with_the_joblib_launcher(tiny_dir, tmp_path):
+    results = tmp_path / "results"
+    args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report"))]
+    proc = _cli(
+        tmp_path, "-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={tmp_path}/multirun",
+        "method=full,snapkv", "task.lengths=[150]", *args,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Joblib" in proc.stdout + proc.stderr
+    files = result_files(results)
+    assert sorted(f.name.split("-")[0] for f in files) == ["full", "snapkv"]
+    assert all(len(read_rows(f)) == len(DEPTHS) for f in files)
+    # One report, written after both jobs (ReportCallback), holding both configs.
+    report = (results / "report.md").read_text()
+    assert "| full |" in report and "snapkv b=64 w=32" in report
+    assert len(list(results.glob("needle_*.png"))) == 2
+    assert (tmp_path / "multirun" / "multirun.yaml").is_file()
+
+
+def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_path, monkeypatch, capsys):
+    """`python run.py -m method=full,snapkv,streamingllm` with the default (in-process) launcher."""
+    import run as run_module
+
+    loads = []
+
+    def counting_load(*args, **kwargs):
+        loads.append(args[0])
+        return REAL_LOAD_MODEL(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "load_model", counting_load)
+    monkeypatch.setattr(runner, "_LOADED", {})
+    results = tmp_path / "results"
+    args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report"))]
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["run.py", "-m", *QUIET_HYDRA, f"hydra.sweep.dir={tmp_path}/multirun", "method=full,snapkv,streamingllm",
+         "task.lengths=[150]", *args],
+    )  # fmt: skip
+    run_module.main()
+    assert loads == [tiny_dir]
+    assert sorted(f.name.split("-")[0] for f in result_files(results)) == ["full", "snapkv", "streamingllm"]
+    out = capsys.readouterr()
+    assert out.out.count("# snapkv-bench report") == 1  # by ReportCallback, after the last job
+    assert "streamingllm b=64" in (results / "report.md").read_text()
+
+
+def test_a_sweep_over_results_dirs_reports_each(tiny_dir, tmp_path, monkeypatch):
+    import run as run_module
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    drop = ("task.lengths", "task.depths", "results_dir", "report")
+    args = [o for o in tiny_overrides(tiny_dir, a) if not o.startswith(drop)]
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["run.py", "-m", *QUIET_HYDRA, f"hydra.sweep.dir={tmp_path}/multirun", "method=full", "task.lengths=[150]",
+         "task.depths=[50]", f"results_dir={a},{b}", *args],
+    )  # fmt: skip
+    run_module.main()
+    assert (a / "report.md").is_file() and (b / "report.md").is_file()
+
+
+def test_random_weight_models_need_a_fitting_tokenizer(tiny_dir):
+    class Small:
+        class config:  # noqa: N801 - stands in for a model's config
+            vocab_size = 100
+
+    with pytest.raises(
+        ValueError, match=r"tokenizer .* has \d+ tokens, more than the model's vocab_size=100"
+    ):
+        runner.load_tokenizer(tiny_dir, Small())
+    assert runner.load_tokenizer(tiny_dir).chat_template == CHATML
+    with pytest.raises(FileNotFoundError, match="no-such-tokenizer"):
+        runner.load_tokenizer("/no-such-tokenizer")
+
+
+# ------------------------------------------------------------------------------------------------ slow
+@pytest.mark.slow
+def test_debug_experiment_on_the_default_model(tmp_path):
+    """`python run.py experiment=debug` on the real SmolLM2 (cached): rows, report and heatmap."""
+    results = tmp_path / "results"
+    proc = _cli(
+        tmp_path, "experiment=debug", f"results_dir={results}", f"hydra.run.dir={tmp_path}/h", timeout=900
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = result_files(results)
+    (row,) = read_rows(path)
+    assert fields_missing(row) == [] and row["status"] == "ok" and row["model"] == "smollm2-135m-instruct"
+    assert row["compressed"] is True and row["kv_tokens"] == 128 and row["trained_context"] == 8192
+    assert (results / "report.md").is_file() and list(results.glob("needle_*.png"))
+    assert "report.md" in proc.stderr
+    assert set(ROW_FIELDS) <= set(row)

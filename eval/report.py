@@ -452,6 +452,21 @@ def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None)
         name = f"needle_{slug(task) + '_' if several_tasks else ''}{slug(model)}_{slug(label)}.png"
         title = f"{model}\n{label}" + (f" ({task})" if several_tasks else "")
         written.append(needle_heatmap(g, out / name, title=title, trained_context=tc))
+        # Partial credit (longest correct prefix of the number) beside exact containment: on small
+        # models a compressed cache often keeps only the first digits, which exact match hides.
+        partial = pd.to_numeric(
+            g["scores"].map(lambda s: s.get("partial") if isinstance(s, dict) else None), errors="coerce"
+        )
+        if partial.notna().any():
+            written.append(
+                needle_heatmap(
+                    g.assign(partial=partial),
+                    out / name.replace(".png", "_partial.png"),
+                    title=f"{title} (partial credit)",
+                    trained_context=tc,
+                    value="partial",
+                )
+            )
 
     for task, g in ok.groupby("task", sort=True):
         if g["budget"].dropna().nunique() < 2:

@@ -82,7 +82,10 @@ def _in_dir(directory: Path, dataset: str) -> Path:
         return direct
     if nested.is_file():
         return nested
-    raise FileNotFoundError(f"LongBench file not found: {direct} (nor {nested})")
+    raise FileNotFoundError(
+        f"LongBench file not found: {direct} (nor {nested}); supply LongBench-format jsonl files "
+        f"<dataset>.jsonl with task.data_dir=DIR or ${ENV_DATA_DIR}, or unset both to download {HUB_REPO_ID}'s {HUB_FILENAME}"
+    )
 
 
 def find_data_file(dataset: str, data_dir: str | os.PathLike | None = None) -> Path:

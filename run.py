@@ -12,12 +12,18 @@ same way; rows already written are always kept, and rerunning the command resume
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-import hydra
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
+# CPU timings: on VMs an idle OpenMP worker that sleeps costs a scheduler tick (~4-8 ms) per
+# parallel region to wake up; spinning workers measure the kernels (scripts/bench_speed.py).
+# Must be set before torch loads its OpenMP runtime; an explicit setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 # Bad input surfaces as one of these (unknown names, out-of-range values, missing files or data,
 # malformed jsonl, missing mandatory config values); anything else is a bug and keeps its traceback.

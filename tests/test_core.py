@@ -312,3 +312,28 @@ def test_unequal_layer_lengths_get_a_per_layer_mask(arch_name, impl):
     ref = masked_reference_logits(model, [ctx], fed, records)[-len(res.logits) :]
     for a, b in zip(res.logits, ref):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_readme_example_method_is_thirty_lines_and_runs():
+    from snapkv.methods import METHODS, Method, register
+
+    @register
+    @dataclass
+    class KNorm(Method):  # the README's "Adding a method" example
+        name = "knorm"
+        budget: int | None = 1024
+
+        def score(self, layer, query, key, module):
+            return -key.float().norm(dim=-1)
+
+    try:
+        model = tiny_model("llama")
+        ids = random_ids(PROMPT)
+        _, res = generate_ids(model, ids, None, build_method("knorm", budget=32), max_new_tokens=2)
+        assert res.compressed and res.kv_tokens == 32
+        cache = _prefilled_cache(model, ids, build_method("knorm", budget=32))
+        for _, layer in cache.compressible_layers():  # kept = the 32 smallest-norm keys of each head
+            norms = layer.keys.norm(dim=-1)
+            assert layer.stored == 32 and norms.shape[-1] == 32
+    finally:
+        METHODS.pop("knorm")

@@ -1,0 +1,146 @@
+"""Rebuild every committed table and figure from committed results (never runs a model).
+
+    python scripts/make_figures.py [results=results] [out=results/figures]
+
+At whatever scale was run, from the results store and the benchmark CSVs:
+- each results folder's report (report.md, summary.csv, needle heatmaps, score-vs-budget);
+- Table 1: LongBench, dataset x method config (+ average), Markdown and LaTeX;
+- decode latency and peak memory vs input length (from `scripts/bench_speed.py` CSVs in bench/);
+- pooling ablation (max vs avg vs none): needle score vs budget, one line per pooling;
+- budget x window sweep: needle score vs budget, one line per observation window;
+- the observation analysis figures (re-plotted from results/observation/*.csv).
+Inputs that are absent are skipped with a note; the experiments that make them are named.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import pandas as pd  # noqa: E402
+
+from eval import report  # noqa: E402
+from eval.plots import score_vs_budget  # noqa: E402
+from eval.store import ResultStore  # noqa: E402
+
+DEFAULTS = dict(results="results", out="results/figures")
+
+
+def load(path: Path) -> pd.DataFrame:
+    raw = ResultStore.load_dir(path) if path.is_dir() else pd.DataFrame()
+    return report.prepare(raw) if not raw.empty else raw
+
+
+def reports(root: Path) -> list[Path]:
+    """Re-run `python -m eval.report` on every results folder (those holding result rows)."""
+    done = []
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        if any(sub.rglob("*.jsonl")) and sub.name not in ("figures", "observation", "bench", "gpu"):
+            report.main([str(sub)])
+            done.append(sub / "report.md")
+    return done
+
+
+def table1(df: pd.DataFrame, out: Path) -> list[Path]:
+    lb = df[(df["task"] == "longbench") & df["ok"]]
+    if lb.empty:
+        print("table 1: no LongBench rows (python run.py -m experiment=longbench_multinews ...)")
+        return []
+    per = lb.groupby(["dataset", "config_label"])["score"].mean().mul(100).unstack()
+    n = lb.groupby(["dataset", "config_label"]).size().unstack()
+    order = report._column_order(lb)
+    per, n = per[[c for c in order if c in per]], n[[c for c in order if c in n]]
+    per.loc["Average"] = per.mean()
+    per = per.round(2)
+    md = out / "table1_longbench.md"
+    counts = ", ".join(f"{c}: {int(v)}" for c, v in n.sum().items())
+    md.write_text(
+        f"# Table 1 (LongBench, {lb['model'].iloc[0]})\n\nScores x100 (samples per config: {counts}).\n\n"
+        + per.reset_index().to_markdown(index=False, floatfmt=".2f")
+        + "\n",
+        encoding="utf-8",
+    )
+    tex = out / "table1_longbench.tex"
+    tex.write_text(
+        per.to_latex(float_format="%.2f", caption="LongBench scores (x100)", label="tab:longbench")
+    )
+    return [md, tex]
+
+
+def latency(root: Path, out: Path) -> list[Path]:
+    csvs = sorted((root / "bench").glob("*.csv")) if (root / "bench").is_dir() else []
+    if not csvs:
+        print("latency: no bench CSVs (python scripts/bench_speed.py ... out=results/bench/NAME.csv)")
+        return []
+    from bench_speed import plot
+
+    written = []
+    for path in csvs:
+        rows = pd.read_csv(path).to_dict("records")
+        written += plot(rows, out / path.name)
+    return written
+
+
+def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
+    """Needle score vs budget, one line per value of SnapKV's `param`, from results/<stem>/ (the
+    experiment of the same name); the full cache on the same samples as a dashed line."""
+    df = load(root / stem)
+    d = df[(df["task"] == "needle") & df["ok"] & (df["method"] == "snapkv")].copy() if not df.empty else df
+    if d.empty or d["method_params"].map(lambda p: p.get(param)).nunique() < 2:
+        print(f"{stem}: no {param} sweep found (python run.py -m experiment={stem})")
+        return []
+    d["line"] = d["method_params"].map(lambda p: f"{param}={p.get(param)}")
+    everything = load(root)
+    full = everything[(everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full")]
+    full = full[full["sample_id"].isin(set(d["sample_id"])) & (full["model"] == d["model"].iloc[0])]
+    d = pd.concat([d, full.drop_duplicates("sample_id").assign(line="full")])
+    name = param
+    written = []
+    for y, label in (("score", "needle exact"), ("partial", "needle partial credit")):
+        path = out / f"{stem}{'' if y == 'score' else '_partial'}.png"
+        score_vs_budget(
+            d, path, title=f"SnapKV {name} x budget ({d['model'].iloc[0]})", y=y, line="line", ylabel=label
+        )
+        written.append(path)
+    return written
+
+
+def observation(root: Path, out: Path) -> list[Path]:
+    obs = root / "observation"
+    if not (obs.is_dir() and any(obs.glob("*.csv"))):
+        print("observation: no CSVs (python scripts/observation.py)")
+        return []
+    import observation as ob
+
+    if not hasattr(ob, "plot_from_csv"):
+        return []
+    return ob.plot_from_csv(obs, obs)
+
+
+def main(argv: list[str]) -> int:
+    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    root, out = Path(cfg.results), Path(cfg.out)
+    if not root.is_dir():
+        print(f"error: results folder not found: {root}", file=sys.stderr)
+        return 2
+    out.mkdir(parents=True, exist_ok=True)
+    written = reports(root)
+    df = load(root)
+    if not df.empty:
+        written += table1(df, out)
+        written += sweep_figure(root, out, "pooling", "pooling_ablation")
+        written += sweep_figure(root, out, "window", "sweep_window_budget")
+    written += latency(root, out)
+    written += observation(root, out)
+    print("\n".join(f"wrote {p}" for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -337,3 +337,52 @@ def test_readme_example_method_is_thirty_lines_and_runs():
             assert layer.stored == 32 and norms.shape[-1] == 32
     finally:
         METHODS.pop("knorm")
+
+
+def test_prefill_holds_one_uncompressed_layer_at_a_time():
+    """Each layer is compressed right after its attention: while layer i runs, layers < i are
+    already at the budget, so the KV held never approaches all layers' full K/V."""
+    model = tiny_model("llama", layers=4)
+    ids = random_ids(200)
+    method = build_method("snapkv", budget=32, window=8)
+    cache = CompressedCache(model.config)
+    held = []
+    orig = snapkv.hooks.Session.after_attention
+
+    def spy(self, module, layer, query, key):
+        held.append(cache.kv_bytes())  # before this layer's compression: it is the only full one
+        orig(self, module, layer, query, key)
+
+    snapkv.hooks.Session.after_attention = spy
+    try:
+        with torch.no_grad(), session(model, method, cache) as s:
+            s.phase = "final"
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    finally:
+        snapkv.hooks.Session.after_attention = orig
+    per_token = 2 * 2 * 16 * 4  # kv heads x head_dim x (K, V) x fp32
+    for i, b in enumerate(held):
+        assert b == (32 * i + 200) * per_token
+    assert max(held) < 4 * 200 * per_token / 2
+
+
+def test_h2o_scoring_memory_is_bounded_and_exact(monkeypatch):
+    from snapkv.methods import base
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 4, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g)
+    pos = torch.arange(300)
+    want = base.causal_column_sums(q, k, pos, pos.expand(1, 2, 300), 0.25)
+    sizes = []
+    einsum = torch.einsum
+
+    def spy(eq, *ops):
+        out = einsum(eq, *ops)
+        sizes.append(out.numel() * out.element_size())
+        return out
+
+    monkeypatch.setattr(base.torch, "einsum", spy)
+    got = base.causal_column_sums(q, k, pos, pos.expand(1, 2, 300), 0.25, max_block_bytes=64 * 1024)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert max(sizes) <= 64 * 1024  # logits of one block: bounded whatever L is (linear memory in L)
+    assert len(sizes) >= 300 // 14  # ... by splitting the queries into more blocks

@@ -406,8 +406,24 @@ def test_multirun_with_the_joblib_launcher(tiny_dir, tmp_path):
     # One report, written after both jobs (ReportCallback), holding both configs.
     report = (results / "report.md").read_text()
     assert "| full |" in report and "snapkv b=64 w=32" in report
-    assert len(list(results.glob("needle_*.png"))) == 2
+    assert len(list(results.glob("needle_*.png"))) == 4  # exact + partial credit, per config
     assert (tmp_path / "multirun" / "multirun.yaml").is_file()
+
+
+def test_multirun_with_the_submitit_local_launcher(tiny_dir, tmp_path):
+    """The SLURM launcher's local twin (same plugin, jobs as local processes via submitit)."""
+    results = tmp_path / "results"
+    args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report"))]
+    proc = _cli(
+        tmp_path, "-m", "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5",
+        f"hydra.sweep.dir={tmp_path}/multirun", "method=full,streamingllm", "task.lengths=[150]", *args,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = result_files(results)
+    assert sorted(f.name.split("-")[0] for f in files) == ["full", "streamingllm"]
+    assert all(len(read_rows(f)) == len(DEPTHS) for f in files)
+    assert list((tmp_path / "multirun").rglob("*submitted.pkl"))  # really went through submitit
+    assert "streamingllm b=64" in (results / "report.md").read_text()
 
 
 def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_path, monkeypatch, capsys):

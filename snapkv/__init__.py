@@ -1,8 +1,9 @@
-"""snapkv-bench's library: KV-cache compression (SnapKV, H2O, StreamingLLM, full) inside unmodified
-HuggingFace transformers models, plus generation with timing and memory probes."""
+"""snapkv-bench's library: KV-cache compression (SnapKV, PyramidKV, Ada-KV, H2O, StreamingLLM, full)
+inside unmodified HuggingFace transformers models, plus generation with timing and memory probes."""
 
 from snapkv.cache import CompressedCache, CompressibleLayer
 from snapkv.generation import GenerationResult, generate, generate_ids, stop_token_ids
+from snapkv.headwise import HeadwiseLayer
 from snapkv.hooks import apply, hooks_installed, session
 from snapkv.methods import METHODS, Method, build_method, register
 
@@ -11,6 +12,7 @@ __all__ = [
     "CompressedCache",
     "CompressibleLayer",
     "GenerationResult",
+    "HeadwiseLayer",
     "Method",
     "apply",
     "build_method",

@@ -33,6 +33,10 @@ class CompressibleLayer(DynamicLayer):
     def __init__(self, index: int = 0, num_layers: int = 1, **kwargs):
         super().__init__()
         self.index, self.num_layers = index, num_layers  # for per-layer budgets (PyramidKV-style)
+        # Ordinal among the model's compressible layers and their count (set by CompressedCache):
+        # per-layer schedules count only these (hybrid models: the full-attention layers).
+        self.rank, self.num_compressible = index, num_layers
+        self.dims: tuple[int, int, int] | None = None  # (batch, kv_heads, head_dim), set on first update
         self.seen = 0
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
@@ -45,7 +49,8 @@ class CompressibleLayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
-        b, h, _, _ = key_states.shape
+        b, h, _, d = key_states.shape
+        self.dims = (b, h, d)
         self.positions = torch.empty(b, h, 0, dtype=torch.long, device=key_states.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -63,6 +68,17 @@ class CompressibleLayer(DynamicLayer):
     @property
     def stored(self) -> int:
         return 0 if self.keys is None or not self.is_initialized else self.keys.shape[-2]
+
+    @property
+    def kept_per_head(self) -> float:
+        """Mean stored entries per KV head (per-head storage, `snapkv.headwise`, overrides it)."""
+        return float(self.stored)
+
+    def logical_bytes(self) -> int:
+        """Bytes of the K/V entries kept (equal to the allocated bytes for this uniform layout)."""
+        return sum(
+            t.numel() * t.element_size() for t in (self.keys, self.values) if isinstance(t, torch.Tensor)
+        )
 
     @property
     def next_position(self) -> int:
@@ -116,19 +132,23 @@ class CompressedCache(DynamicCache):
     """`DynamicCache` with a `CompressibleLayer` for every full-attention layer.
 
     Other layer kinds (sliding window, chunked, linear) keep transformers' own cache layers and are
-    never compressed (hybrid models such as Gemma 3).
+    never compressed (hybrid models such as Gemma 3). `layer_factory(index=, num_layers=)` builds the
+    compressible layers (default `CompressibleLayer`; methods with per-head storage pass their own,
+    see `Method.cache_layer`).
     """
 
-    def __init__(self, config, **kwargs):
+    def __init__(self, config, layer_factory=None, **kwargs):
         super().__init__(config=config, **kwargs)
+        layer_factory = layer_factory or CompressibleLayer
         compressible = set(full_attention_layers(config))
         n = config.get_text_config(decoder=True).num_hidden_layers
         if not self.layers:  # config without layer types: DynamicCache replicates lazily
             self.layers = [DynamicLayer() for _ in range(n)]
             self.layer_class_to_replicate = None
-        for i in compressible:
-            self.layers[i] = CompressibleLayer(index=i, num_layers=n)
         self.compressible = sorted(compressible)
+        for rank, i in enumerate(self.compressible):
+            self.layers[i] = layer_factory(index=i, num_layers=n)
+            self.layers[i].rank, self.layers[i].num_compressible = rank, len(self.compressible)
 
     def compressible_layers(self) -> list[tuple[int, CompressibleLayer]]:
         return [(i, self.layers[i]) for i in self.compressible]
@@ -142,18 +162,36 @@ class CompressedCache(DynamicCache):
                     total += t.numel() * t.element_size()
         return total
 
+    def kv_bytes_logical(self) -> int:
+        """Bytes of the K/V entries really kept, all layers: equal to `kv_bytes` except for per-head
+        layouts that allocate padding (`snapkv.headwise`, layout="padded")."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, CompressibleLayer):
+                total += layer.logical_bytes()
+                continue
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+        return total
+
     def kv_bytes_full(self) -> int:
         """Bytes the same cache would hold with nothing evicted (each compressible layer at `seen`)."""
         total = 0
         for layer in self.layers:
             keys = getattr(layer, "keys", None)
-            if not isinstance(keys, torch.Tensor) or keys.dim() != 4:
+            if not isinstance(keys, torch.Tensor):
                 continue
-            b, h, stored, d = keys.shape
-            length = layer.seen if isinstance(layer, CompressibleLayer) else stored
+            if isinstance(layer, CompressibleLayer) and layer.dims is not None:
+                (b, h, d), length = layer.dims, layer.seen  # keys may be a flat per-head layout
+            elif keys.dim() == 4:
+                b, h, length, d = keys.shape
+            else:
+                continue
             total += 2 * b * h * length * d * keys.element_size()
         return total
 
     def kept_tokens(self) -> list[float]:
-        """Stored entries per compressible layer (per head; every head stores the same number)."""
-        return [float(layer.stored) for _, layer in self.compressible_layers()]
+        """Entries kept per KV head in each compressible layer (the mean over heads and batch rows
+        where heads keep different numbers, Ada-KV)."""
+        return [layer.kept_per_head for _, layer in self.compressible_layers()]

@@ -31,7 +31,9 @@ class GenerationResult:
 
     kv_* fields are measured right after prefill + compression: `kv_tokens` is the mean number of
     entries kept per compressible layer and KV head, `kv_bytes` the bytes really stored (all layers,
-    Σ numel·element_size), `kv_bytes_full` what the same cache holds with nothing evicted.
+    Σ numel·element_size: allocated), `kv_bytes_logical` the bytes of the entries kept (less than
+    `kv_bytes` only with padded per-head storage, Ada-KV layout="padded"), `kv_bytes_full` what the
+    same cache holds with nothing evicted.
     """
 
     text: str
@@ -42,6 +44,7 @@ class GenerationResult:
     kv_tokens_per_layer: list[float]
     kv_bytes_full: int
     kv_bytes: int
+    kv_bytes_logical: int
     prefill_s: float
     ttft_s: float
     tpot_s: float | None
@@ -186,7 +189,7 @@ def generate_ids(
         raise ValueError("empty prompt: the context has 0 tokens")
     input_tokens = context_ids.shape[1] + (question_ids.shape[1] if question_ids is not None else 0)
 
-    cache = CompressedCache(model.config)
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     kw = cache_kwarg(model)
     batch = context_ids.shape[0]
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
@@ -207,6 +210,7 @@ def generate_ids(
         prefill_s = _now(device) - t0
         kept = cache.kept_tokens()
         kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
+        kv_bytes_logical = cache.kv_bytes_logical()
         compressed = any(layer.compressed for _, layer in cache.compressible_layers())
         s.phase = "decode"
         if question_ids is not None:
@@ -238,6 +242,7 @@ def generate_ids(
         kv_tokens_per_layer=kept,
         kv_bytes_full=kv_bytes_full,
         kv_bytes=kv_bytes,
+        kv_bytes_logical=kv_bytes_logical,
         prefill_s=prefill_s,
         ttft_s=ttft_s,
         tpot_s=statistics.median(steps) if steps else None,

@@ -151,8 +151,13 @@ def _make_wrapper(impl: str, original):
         layer = session.layer_for(module) if session is not None else None
         if layer is None:
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
-        attention_mask = _fix_mask(attention_mask, query, key, impl)
-        out = fn(module, query, key, value, attention_mask, *args, **kwargs)
+        if getattr(layer, "per_head", False):
+            # Per-head lengths (snapkv.headwise, Ada-KV): the layer attends over its own layout
+            # (padded + validity mask, or flat varlen); the model's shared mask does not apply.
+            out = layer.attend(module, query, key, value, fn, impl, *args, **kwargs)
+        else:
+            attention_mask = _fix_mask(attention_mask, query, key, impl)
+            out = fn(module, query, key, value, attention_mask, *args, **kwargs)
         session.after_attention(module, layer, query, key)
         return out
 
@@ -236,7 +241,7 @@ def apply(model, method: Method) -> Iterator[Session]:
         @functools.wraps(original_generate)
         def generate(*args, **kwargs):
             if kwargs.get(kw) is None and kwargs.get("past_key_values") is None:
-                kwargs[kw] = CompressedCache(model.config)
+                kwargs[kw] = CompressedCache(model.config, layer_factory=method.cache_layer)
             return original_generate(*args, **kwargs)
 
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)

@@ -46,6 +46,11 @@ class Method:
         builds a per-layer mask."""
         return self.budget
 
+    def cache_layer(self, index: int, num_layers: int) -> CompressibleLayer:
+        """The cache layer a compressible layer gets (`CompressedCache(config, method.cache_layer)`);
+        methods with per-head lengths (Ada-KV) return `snapkv.headwise.HeadwiseLayer`."""
+        return CompressibleLayer(index=index, num_layers=num_layers)
+
     def protected(self) -> tuple[int, int]:
         """(leading, trailing) entries always kept, e.g. StreamingLLM's sinks, SnapKV's window."""
         return 0, 0

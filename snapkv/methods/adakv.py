@@ -1,0 +1,131 @@
+"""Ada-KV: "Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM Inference"
+(https://arxiv.org/abs/2407.11550).
+
+A layer's budget is split across its KV heads instead of giving each head the same share. With
+`P = layer budget - window` selectable entries per head and `h` KV heads, the layer selects
+`h x P` entries per batch row: a global top-`h*P` over ALL heads' scores (SnapKV's pooled window
+votes, GQA-reduced per KV head; `normalize=True` first divides each head's scores by their sum)
+counts `c_h` entries for head h, and with the safeguard floor `f = ceil(alpha * P)` head h keeps
+`f + (P - f) * c_h / P` entries (the paper's `alpha*B + (1-alpha)*B_adaptive`), rounded by
+largest remainder so that the heads' budgets sum to `h x P` exactly and each is >= f. Every head
+keeps its own top entries plus the whole window; nothing is evicted while decoding (new tokens
+are appended to every head). `base`: `snapkv` (uniform layer budgets: Ada-SnapKV) or `pyramidkv`
+(PyramidKV's layer schedule, `beta`: Ada-PyramidKV). Defaults follow the Ada-KV code: window 32,
+kernel 7, max-pool, alpha 0.2. The original code rounds `c_h*(1-alpha) + floor` per head, which
+can miss the layer total by a few entries; here the total is exact.
+
+Storage (`layout`) is per head, with real memory savings (`snapkv.headwise`): `varlen` (default)
+keeps one flat `[total_kept, head_dim]` tensor per layer for K and V with `cu_seqlens` (attended
+with flash-attn's varlen kernel on CUDA, an exact PyTorch fallback elsewhere): allocated bytes ==
+logical bytes; `padded` pads each layer to its longest head with a validity mask (allocated =
+longest head x heads). `GenerationResult.kv_bytes` is what is allocated, `kv_bytes_logical` what is
+kept.
+
+Supported: `snapkv.generate` / `generate_ids`, chunked prefill, query-aware and query-agnostic, and
+`model.generate` inside `snapkv.apply` for greedy / sampling decoding (beam search and batch
+re-indexing raise ValueError). The cache must come from `method.cache_layer`
+(`CompressedCache(config, layer_factory=method.cache_layer)`; `apply` and `generate` do this).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from snapkv.headwise import LAYOUTS, HeadwiseLayer
+from snapkv.methods.pyramidkv import PyramidKV
+from snapkv.methods.registry import register
+
+BASES = ("snapkv", "pyramidkv")
+
+
+def head_budgets(scores: torch.Tensor, per_head: int, alpha: float, normalize: bool = False) -> torch.Tensor:
+    """Ada-KV's allocation: `[batch, kv_heads]` selectable entries per head, summing to
+    `kv_heads * per_head` per batch row, each >= ceil(alpha * per_head).
+
+    scores `[batch, kv_heads, n]` (n > per_head) of the selectable (non-window) entries.
+    """
+    b, h, n = scores.shape
+    s = scores.float()
+    if normalize:
+        s = s / s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    # Global top-(h * P) over all heads of the row; stable sort: ties to the lower (head, position).
+    top = s.reshape(b, h * n).sort(dim=-1, descending=True, stable=True).indices[:, : h * per_head]
+    chosen = torch.zeros(b, h, dtype=torch.long, device=s.device)
+    chosen.scatter_add_(1, top // n, torch.ones_like(top))
+    floor = min(per_head, math.ceil(round(alpha * per_head, 9)))
+    # Exact integers: real budget = (floor * P + (P - floor) * c) / P; sum over heads = h * P.
+    numer = floor * per_head + (per_head - floor) * chosen
+    ints, rem = numer // per_head, numer % per_head
+    left = h * per_head - ints.sum(dim=-1, keepdim=True)  # [b, 1], < h
+    rank = rem.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1)
+    return ints + (rank < left).long()
+
+
+@register
+@dataclass
+class AdaKV(PyramidKV):
+    name = "adakv"
+
+    budget: int | None = 1024  # mean entries per KV head per layer (x kv_heads = the layer's total)
+    window: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"  # max | avg | none
+    gqa_reduce: str = "mean"  # mean | max | sum
+    beta: float = 20  # base=pyramidkv only
+    base: str = "snapkv"  # snapkv | pyramidkv: the layer budgets
+    alpha: float = 0.2  # floor: each head keeps >= ceil(alpha * (layer budget - window)) + window
+    normalize: bool = False  # divide each head's scores by their sum before the global top-k
+    layout: str = "varlen"  # varlen | padded
+
+    @property
+    def pyramid(self) -> bool:
+        return self.base == "pyramidkv"
+
+    def validate(self) -> None:
+        if self.base not in BASES:
+            raise ValueError(f"base must be one of {BASES}, got base={self.base!r}")
+        super().validate()
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, int | float)
+            or not 0 <= self.alpha <= 1
+        ):
+            raise ValueError(f"alpha must be in [0, 1], got alpha={self.alpha!r}")
+        if not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true or false, got normalize={self.normalize!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got layout={self.layout!r}")
+
+    def cache_layer(self, index: int, num_layers: int) -> HeadwiseLayer:
+        return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)
+
+    def compress_prefill(self, layer, query, key, module) -> None:
+        layer.full_length = layer.seen
+        budget = self.layer_budget(layer)
+        if budget is None or layer.stored <= budget:
+            return
+        if not isinstance(layer, HeadwiseLayer):
+            raise ValueError(
+                "adakv needs per-head storage: build the cache with "
+                "CompressedCache(config, layer_factory=method.cache_layer) (snapkv.generate and "
+                f"snapkv.apply do), got {type(layer).__name__}"
+            )
+        scores = self.score(layer, query, key, module)  # [b, kv, L]; the window's entries: 0
+        length, w = scores.shape[-1], self.window
+        prefix = scores[..., : length - w]
+        counts = head_budgets(prefix, budget - w, self.alpha, self.normalize)  # [b, kv]
+        # Per head: its top counts[b, h] prefix entries (ascending), then the window.
+        m = int(counts.max())
+        order = prefix.float().sort(dim=-1, descending=True, stable=True).indices[..., :m]
+        slot = torch.arange(m + w, device=scores.device)
+        live = slot[:m] < counts[..., None]
+        top = order.masked_fill(~live, length).sort(dim=-1).values  # kept first, ascending
+        top = torch.cat([top, top.new_full(top.shape[:-1] + (w,), length)], dim=-1)  # [b, kv, m + w]
+        window_idx = length - w + (slot - counts[..., None])  # the window right after a head's kept
+        in_window = (slot >= counts[..., None]) & (slot < counts[..., None] + w)
+        indices = torch.where(in_window, window_idx, top).clamp(max=length - 1)
+        layer.keep_per_head(indices, counts + w)
+        layer.compressed = True

@@ -55,6 +55,7 @@ RESULT_FIELDS = (
     "kv_tokens",
     "kv_bytes_full",
     "kv_bytes",
+    "kv_bytes_logical",
     "compressed",
     "prefill_s",
     "ttft_s",

@@ -35,11 +35,12 @@ Row schema (filled by the runner; every row is one JSON object on one line):
 | `input_tokens` | int | prompt tokens after truncation |
 | `kv_tokens` | float | mean kept KV tokens per layer and head after compression (= input_tokens when uncompressed) |
 | `kv_bytes_full` | int | bytes the uncompressed KV cache of the prompt would take |
-| `kv_bytes` | int | bytes of the KV cache actually kept after compression |
+| `kv_bytes` | int | bytes the stored K/V tensors really allocate after compression (Σ numel·element_size) |
+| `kv_bytes_logical` | int | bytes of the entries kept (= kv_bytes except Ada-KV's padded layout) |
 | `compressed` | bool | whether compression actually ran (False e.g. when the prompt fits the budget) |
 | `prefill_s` | float | prefill (prompt forward + compression) wall time, seconds |
 | `ttft_s` | float | time to first token, seconds |
-| `tpot_s` | float | mean time per output token after the first, seconds |
+| `tpot_s` | float | median time per output token after the first, seconds |
 | `peak_mem_bytes` | int | peak accelerator (or process) memory during the sample, bytes |
 | `attn_impl` | str | attention implementation (`sdpa`, `eager`, `flash_attention_2`) |
 | `dtype` | str | model dtype (`bfloat16`, ...) |
@@ -91,6 +92,7 @@ ROW_FIELDS: tuple[str, ...] = (
     "kv_tokens",
     "kv_bytes_full",
     "kv_bytes",
+    "kv_bytes_logical",
     "compressed",
     "prefill_s",
     "ttft_s",

@@ -62,7 +62,9 @@ def table1(df: pd.DataFrame, out: Path) -> list[Path]:
     counts = ", ".join(f"{c}: {int(v)}" for c, v in n.sum().items())
     md.write_text(
         f"# Table 1 (LongBench, {lb['model'].iloc[0]})\n\nScores x100 (samples per config: {counts}).\n\n"
-        + per.reset_index().to_markdown(index=False, floatfmt=".2f")
+        + report.md_table(
+            ["dataset", *per.columns], [[i, *row] for i, row in zip(per.index, per.values.tolist())]
+        )
         + "\n",
         encoding="utf-8",
     )

@@ -118,11 +118,9 @@ def observation(root: Path, out: Path) -> list[Path]:
     if not (obs.is_dir() and any(obs.glob("*.csv"))):
         print("observation: no CSVs (python scripts/observation.py)")
         return []
-    import observation as ob
+    from observation import replot
 
-    if not hasattr(ob, "plot_from_csv"):
-        return []
-    return ob.plot_from_csv(obs, obs)
+    return replot(obs)
 
 
 def main(argv: list[str]) -> int:

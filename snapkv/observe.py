@@ -22,9 +22,10 @@ such as Gemma 3 see a different key range). Batch size 1. Heads are query heads 
 model's `num_attention_heads`; under GQA query head `h` reads KV head `h // group`).
 
 Memory: the generation attention is `layers x heads x T x P` values in `store_dtype`
-(`recording_bytes`): SmolLM2-135M (30 layers, 9 heads), T=384, P=2K, fp16: 0.42 GiB; T=512, P=8K:
-2.3 GiB. Each eager tail chunk holds `layers x heads x chunk x L` fp32 attention weights at once
-(128 x 2K: 0.28 GiB). Fine for T <= ~512, L <= 8K on the tiny model; not meant for 7B x 128K.
+(`recording_bytes`): SmolLM2-135M (30 layers, 9 heads), fp16: T=384, P=1.5K: 0.30 GiB; T=384,
+P=2K: 0.40 GiB; T=512, P=8K: 2.1 GiB. Each eager chunk returns `layers x heads x chunk x L` fp32
+attention weights at once (128 x 2K: 0.26 GiB). Fine for T <= ~512, L <= 8K on the tiny model;
+not meant for 7B x 128K.
 
 Metrics (all on the recorded tensors; `[..., P]` boolean masks over prefix positions):
 
@@ -47,7 +48,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -79,8 +80,7 @@ class Observation:
     input_votes: torch.Tensor | None = None
     text: str | None = None
     seconds: float = 0.0
-    attn_impl_prefill: str = ""
-    extra: dict = field(default_factory=dict)
+    attn_impl_prefill: str = ""  # the implementation of the prefix prefill (the recorded parts: eager)
 
     @property
     def prompt_len(self) -> int:

@@ -119,8 +119,13 @@ def test_method_parameters_from_the_command_line(name):
         "streamingllm": ["budget=64", "method.n_sink=8", "method.positions=compacted"],
         "full": ["budget=512"],  # full ignores the top-level budget
         "pyramidkv": ["budget=256", "method.window=16", "method.beta=10"],
-        "adakv": ["budget=256", "method.base=pyramidkv", "method.alpha=0.5", "method.layout=padded",
-                  "method.normalize=true"],  # fmt: skip
+        "adakv": [
+            "budget=256",
+            "method.base=pyramidkv",
+            "method.alpha=0.5",
+            "method.layout=padded",
+            "method.normalize=true",
+        ],  # fmt: skip
     }[name]
     cfg = compose_cfg([f"method={name}", *overrides])
     method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))

@@ -136,6 +136,20 @@ def _fix_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, impl: str)
     return mask.masked_fill(~visible, torch.finfo(query.dtype).min)[None, None]
 
 
+def _plain_causal(attention_mask, query: torch.Tensor, layer: CompressibleLayer) -> bool:
+    """Whether a prefill chunk's mask is exactly causal over the layer's positions (no padding, no
+    sliding window), so a method may compute the attention itself."""
+    if attention_mask is None:
+        return True  # transformers drops the mask only when it is purely causal
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        return False
+    q = query.shape[2]
+    qpos = torch.arange(layer.seen - q, layer.seen, device=query.device)
+    causal = layer.positions[0, 0][None, :] <= qpos[:, None]  # [q, K]; uncompressed: all heads alike
+    allowed = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+    return allowed.shape[-2:] == causal.shape and bool((allowed == causal).all())
+
+
 def _model_eager(module):
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
@@ -156,8 +170,13 @@ def _make_wrapper(impl: str, original):
             # (padded + validity mask, or flat varlen); the model's shared mask does not apply.
             out = layer.attend(module, query, key, value, fn, impl, *args, **kwargs)
         else:
-            attention_mask = _fix_mask(attention_mask, query, key, impl)
-            out = fn(module, query, key, value, attention_mask, *args, **kwargs)
+            out = None
+            if layer.state in ("empty", "prefilling") and _plain_causal(attention_mask, query, layer):
+                fused = session.method.prefill_attention(layer, query, key, value, module)
+                out = None if fused is None else (fused, None)
+            if out is None:
+                attention_mask = _fix_mask(attention_mask, query, key, impl)
+                out = fn(module, query, key, value, attention_mask, *args, **kwargs)
         session.after_attention(module, layer, query, key)
         return out
 

@@ -386,3 +386,25 @@ def test_h2o_scoring_memory_is_bounded_and_exact(monkeypatch):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     assert max(sizes) <= 64 * 1024  # logits of one block: bounded whatever L is (linear memory in L)
     assert len(sizes) >= 300 // 14  # ... by splitting the queries into more blocks
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
+def test_h2o_fused_prefill_equals_model_attention_then_scoring(arch_name):
+    model = tiny_model(arch_name)
+    ids = random_ids(PROMPT)
+    outs = {}
+    for fused in (True, False):
+        method = build_method("h2o", budget=40, fused=fused, block_size=16)
+        for chunk in (None, 24):
+            out, res = generate_ids(
+                model, ids, None, method, max_new_tokens=NEW, keep_logits=True, chunk_size=chunk
+            )
+            outs[fused, chunk] = out, res.logits, _prefilled_cache(model, ids, method, chunk_size=chunk)
+    for chunk in (None, 24):
+        (a, la, ca), (b, lb, cb) = outs[True, chunk], outs[False, chunk]
+        assert torch.equal(a, b)
+        for x, y in zip(la, lb):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4)
+        for (_, u), (_, w) in zip(ca.compressible_layers(), cb.compressible_layers()):
+            assert torch.equal(u.positions, w.positions)
+            torch.testing.assert_close(u.scores, w.scores, atol=1e-5, rtol=1e-5)

@@ -51,6 +51,12 @@ class Method:
         methods with per-head lengths (Ada-KV) return `snapkv.headwise.HeadwiseLayer`."""
         return CompressibleLayer(index=index, num_layers=num_layers)
 
+    def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
+        """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.
+        fused with scoring, H2O); None: the model's own attention function runs. Only called for
+        plain causal prefill chunks (no padding)."""
+        return None
+
     def protected(self) -> tuple[int, int]:
         """(leading, trailing) entries always kept, e.g. StreamingLLM's sinks, SnapKV's window."""
         return 0, 0
@@ -156,6 +162,53 @@ def pool(scores: torch.Tensor, kernel_size: int, how: str) -> torch.Tensor:
     return x[..., : shape[-1]].reshape(shape)
 
 
+def blockwise_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    scaling: float,
+    value: torch.Tensor | None = None,
+    block: int = 256,
+    max_block_bytes: int = 64 * 2**20,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal softmax attention in query blocks: each key's column sum and, given `value`, the output.
+
+    query `[batch, heads, q, d]` at ascending `query_positions` `[q]`; key / value
+    `[batch, kv_heads, L, d]` at `key_positions` `[batch, kv_heads, L]` (ascending per head; per-head
+    after compression). A query sees the keys whose position is <= its own. Returns the column sums
+    `[batch, kv_heads, group, L]` (fp32) and the output `[batch, heads, q, d]` (query dtype) or None.
+    Memory: one block of fp32 logits (`max_block_bytes`), never q x L.
+    """
+    b, kv_heads, length, _ = key.shape
+    nq, g = query.shape[2], query.shape[1] // kv_heads
+    per_row = max(1, b * kv_heads * g * length * 4)
+    block = max(1, min(block, max_block_bytes // per_row))
+    sums = torch.zeros(b, kv_heads, g, length, dtype=torch.float32, device=key.device)
+    out = None if value is None else query.new_empty(b, kv_heads, g, nq, value.shape[-1])
+    k, v = key.float(), None if value is None else value.float()
+    qg = grouped(query, kv_heads)
+    kpos = key_positions.contiguous()
+    # Keys visible to each query, per head; sorted positions make both bounds a searchsorted:
+    # keys [0, first) are visible to every query of a block (no mask needed), keys past `end` to
+    # none (the causal upper triangle is skipped: ~2x less work in prefill).
+    seen = torch.searchsorted(kpos, query_positions.expand(b, kv_heads, -1).contiguous(), right=True)
+    ends, firsts = seen.amax(dim=(0, 1)), seen.amin(dim=(0, 1))
+    for s in range(0, nq, block):
+        t = min(s + block, nq)
+        first, end = int(firsts[s]), int(ends[t - 1])
+        logits = torch.einsum("bhgqd,bhkd->bhgqk", qg[:, :, :, s:t].float(), k[:, :, :end]).mul_(scaling)
+        if first < end:
+            hidden = kpos[:, :, None, None, first:end] > query_positions[s:t].view(1, 1, 1, -1, 1)
+            logits[..., first:end].masked_fill_(hidden, -math.inf)
+        logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_()
+        probs = logits.div_(logits.sum(dim=-1, keepdim=True))  # in place: one block buffer
+        sums[..., :end] += probs.sum(dim=-2)
+        if out is not None:
+            out[:, :, :, s:t] = torch.einsum("bhgqk,bhkd->bhgqd", probs, v[:, :, :end]).to(out.dtype)
+    return sums, None if out is None else out.view(b, kv_heads * g, nq, -1)
+
+
 def causal_column_sums(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -163,32 +216,10 @@ def causal_column_sums(
     key_positions: torch.Tensor,
     scaling: float,
     block: int = 256,
-    max_block_bytes: int = 256 * 2**20,
+    max_block_bytes: int = 64 * 2**20,
 ) -> torch.Tensor:
-    """Σ over queries of each key's causal softmax attention, in query blocks (never q x L at once).
-
-    query `[batch, heads, q, d]` at `query_positions` `[q]`; key `[batch, kv_heads, L, d]` at
-    `key_positions` `[batch, kv_heads, L]` (per head after compression). A query sees the keys whose
-    position is <= its own. Returns `[batch, kv_heads, group, L]` in fp32.
-    """
-    b, kv_heads, length, _ = key.shape
-    g = query.shape[1] // kv_heads
-    # Bound the block's logits (b x heads x block x L fp32) whatever L is.
-    per_row = max(1, b * kv_heads * g * length * 4)
-    block = max(1, min(block, max_block_bytes // per_row))
-    out = torch.zeros(b, kv_heads, g, length, dtype=torch.float32, device=key.device)
-    k = key.float()
-    qg = grouped(query, kv_heads)
-    kpos = key_positions[:, :, None, None, :]  # [b, kv, 1, 1, L]
-    # Stored keys are in ascending position order per head, so a block only needs the keys up to
-    # the last one any of its queries can see: in prefill this skips the upper triangle (~2x).
-    qpos = query_positions.expand(b, kv_heads, -1).contiguous()
-    ends = torch.searchsorted(key_positions.contiguous(), qpos, right=True).amax(dim=(0, 1))  # [q]
-    for s in range(0, query.shape[2], block):
-        e = int(ends[min(s + block, query.shape[2]) - 1])
-        q = qg[:, :, :, s : s + block].float()
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", q, k[:, :, :e]) * scaling
-        visible = kpos[..., :e] <= query_positions[s : s + block].view(1, 1, 1, -1, 1)
-        logits.masked_fill_(~visible, -math.inf)
-        out[..., :e] += logits.softmax(dim=-1).sum(dim=-2)
-    return out
+    """Σ over queries of each key's causal softmax attention `[batch, kv_heads, group, L]` (fp32),
+    in query blocks (see `blockwise_attention`)."""
+    return blockwise_attention(
+        query, key, query_positions, key_positions, scaling, None, block, max_block_bytes
+    )[0]

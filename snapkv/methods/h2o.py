@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from snapkv.methods.base import GQA_REDUCTIONS, Method, causal_column_sums, reduce_group
+from snapkv.methods.base import GQA_REDUCTIONS, Method, blockwise_attention, causal_column_sums, reduce_group
 from snapkv.methods.registry import register
 
 
@@ -31,6 +31,9 @@ class H2O(Method):
     normalize: bool = False
     gqa_reduce: str = "mean"
     block_size: int = 256  # queries per scoring block (bounded further by memory)
+    # Prefill: compute the attention output and the column sums in one blockwise pass instead of
+    # running the model's attention and then re-deriving the weights (exact; ~2x less prefill work).
+    fused: bool = True
 
     @property
     def evicts_during_decode(self) -> bool:  # type: ignore[override]
@@ -60,14 +63,33 @@ class H2O(Method):
     def protected(self) -> tuple[int, int]:
         return 0, self.n_recent
 
+    def _accumulate(self, layer, sums: torch.Tensor) -> None:
+        sums = reduce_group(sums, self.gqa_reduce)
+        layer.scores = sums if layer.scores is None else layer.scores + sums
+
+    def prefill_attention(self, layer, query, key, value, module):
+        if not self.fused:
+            return None
+        q = query.shape[2]
+        qpos = torch.arange(layer.seen - q, layer.seen, device=key.device)
+        sums, out = blockwise_attention(
+            query, key, qpos, layer.positions, module.scaling, value, self.block_size
+        )
+        self._accumulate(layer, sums)
+        layer.observed = True  # observe() must not count this chunk twice
+        return out.transpose(1, 2).contiguous()
+
     def observe(self, layer, query, key, module) -> None:
+        if getattr(layer, "observed", False):
+            layer.observed = False
+            return
         if layer.state == "ready" and not self.evict_during_decode:
             return  # prefill-only variant: scores are not needed any more
         q = query.shape[2]
         qpos = torch.arange(layer.seen - q, layer.seen, device=key.device)
-        sums = causal_column_sums(query, key, qpos, layer.positions, module.scaling, self.block_size)
-        sums = reduce_group(sums, self.gqa_reduce)
-        layer.scores = sums if layer.scores is None else layer.scores + sums
+        self._accumulate(
+            layer, causal_column_sums(query, key, qpos, layer.positions, module.scaling, self.block_size)
+        )
 
     def _scores(self, layer) -> torch.Tensor:
         if not self.normalize:

@@ -21,7 +21,7 @@ import snapkv.hooks as hooks
 
 def record_visible(model, run):
     """Run `run()` (a compressed generation) recording, for every forward and compressible layer,
-    the original positions `[batch, kv_heads, stored]` the attention saw (after the cache update)."""
+    the original positions `[batch, kv_heads, n]` each head attended to (after the cache update)."""
     records: list[dict[int, torch.Tensor]] = []
     original = hooks.Session.after_attention
 
@@ -31,7 +31,10 @@ def record_visible(model, run):
             step = {}
             records.append(step)
             self._spy_step = step
-        step[module.layer_idx] = layer.positions.clone()
+        # Per-head storage (Ada-KV) pads short heads with -1: repeat the head's first position
+        # instead (harmless for the reference's scatter).
+        pos = layer.head_positions() if hasattr(layer, "head_positions") else layer.positions
+        step[module.layer_idx] = torch.where(pos < 0, pos[..., :1], pos).clone()
         return original(self, module, layer, query, key)
 
     hooks.Session.after_attention = spy

@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 from conftest import COMMON, random_ids, tiny_model
-from reference import masked_reference_logits
+from reference import masked_reference_logits, record_visible
 
 import snapkv
 import snapkv.headwise as headwise
-import snapkv.hooks as hooks
 from snapkv import CompressedCache, build_method, generate_ids
 from snapkv.headwise import HeadwiseLayer, segment_attention
 from snapkv.hooks import cache_kwarg, session
@@ -33,31 +32,6 @@ EVICTING = [
 
 def run(model, method, ids, question=None, **kw):
     return generate_ids(model, ids, question, method, max_new_tokens=NEW, keep_logits=True, **kw)
-
-
-def record_heads(model, fn):
-    """Like reference.record_visible, for per-head storage: per forward and compressible layer, the
-    original positions `[batch, kv_heads, n]` each head attended to; short heads are padded with a
-    duplicate of their first position (harmless for the reference's scatter)."""
-    records: list[dict[int, torch.Tensor]] = []
-    original = hooks.Session.after_attention
-
-    def spy(self, module, layer, query, key):
-        step = getattr(self, "_spy_step", None)
-        if step is None or module.layer_idx in step:
-            step = {}
-            records.append(step)
-            self._spy_step = step
-        pos = layer.head_positions() if isinstance(layer, HeadwiseLayer) else layer.positions
-        step[module.layer_idx] = torch.where(pos < 0, pos[..., :1], pos).clone()
-        return original(self, module, layer, query, key)
-
-    hooks.Session.after_attention = spy
-    try:
-        out = fn()
-    finally:
-        hooks.Session.after_attention = original
-    return out, records
 
 
 def prefilled(model, ids, method, chunk_size=None):
@@ -100,7 +74,7 @@ def test_compressed_decoding_equals_masked_full_cache(arch, name, params, query_
     ids = random_ids(PROMPT, batch=2)
     ctx, q = ids[:, :80], ids[:, 80:]
     method = build_method(name, **params)
-    (out, res), records = record_heads(model, lambda: run(model, method, ctx, q, query_aware=query_aware))
+    (out, res), records = record_visible(model, lambda: run(model, method, ctx, q, query_aware=query_aware))
     assert res.compressed
     # Query-agnostic: the 16-token question forward runs on the compressed, unequal-length cache.
     fed = ([] if query_aware else [q]) + [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
@@ -116,7 +90,7 @@ def test_eager_attention_and_chunked_prefill(layout):
     ids = random_ids(PROMPT)
     ctx, q = ids[:, :80], ids[:, 80:]
     method = build_method("adakv", budget=40, window=W, layout=layout, base="pyramidkv")
-    (out, res), records = record_heads(model, lambda: run(model, method, ctx, q, query_aware=False))
+    (out, res), records = record_visible(model, lambda: run(model, method, ctx, q, query_aware=False))
     fed = [q] + [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
     ref = masked_reference_logits(model, [ctx], fed, records)[-len(res.logits) :]
     for a, b in zip(res.logits, ref):

@@ -335,32 +335,40 @@ def score_tables(df: pd.DataFrame) -> list[str]:
     return out
 
 
-def needle_means(df: pd.DataFrame) -> pd.DataFrame:
-    """Accuracy x100 per (task, model, config_label, context_length): mean over depths of per-depth means."""
+def needle_means(df: pd.DataFrame, value: str = "score") -> pd.DataFrame:
+    """`value` x100 per (task, model, config_label, context_length): mean over depths of per-depth means."""
     ok = df[df["ok"] & df["context_length"].notna()]
     per_depth = ok.groupby(
         ["task", "model", "config_label", "context_length", "depth_percent"], dropna=False
-    )["score"].mean()
+    )[value].mean()
     return per_depth.groupby(level=[0, 1, 2, 3]).mean().mul(100).rename("score").reset_index()
+
+
+NEEDLE_VALUES = {
+    "score": "Needle accuracy x100 per context length (mean over depths).",
+    "partial": "Partial credit x100 (longest correct prefix of the number / its length), mean over depths.",
+}
 
 
 def needle_tables(df: pd.DataFrame) -> list[str]:
     out = []
-    means = needle_means(df)
-    for (task, model), part in df.groupby(["task", "model"], sort=True):
-        sub = means[(means["task"] == task) & (means["model"] == model)]
-        table = sub.pivot_table(
-            index="config_label", columns="context_length", values="score", aggfunc="mean"
-        )
-        lengths = sorted(table.columns)
-        labels = _column_order(part)
-        table = table.reindex(index=labels, columns=lengths)
-        headers = ["method"] + [str(int(v)) if float(v).is_integer() else str(v) for v in lengths] + ["avg"]
-        rows = [[lab] + [table.at[lab, c] for c in lengths] + [table.loc[lab].mean()] for lab in labels]
-        out.append(
-            f"### {task} — {model}\n\nNeedle accuracy x100 per context length (mean over depths).\n\n"
-            + md_table(headers, rows)
-        )
+    for value, caption in NEEDLE_VALUES.items():
+        if value not in df or df[value].isna().all():
+            continue
+        means = needle_means(df, value)
+        for (task, model), part in df.groupby(["task", "model"], sort=True):
+            sub = means[(means["task"] == task) & (means["model"] == model)]
+            table = sub.pivot_table(
+                index="config_label", columns="context_length", values="score", aggfunc="mean"
+            )
+            lengths = sorted(table.columns)
+            labels = _column_order(part)
+            table = table.reindex(index=labels, columns=lengths)
+            headers = (
+                ["method"] + [str(int(v)) if float(v).is_integer() else str(v) for v in lengths] + ["avg"]
+            )
+            rows = [[lab] + [table.at[lab, c] for c in lengths] + [table.loc[lab].mean()] for lab in labels]
+            out.append(f"### {task} — {model}\n\n{caption}\n\n" + md_table(headers, rows))
     return out
 
 

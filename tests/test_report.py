@@ -197,6 +197,7 @@ def test_report_end_to_end(results_dir, tmp_path, capsys, fake_metrics):
     assert "| snapkv b=128 w=32 k=7 max | 100.00 | 16.67 | 16.67 | 44.44 |" in report
     assert "| full | 100.00 | 100.00 | 100.00 | 100.00 |" in report
     assert "## Cost" in report and "peak GiB" in report
+    assert "Partial credit x100" in report  # the graded needle score has its own table
 
     for label in ("full", "snapkv_b=128_w=32_k=7_max", "snapkv_b=256_w=32_k=7_max"):
         for suffix in ("", "_partial"):  # exact containment, and partial credit beside it

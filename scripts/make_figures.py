@@ -101,7 +101,8 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
     everything = load(root)
     full = everything[(everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full")]
     full = full[full["sample_id"].isin(set(d["sample_id"])) & (full["model"] == d["model"].iloc[0])]
-    d = pd.concat([d, full.drop_duplicates("sample_id").assign(line="full")])
+    if set(full["sample_id"]) == set(d["sample_id"]):  # a reference line only on the same samples
+        d = pd.concat([d, full.drop_duplicates("sample_id").assign(line="full")])
     name = param
     written = []
     for y, label in (("score", "needle exact"), ("partial", "needle partial credit")):

@@ -332,7 +332,38 @@ def score_tables(df: pd.DataFrame) -> list[str]:
             + md_table(["dataset"] + cols, rows)
             + note
         )
+        if is_longbench and "length" in ok and pd.to_numeric(ok["length"], errors="coerce").notna().any():
+            out.append(longbench_e_table(ok, cols, datasets))
     return out
+
+
+LONGBENCH_E_BUCKETS = ("0-4k", "4-8k", "8k+")
+
+
+def longbench_e_bucket(length: float) -> str:
+    """LongBench-E's buckets of the records' `length` field (eval.py's scorer_e: <4000, <8000, rest)."""
+    return (
+        LONGBENCH_E_BUCKETS[0]
+        if length < 4000
+        else LONGBENCH_E_BUCKETS[1]
+        if length < 8000
+        else LONGBENCH_E_BUCKETS[2]
+    )
+
+
+def longbench_e_table(ok: pd.DataFrame, cols: list[str], datasets: list[str]) -> str:
+    """Score x100 per dataset x LongBench-E length bucket (rows) and config (columns)."""
+    ok = ok.assign(length=pd.to_numeric(ok["length"], errors="coerce")).dropna(subset=["length"])
+    ok = ok.assign(bucket=ok["length"].map(longbench_e_bucket))
+    means = ok.groupby(["dataset", "bucket", "config_label"])["score"].mean().mul(100)
+    rows = []
+    for ds in datasets:
+        for bucket in LONGBENCH_E_BUCKETS:
+            if (ds, bucket) in means.index.droplevel(2):
+                rows.append([f"{ds} {bucket}"] + [means.get((ds, bucket, c), float("nan")) for c in cols])
+    return "LongBench-E length buckets (the records' `length`, words), score x100.\n\n" + md_table(
+        ["dataset / length"] + cols, rows
+    )
 
 
 def needle_means(df: pd.DataFrame, value: str = "score") -> pd.DataFrame:

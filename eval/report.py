@@ -64,24 +64,6 @@ BUDGET_KEYS = ("budget", "max_capacity_prompt", "kv_budget")
 QUERY_AGNOSTIC_SUFFIX = " q-agnostic"
 
 SUMMARY_KEYS = ["task", "dataset", "model", "method", "label", "query_aware"]
-SUMMARY_COLUMNS = SUMMARY_KEYS + [
-    "method_params",
-    "n",
-    "n_ok",
-    "n_error",
-    "n_oom",
-    "score",
-    "partial",
-    "input_tokens",
-    "kv_tokens",
-    "kv_bytes_full",
-    "kv_bytes",
-    "compression",
-    "prefill_s",
-    "ttft_s",
-    "tpot_s",
-    "peak_mem_bytes",
-]
 _MEAN_COLUMNS = [
     "input_tokens",
     "kv_tokens",
@@ -92,6 +74,16 @@ _MEAN_COLUMNS = [
     "ttft_s",
     "tpot_s",
     "peak_mem_bytes",
+]
+SUMMARY_COLUMNS = SUMMARY_KEYS + [
+    "method_params",
+    "n",
+    "n_ok",
+    "n_error",
+    "n_oom",
+    "score",
+    "partial",
+    *_MEAN_COLUMNS,
 ]
 
 

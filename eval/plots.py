@@ -48,6 +48,15 @@ def trained_context_position(lengths, trained_context: float | None) -> float | 
     return float(len(lengths) - 1)  # t == lengths[-1] with a single column
 
 
+def _save(fig, path: str | os.PathLike) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=DPI, format="png")
+    plt.close(fig)
+    return path
+
+
 def needle_heatmap(
     df: pd.DataFrame,
     path: str | os.PathLike,
@@ -109,12 +118,7 @@ def needle_heatmap(
             transform=ax.get_xaxis_transform(),
             clip_on=False,
         )
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, format="png")
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def score_vs_budget(
@@ -163,9 +167,4 @@ def score_vs_budget(
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=DPI, format="png")
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -18,6 +18,7 @@ run can resume on another machine; the model id is in the file's path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import io
 import re
@@ -38,7 +39,7 @@ from eval.store import ROW_FIELDS, ResultStore, config_hash, result_path, shard
 from eval.tasks.base import Sample
 from eval.tasks.longbench import LongBenchTask
 from eval.tasks.needle import NeedleTask
-from snapkv import build_method, generate
+from snapkv import GenerationResult, build_method, generate
 from snapkv.models import EMBEDDED, fetch_embedded, load_model
 
 # Task name (`task.name` in conf/task/*.yaml) -> class; the rest of the task node is its arguments.
@@ -49,20 +50,8 @@ RUN_KEYS = ("name", "shard", "num_shards")
 # Task keys that only choose WHICH samples run, not what one sample outputs: left out of the config
 # hash, so a grid or a dataset list can grow without recomputing the samples already stored.
 SELECTION_KEYS = ("lengths", "depths", "datasets", "limit", "data_dir")
-# GenerationResult fields copied into the row (besides the schema's: input_tokens ... device).
-RESULT_FIELDS = (
-    "input_tokens",
-    "kv_tokens",
-    "kv_bytes_full",
-    "kv_bytes",
-    "kv_bytes_logical",
-    "compressed",
-    "prefill_s",
-    "ttft_s",
-    "tpot_s",
-    "peak_mem_bytes",
-    "attn_impl",
-    "device",
+# GenerationResult fields copied into the row: the schema's measurement columns, plus a few extras.
+RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationResult) if f.name in ROW_FIELDS) + (
     "new_tokens",
     "stop_reason",
     "kv_tokens_per_layer",

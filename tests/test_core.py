@@ -189,7 +189,16 @@ def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, param
     assert torch.equal(out[:, ids.shape[1] :], own)
 
 
-@pytest.mark.parametrize("name,params", EVICTING)
+@pytest.mark.parametrize(
+    "name,params",
+    EVICTING
+    + [  # per-layer and per-head budgets go through model.generate too
+        ("pyramidkv", dict(budget=40, window=8, kernel_size=5)),
+        ("adakv", dict(budget=40, window=8, layout="padded")),
+        ("adakv", dict(budget=40, window=8, layout="varlen")),
+        ("adakv", dict(budget=40, window=8, layout="varlen", base="pyramidkv", normalize=True, alpha=0.5)),
+    ],
+)
 def test_apply_context_manager_matches_own_loop(name, params):
     model = tiny_model("llama")
     ids = random_ids(PROMPT)

@@ -9,7 +9,6 @@ import torch
 from conftest import COMMON, random_ids, tiny_model
 from reference import masked_reference_logits, record_visible
 
-import snapkv
 import snapkv.headwise as headwise
 from snapkv import CompressedCache, build_method, generate_ids
 from snapkv.headwise import HeadwiseLayer, segment_attention
@@ -97,18 +96,6 @@ def test_eager_attention_and_chunked_prefill(layout):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     chunked, _ = run(model, method, ctx, q, query_aware=False, chunk_size=24)
     assert torch.equal(chunked, out)
-
-
-@pytest.mark.parametrize("name,params", EVICTING)
-def test_model_generate_inside_apply_matches_own_loop(name, params):
-    model = tiny_model("llama")
-    ids = random_ids(PROMPT)
-    method = build_method(name, **params)
-    own, _ = generate_ids(model, ids, None, method, max_new_tokens=NEW)
-    with snapkv.apply(model, method), torch.no_grad():
-        out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
-    assert torch.equal(out[:, ids.shape[1] :], own)
-    assert not snapkv.hooks_installed()
 
 
 def test_adakv_uniform_floor_selects_exactly_snapkv():

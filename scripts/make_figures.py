@@ -128,7 +128,7 @@ def observation(root: Path, out: Path) -> list[Path]:
     if not (obs.is_dir() and any(obs.glob("*.csv"))):
         print("observation: no CSVs (python scripts/observation.py)")
         return []
-    from observation import replot
+    from eval.observation import replot
 
     return replot(obs)
 

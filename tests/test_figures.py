@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _make(args, cwd=ROOT):
     return subprocess.run(
-        [sys.executable, "scripts/make_figures.py", *args],
+        [sys.executable, str(ROOT / "scripts" / "make_figures.py"), *args],
         cwd=cwd,
         capture_output=True,
         text=True,

@@ -80,6 +80,14 @@ def _stamp(path: Path) -> str:
     return f"{st.st_size} {st.st_mtime_ns}"
 
 
+def _write_stamp(target: Path, sha: str) -> None:
+    """Record that `target` was verified (a read-only cache only costs a re-hash next time)."""
+    try:
+        target.with_name(target.name + ".sha256").write_text(f"{sha} {_stamp(target)}\n")
+    except OSError as e:
+        logger.debug("could not write the checksum stamp of %s: %s", target, e)
+
+
 def _file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -104,7 +112,7 @@ def verify_cached(name: str) -> bool:
         target.unlink()
         shutil.rmtree(model_dir(name) / "hf", ignore_errors=True)
         return False
-    stamp.write_text(f"{spec.sha256} {_stamp(target)}\n")
+    _write_stamp(target, spec.sha256)
     return True
 
 
@@ -152,6 +160,6 @@ def fetch_embedded(name: str) -> Path:
                 f"{spec.sha256}; refusing to use it (nothing was cached)"
             )
         os.replace(partial, target)
-    target.with_name(target.name + ".sha256").write_text(f"{spec.sha256} {_stamp(target)}\n")
+    _write_stamp(target, spec.sha256)
     logger.info("%s: cached %s (sha256 verified)", name, target)
     return target

@@ -141,7 +141,7 @@ def timed(env: dict[str, str], *calls: str) -> list[dict]:
 import builtins, json, time
 import huggingface_hub, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-import snapkv.models, eval.tasks.longbench
+import snapkv.models, eval.runner, eval.tasks.longbench
 for call in {list(calls)!r}:
     t = time.perf_counter()
     try:
@@ -204,19 +204,24 @@ def test_run_py_downloads_model_and_longbench_once_then_runs_offline(hub, tmp_pa
 
 # ---------------------------------------------------------------------------- an endpoint that refuses
 def test_unreachable_endpoint_fails_at_once(tmp_path):
-    """A missing model id and missing LongBench data, endpoint refusing: an error naming the fix, at once."""
+    """A missing model id, tokenizer id and LongBench data, endpoint refusing: an error naming the
+    fix, at once (before: 46 s for the model, 23 s for the data, of huggingface_hub retry sleeps)."""
     endpoint = refused_endpoint()
-    model, data = timed(
+    model, tokenizer, data = timed(
         child_env(tmp_path, endpoint),
         "snapkv.models.load_model('tiny-org/missing')",
+        "eval.runner.load_tokenizer('tiny-org/missing')",
         "eval.tasks.longbench.find_data_file('passage_count')",
     )
+    assert [r["seconds"] < FAST_S for r in (model, tokenizer, data)] == [True] * 3, (model, tokenizer, data)
     for result, fix in [(model, "(model.name=PATH)"), (data, "task.data_dir=... or LONGBENCH_DIR=...")]:
         assert result["error"] is not None and result["error"].startswith("FileNotFoundError"), result
         assert f"the Hub endpoint {endpoint} cannot be reached" in result["error"]
         assert "local Hugging Face cache" in result["error"] and fix in result["error"]
-        assert result["seconds"] < FAST_S, result
     assert "'tiny-org/missing'" in model["error"]
+    assert tokenizer["error"].startswith(
+        "FileNotFoundError: tokenizer 'tiny-org/missing' could not be loaded"
+    )
 
 
 @pytest.mark.parametrize(
@@ -228,17 +233,15 @@ def test_unreachable_endpoint_fails_at_once(tmp_path):
     ids=["model", "longbench"],
 )
 def test_run_py_unreachable_endpoint_one_line_exit_2(tmp_path, args, expected):
-    start = time.perf_counter()
+    # Wall time is not asserted here (start-up alone varies 5-30 s on a loaded machine; the Hub path is
+    # timed in test_unreachable_endpoint_fails_at_once); the retries are what used to cost 23 s per file.
     proc = run_py(child_env(tmp_path, refused_endpoint()), *args, f"results_dir={tmp_path / 'runs'}")
-    seconds = time.perf_counter() - start
+    assert "Retrying" not in proc.stderr  # huggingface_hub's backoff never started (before: 5 per file)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "cannot be reached" in errors[0] and expected in errors[0], proc.stderr[
-        -3000:
-    ]
-    assert "Retrying" not in proc.stderr  # huggingface_hub's backoff never started
+    assert len(errors) == 1, proc.stderr[-3000:]
+    assert "cannot be reached" in errors[0] and expected in errors[0], errors[0]
     assert "Traceback" not in proc.stderr
-    assert seconds < 45, seconds  # before: >= 46 s of retry sleeps for a model id, plus start-up
 
 
 # --------------------------------------------------------------------- an endpoint that answers (slowly)

@@ -6,30 +6,30 @@ file, and has no setting to turn that off. transformers asks for a model's `conf
 (tokenizer, then model) before giving up, so an endpoint that refuses connections cost ~50 s
 before the error for a model id and ~25 s for LongBench's `data.zip`.
 
-What: `hub_unavailable()` probes the endpoint once per process (`HEAD {HF_ENDPOINT}/`, any HTTP
-answer counts, however slow) and, when nothing answers, says why; callers then pass
-`local_files_only=True` (`cache_only_kwargs()`), so cached files still load and a missing one fails
-at once. The probe
-goes through huggingface_hub's own HTTP client (proxies, certificates and `set_client_factory`
-apply) and waits at most `HF_HUB_ETAG_TIMEOUT` seconds (huggingface_hub's own setting, default 10)
-to connect. An endpoint that accepts the connection but answers slowly is reachable: the probe
-stops waiting after `PROBE_READ_TIMEOUT` seconds and the download itself then runs with
-huggingface_hub's usual timeouts and retries.
+What: `hub_unavailable()` checks once per process whether the endpoint (`HF_ENDPOINT`, or the
+proxy that `HTTPS_PROXY` / `HTTP_PROXY` / `NO_PROXY` route it through) accepts a TCP connection, and
+when it does not, says why; callers then pass `local_files_only=True` (`cache_only_kwargs()`), so
+cached files still load and a missing one fails at once. A connection is all it asks for: no HTTP
+request is sent, so an endpoint that answers slowly counts as reachable and the download then runs
+with huggingface_hub's usual timeouts and retries. The connect waits at most `HF_HUB_ETAG_TIMEOUT`
+seconds (huggingface_hub's own setting, default 10). The stdlib does the probe because
+huggingface_hub's HTTP library changed between the versions transformers accepts (httpx in 1.x,
+httpx2 in 2.x).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import socket
+import urllib.request
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
-# Seconds the probe waits for an answer once connected; waiting longer proves nothing more.
-PROBE_READ_TIMEOUT = 1.0
-
 
 def hub_unavailable() -> str | None:
-    """Why the Hub cannot be used now (offline mode, or the endpoint does not answer), else None.
+    """Why the Hub cannot be used now (offline mode, or the endpoint refuses connections), else None.
 
     The endpoint is `huggingface_hub.constants.ENDPOINT` (read from `HF_ENDPOINT` when
     huggingface_hub is imported); the probe runs once per process and endpoint.
@@ -41,26 +41,30 @@ def hub_unavailable() -> str | None:
     return _probe(constants.ENDPOINT, float(constants.HF_HUB_ETAG_TIMEOUT))
 
 
-@functools.cache
-def _probe(endpoint: str, connect_timeout: float) -> str | None:
-    """`HEAD {endpoint}/`: None when anything answers (any status, or a slow answer), else the reason."""
-    import httpx2
-    from huggingface_hub import get_session
+def _default_port(scheme: str) -> int:
+    return 443 if scheme == "https" else 80
 
-    timeout = httpx2.Timeout(PROBE_READ_TIMEOUT, connect=connect_timeout)
+
+@functools.cache
+def _probe(endpoint: str, timeout: float) -> str | None:
+    """Open (and close) a TCP connection to `endpoint`, or to its proxy: None if accepted, else why not."""
+    url = urlsplit(endpoint)
+    host, port, via = url.hostname or "", url.port or _default_port(url.scheme), ""
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(host):
+        p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+        host, port = p.hostname or "", p.port or _default_port(p.scheme)
+        via = f" through the proxy {host}:{port}"
     try:
-        get_session().head(f"{endpoint}/", timeout=timeout, follow_redirects=False)
-    except (httpx2.ReadTimeout, httpx2.RemoteProtocolError):
-        return None  # connected, the server is slow or odd: let huggingface_hub deal with it
-    except httpx2.ConnectTimeout:
+        with socket.create_connection((host, port), timeout=timeout):
+            return None
+    except TimeoutError:
         reason = (
-            f"the Hub endpoint {endpoint} did not answer within {connect_timeout:g} s (HF_HUB_ETAG_TIMEOUT)"
+            f"the Hub endpoint {endpoint} did not accept a connection{via} within {timeout:g} s "
+            "(HF_HUB_ETAG_TIMEOUT)"
         )
-    except httpx2.ConnectError as err:
-        detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        reason = f"the Hub endpoint {endpoint} cannot be reached ({detail})"
-    else:
-        return None
+    except OSError as err:  # refused, no route, name resolution failed
+        reason = f"the Hub endpoint {endpoint} cannot be reached{via} ({err.strerror or err})"
     logger.warning("%s: using the local Hugging Face cache only", reason)
     return reason
 

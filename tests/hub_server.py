@@ -141,8 +141,6 @@ class _Handler(BaseHTTPRequestHandler):
         parts = [p for p in path.split("/") if p]
         if parts[:1] == ["lfs"] and len(parts) == 2:
             return self._lfs(parts[1], body)
-        if not parts:  # the front page (snapkv.hub's reachability probe)
-            return self._send(200, {}, b"", body)
         if parts == ["api", "agent-harnesses"]:
             return self._send_json(200, {}, {"standardEnvVars": [], "harnesses": {}}, body)
         if parts[:1] == ["api"] and len(parts) >= 4 and parts[1] in ("models", "datasets"):

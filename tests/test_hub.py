@@ -262,7 +262,7 @@ def test_missing_repo_on_answering_endpoint_is_a_fast_clear_error(hub, tmp_path)
     assert result["error"].startswith("FileNotFoundError: model 'tiny-org/missing' could not be loaded: ")
     assert "model.name=PATH" in result["error"] and "cannot be reached" not in result["error"]
     assert result["seconds"] < FAST_S, result
-    assert ("HEAD", "/") in hub.requests  # probed once, found answering
+    assert hub.unhandled == []
 
 
 # --------------------------------------------------------------------------------------- the probe
@@ -282,14 +282,30 @@ def online(monkeypatch):
 def test_probe_refused_answering_and_slow(online, longbench_repo):
     endpoint = refused_endpoint()
     reason = online._probe(endpoint, 10.0)
-    assert reason.startswith(f"the Hub endpoint {endpoint} cannot be reached (") and "refused" in reason
+    assert reason == f"the Hub endpoint {endpoint} cannot be reached (Connection refused)"
     with HubServer({LONGBENCH: longbench_repo}) as server:
         assert online._probe(server.url, 10.0) is None
-        assert server.requests == [("HEAD", "/")]
+        assert server.requests == []  # a TCP connection only: no request reaches the Hub
     with HubServer({}, delay=3.0) as slow:
         start = time.perf_counter()
-        assert online._probe(slow.url, 10.0) is None  # connected: slow, not unreachable
-        assert time.perf_counter() - start < 2.5  # stops waiting after PROBE_READ_TIMEOUT
+        assert online._probe(slow.url, 10.0) is None  # accepts connections: slow, not unreachable
+        assert time.perf_counter() - start < 1.0
+
+
+def test_probe_goes_through_the_proxy(online, monkeypatch, longbench_repo):
+    refused = refused_endpoint()
+    with HubServer({LONGBENCH: longbench_repo}) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)  # the endpoint refuses, its proxy answers
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        assert online._probe("http://hub.invalid", 10.0) is None
+        online._probe.cache_clear()
+        monkeypatch.setenv("HTTP_PROXY", refused)
+        port = refused.rsplit(":", 1)[1]
+        assert online._probe("http://hub.invalid", 10.0) == (
+            f"the Hub endpoint http://hub.invalid cannot be reached through the proxy 127.0.0.1:{port} "
+            "(Connection refused)"
+        )
 
 
 def test_offline_mode_is_not_probed(monkeypatch):

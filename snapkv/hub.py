@@ -2,9 +2,10 @@
 
 Why: when huggingface_hub cannot fetch a file that is not cached, it retries it five times with
 backoff (1 + 2 + 4 + 8 + 8 s, `_hf_hub_download_to_cache_dir(..., retry_on_errors=True)`), per
-file, and has no setting to turn that off. transformers asks for a model's `config.json` twice
-(tokenizer, then model) before giving up, so an endpoint that refuses connections cost ~50 s
-before the error for a model id and ~25 s for LongBench's `data.zip`.
+file, and has no setting to turn that off. transformers' `AutoTokenizer.from_pretrained` asks for
+`config.json` twice (`AutoConfig`, then `PreTrainedConfig` after the OSError), so an endpoint that
+refuses connections cost 2 x 23 s before the error for a model id and 23 s for LongBench's
+`data.zip`. A cached model paid too: its tokenizer's `additional_chat_templates` listing is retried.
 
 What: `hub_unavailable()` checks once per process whether the endpoint (`HF_ENDPOINT`, or the
 proxy that `HTTPS_PROXY` / `HTTP_PROXY` / `NO_PROXY` route it through) accepts a TCP connection, and

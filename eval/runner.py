@@ -40,6 +40,7 @@ from eval.tasks.base import Sample
 from eval.tasks.longbench import LongBenchTask
 from eval.tasks.needle import NeedleTask
 from snapkv import GenerationResult, build_method, generate
+from snapkv.hub import cache_only_kwargs
 from snapkv.models import EMBEDDED, fetch_embedded, load_model
 
 # Task name (`task.name` in conf/task/*.yaml) -> class; the rest of the task node is its arguments.
@@ -119,7 +120,9 @@ def load_tokenizer(name: str, model: Any = None):
         if path.suffix == ".gguf":
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         else:
-            tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name)
+            # A Hub id: one probe of the endpoint first, the cache only when it does not answer.
+            hub_kw = {} if path.exists() else cache_only_kwargs()
+            tokenizer = AutoTokenizer.from_pretrained(str(path) if path.exists() else name, **hub_kw)
     except (OSError, ValueError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise FileNotFoundError(f"tokenizer {name!r} could not be loaded: {first}") from e

@@ -6,7 +6,9 @@
   and an fp32 safetensors copy is cached at the first load (later loads skip the conversion).
 - `random:<shape>` builds a random-weight model of a real architecture (legitimate for speed and
   memory measurements, meaningless for accuracy).
-- Anything else is a local directory, a `.gguf` file or a Hub id (`from_pretrained`).
+- Anything else is a local directory, a `.gguf` file or a Hub id (`from_pretrained`). Before a Hub
+  download the endpoint is probed once (`snapkv.hub`): when it does not answer, only the local
+  Hugging Face cache is used, so a missing model fails at once instead of after ~50 s of retries.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from snapkv import hub
 from snapkv.embedded import EMBEDDED, cache_root, fetch_embedded
 
 # Real shapes for random-weight speed/memory runs (configs as published by the model authors).
@@ -84,6 +87,11 @@ def _save_converted(model, tokenizer, target: Path) -> None:
             model.config.quantization_config = qconfig
 
 
+def is_hub_id(name: str) -> bool:
+    """`org/name`: what `load_model` fetches from the Hub when no such local path exists."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
 def resolve_attn_implementation(requested: str, device: str) -> str:
     """flash_attention_2 needs the flash-attn package and CUDA; otherwise sdpa (recorded in rows)."""
     if requested not in ("sdpa", "eager", "flash_attention_2"):
@@ -147,16 +155,17 @@ def load_model(
             path = converted if (converted / "config.json").exists() else gguf
         else:
             path = Path(name).expanduser()
+        known = ", ".join(sorted(EMBEDDED))
+        hub_id = False
         if path.suffix == ".gguf":
             if not path.exists():
                 raise FileNotFoundError(f"model file not found: {path}")
             src, extra = str(path.parent), {"gguf_file": path.name}
         elif path.exists():
             src, extra = str(path), {}
-        elif name.count("/") == 1 and not name.startswith((".", "/", "~")):
-            src, extra = name, {}  # a Hub id
+        elif is_hub_id(name):  # one probe of the endpoint first; cache only when it does not answer
+            src, extra, hub_id = name, hub.cache_only_kwargs(), True
         else:
-            known = ", ".join(sorted(EMBEDDED))
             raise FileNotFoundError(
                 f"model not found: {name!r} (not an embedded name [{known}], a local path, or a Hub id 'org/name')"
             )
@@ -167,7 +176,14 @@ def load_model(
             )
         except OSError as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise FileNotFoundError(f"model {name!r} could not be loaded: {first}") from e
+            if not hub_id:
+                raise FileNotFoundError(f"model {name!r} could not be loaded: {first}") from e
+            unavailable = hub.hub_unavailable()
+            why = f"it is not in the local Hugging Face cache and {unavailable}" if unavailable else first
+            raise FileNotFoundError(
+                f"model {name!r} could not be loaded: {why}; give a local directory or .gguf file "
+                f"(model.name=PATH) or an embedded name [{known}]"
+            ) from e
         if name in EMBEDDED and path.suffix == ".gguf" and torch_dtype == torch.float32:
             _save_converted(model, tokenizer, cache_root() / "models" / name / "hf")
         if device != "auto":

@@ -112,17 +112,32 @@ def find_data_file(dataset: str, data_dir: str | os.PathLike | None = None) -> P
 
 def _download_and_extract(target: Path) -> None:
     """Download `data.zip` from the Hub once and extract its `*.jsonl` files into `target/data/`."""
+    unavailable = None
     try:
         from huggingface_hub import hf_hub_download
 
-        archive = hf_hub_download(repo_id=HUB_REPO_ID, filename=HUB_FILENAME, repo_type="dataset")
+        from snapkv.hub import hub_unavailable
+
+        # One probe of the endpoint first: when it does not answer, the Hugging Face cache only (an
+        # archive downloaded before still works; a missing one fails at once, not after retries).
+        unavailable = hub_unavailable()
+        archive = hf_hub_download(
+            repo_id=HUB_REPO_ID,
+            filename=HUB_FILENAME,
+            repo_type="dataset",
+            local_files_only=bool(unavailable),
+        )
     except Exception as err:  # no network, offline mode, auth, missing package: one actionable message
         detail = (str(err).strip().splitlines() or [""])[0]
+        why = (
+            f"{unavailable} and no copy is in the local Hugging Face cache"
+            if unavailable
+            else f"downloading it failed ({type(err).__name__}: {detail})"
+        )
         raise FileNotFoundError(
             f"LongBench data not found: no data_dir given, ${ENV_DATA_DIR} unset, no cached copy in "
-            f"{target / 'data'}, and downloading {HUB_REPO_ID}/{HUB_FILENAME} (dataset) from the Hugging "
-            f"Face Hub failed ({type(err).__name__}: {detail}); supply a directory of <dataset>.jsonl "
-            f"files with task.data_dir=... or {ENV_DATA_DIR}=..."
+            f"{target / 'data'}, and {HUB_REPO_ID}/{HUB_FILENAME} (dataset): {why}; supply a directory "
+            f"of <dataset>.jsonl files with task.data_dir=... or {ENV_DATA_DIR}=..."
         ) from err
     out = target / "data"
     out.mkdir(parents=True, exist_ok=True)

@@ -146,9 +146,11 @@ class CompressibleLayer(DynamicLayer):
         self.decode_evicted = 0.0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.pads is not None:
-            raise ValueError("beam search / batch re-indexing is not supported on a padded batch")
         super().reorder_cache(beam_idx)
+        for name in ("pads", "prompt_pads"):  # padded batches: each beam keeps its row's pads
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         if self.scores is not None:
             self.scores = self.scores.index_select(0, beam_idx.to(self.scores.device))

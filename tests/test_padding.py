@@ -69,6 +69,19 @@ def test_padded_row_decodes_as_the_row_alone(arch_name, name, params):
         torch.testing.assert_close(logits[i], alone_logits[0], atol=1e-5, rtol=1e-5, msg=f"row {i}")
 
 
+@pytest.mark.parametrize("name,params", [METHODS[1], METHODS[3], METHODS[5], METHODS[8]])
+def test_padded_row_decodes_as_the_row_alone_with_eager_attention(name, params):
+    model = tiny_model("qwen2", attn="eager")
+    rows = [random_ids(n, seed=i + 1)[0] for i, n in enumerate(LENGTHS)]
+    ids, mask = left_padded(rows)
+    method = build_method(name, **params)
+    tokens, logits = generate(model, method, ids, mask)
+    for i, row in enumerate(rows):
+        alone_tokens, alone_logits = generate(model, method, row[None])
+        assert torch.equal(tokens[i], alone_tokens[0]), f"row {i} (length {len(row)})"
+        torch.testing.assert_close(logits[i], alone_logits[0], atol=1e-5, rtol=1e-5, msg=f"row {i}")
+
+
 def test_padded_cache_keeps_no_pad_and_masks_filler_slots():
     model = tiny_model("llama")
     rows = [random_ids(n, seed=i + 1)[0] for i, n in enumerate((60, 30))]

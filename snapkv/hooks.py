@@ -187,6 +187,15 @@ def _plain_causal(attention_mask, query: torch.Tensor, layer: CompressibleLayer)
     return allowed.shape[-2:] == causal.shape and bool((allowed == causal).all())
 
 
+def _padding_mask(attention_mask, query: torch.Tensor, layer: CompressibleLayer, impl: str) -> bool:
+    """Whether the mask of a layer's first forward hides tokens (padding) rather than being causal."""
+    if attention_mask is None:
+        return False
+    if impl.startswith("flash"):  # flash-attn gets the 2-D padding mask itself
+        return attention_mask.dim() == 2 and not bool(attention_mask.bool().all())
+    return not _plain_causal(attention_mask, query, layer)
+
+
 def _plain_softmax(kwargs) -> bool:
     """Whether the model's attention call is plain scaled softmax: no logit soft-capping (Gemma 2),
     no attention sinks (gpt-oss `s_aux`), no sliding window. Only then may a method replace it."""
@@ -209,6 +218,15 @@ def _make_wrapper(impl: str, original):
         if layer is None:
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
         session.note_padding(layer, query.shape[2])
+        if (
+            layer.pads is None
+            and layer.state == "empty"
+            and _padding_mask(attention_mask, query, layer, impl)
+        ):
+            raise ValueError(
+                "a padding attention mask reached a compressed layer outside snapkv.apply: pass "
+                "left-padded batches through `with snapkv.apply(model, method): model.generate(...)`"
+            )
         # What the model's attention applies beyond scaled softmax; scores must honour it too.
         layer.softcap, layer.sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         if getattr(layer, "per_head", False):

@@ -135,9 +135,8 @@ def _merge(layer: CompressibleLayer, views) -> None:
     # Uniform storage: shorter rows are left-filled with masked slots (gathered from slot 0).
     indices = torch.stack([torch.cat([i.new_zeros(h, width - i.shape[-1]), i], -1) for i, _ in rows])
     pads = torch.tensor([width - i.shape[-1] for i, _ in rows], device=dev)
+    # Kept even when all zero: transformers' 2-D mask must not be used on the compressed slots.
     layer.keep(indices, pads=pads)
-    if not bool(pads.any()):
-        layer.pads = None  # every row full: the plain path again (positions stay consistent)
 
 
 def compress_prefill_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> None:

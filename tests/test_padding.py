@@ -9,6 +9,7 @@ from conftest import random_ids, tiny_model
 
 import snapkv
 from snapkv import build_method
+from snapkv.hooks import cache_kwarg
 from snapkv.padding import left_pads
 
 NEW = 8
@@ -89,7 +90,7 @@ def test_padded_cache_keeps_no_pad_and_masks_filler_slots():
     method = build_method("streamingllm", budget=40, n_sink=4)
     cache = snapkv.CompressedCache(model.config, layer_factory=method.cache_layer)
     with snapkv.apply(model, method), torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, use_cache=True, **{snapkv.hooks.cache_kwarg(model): cache})
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
     for _, layer in cache.compressible_layers():
         assert layer.stored == 40
         # Row 0 (60 tokens): its first 4 REAL tokens (positions 0-3 of the row) + the last 36.
@@ -121,6 +122,16 @@ def test_beam_search_on_a_padded_batch_equals_each_row_alone(name, params):
     tokens, _ = generate(model, method, ids, mask, num_beams=3)
     for i, row in enumerate(rows):
         assert torch.equal(tokens[i], generate(model, method, row[None], num_beams=3)[0][0]), f"row {i}"
+
+
+def test_padding_mask_outside_apply_is_refused():
+    model = tiny_model("llama")
+    ids, mask = left_padded([random_ids(n, seed=i + 1)[0] for i, n in enumerate((60, 50))])
+    method = build_method("snapkv", budget=40, window=8)
+    cache = snapkv.CompressedCache(model.config, layer_factory=method.cache_layer)
+    with snapkv.session(model, method, cache), torch.no_grad():
+        with pytest.raises(ValueError, match="outside snapkv.apply"):
+            model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
 
 
 def test_left_pads_names_the_bad_rows():

@@ -181,7 +181,8 @@ def generate_ids(
     chunk_size: int | None = None,
     keep_logits: bool = False,
 ) -> tuple[torch.Tensor, GenerationResult]:
-    """Greedy generation from token ids `[batch, len]` (equal lengths, no padding).
+    """Greedy generation from token ids `[batch, len]` (equal lengths, no padding; left-padded
+    batches: `with snapkv.apply(model, method): model.generate(ids, attention_mask=mask)`).
 
     query_aware=True: context + question are prefilled (and compressed) together; False: the context
     is prefilled and compressed alone, then the question is fed on the compressed cache.

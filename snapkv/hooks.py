@@ -9,6 +9,11 @@ installed only while one is (removed in `finally`).
 After the attention of a compressible layer the session lets the method observe the queries and,
 at the end of prefill, compress that layer's cache right away: only one layer's full K/V is alive
 at a time during a single-pass prefill.
+
+Left-padded batches (`apply` reads each forward's 2-D `attention_mask`): the method's hooks run per
+row on the row's real entries and padded layers get a mask built from their kept slots
+(`snapkv.padding`). A method may replace the model's attention (H2O's fused prefill) only where
+the call is plain scaled softmax: no logit soft-capping, no attention sinks, no padding.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import random_ids
 from reference import eager_attentions, naive_column_sums, naive_snapkv_selection
+from test_padding import generate, left_padded
 
 from snapkv import CompressedCache, build_method, generate_ids
 from snapkv.hooks import cache_kwarg, session
@@ -112,3 +113,20 @@ def test_snapkv_selection_equals_naive_eager_reference(kind):
     for i, layer in cache.compressible_layers():
         want = naive_snapkv_selection(attns[i], 2, 40, 8, 5, "max", "mean")
         assert layer.positions[0].tolist() == want, f"layer {i}"
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+@pytest.mark.parametrize(
+    "name,params",
+    [("snapkv", dict(budget=40, window=8)), ("h2o", dict(budget=40)), ("streamingllm", dict(budget=40))],
+)
+def test_padded_row_decodes_as_the_row_alone(kind, name, params):
+    model = MODELS[kind]()
+    rows = [random_ids(n, seed=i + 1)[0] for i, n in enumerate((PROMPT, 60, 36))]
+    ids, mask = left_padded(rows)
+    method = build_method(name, **params)
+    tokens, logits = generate(model, method, ids, mask)
+    for i, row in enumerate(rows):
+        alone_tokens, alone_logits = generate(model, method, row[None])
+        assert torch.equal(tokens[i], alone_tokens[0]), f"row {i}"
+        torch.testing.assert_close(logits[i], alone_logits[0], atol=1e-5, rtol=1e-5, msg=f"row {i}")

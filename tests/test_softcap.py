@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import random_ids, tiny_model
 from reference import eager_attentions, naive_column_sums, naive_snapkv_selection
 from test_padding import generate, left_padded
 
@@ -130,3 +130,18 @@ def test_padded_row_decodes_as_the_row_alone(kind, name, params):
         alone_tokens, alone_logits = generate(model, method, row[None])
         assert torch.equal(tokens[i], alone_tokens[0]), f"row {i}"
         torch.testing.assert_close(logits[i], alone_logits[0], atol=1e-5, rtol=1e-5, msg=f"row {i}")
+
+
+def test_bf16_fused_h2o_is_close_not_identical_and_unfused_is_exact():
+    """README's bf16 statement: the fused prefill computes in fp32 (differs from the model's own bf16
+    attention by rounding); fused=False runs the model's attention (bit-identical to the full cache)."""
+    model = tiny_model("llama").to(torch.bfloat16)
+    ids = random_ids(PROMPT)
+    ref, rref = generate_ids(model, ids, None, build_method("full"), max_new_tokens=NEW, keep_logits=True)
+    diffs = {}
+    for fused in (True, False):
+        method = build_method("h2o", budget=PROMPT + NEW, fused=fused)
+        _, res = generate_ids(model, ids, None, method, max_new_tokens=NEW, keep_logits=True)
+        diffs[fused] = max(float((a - b).abs().max()) for a, b in zip(res.logits, rref.logits))
+    assert diffs[False] == 0.0
+    assert 0.0 < diffs[True] < 2e-2

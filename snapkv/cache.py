@@ -147,10 +147,9 @@ class CompressibleLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        for name in ("pads", "prompt_pads"):  # padded batches: each beam keeps its row's pads
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, t.index_select(0, beam_idx.to(t.device)))
+        if self.pads is not None:  # padded batches: each beam keeps its row's pads
+            self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
+            self.prompt_pads = self.prompt_pads.index_select(0, beam_idx.to(self.prompt_pads.device))
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         if self.scores is not None:
             self.scores = self.scores.index_select(0, beam_idx.to(self.scores.device))

@@ -56,6 +56,7 @@ RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationResult) if f.
     "new_tokens",
     "stop_reason",
     "kv_tokens_per_layer",
+    "kv_tokens_end_per_layer",
 )
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

@@ -37,7 +37,10 @@ Row schema (filled by the runner; every row is one JSON object on one line):
 | `kv_bytes_full` | int | bytes the uncompressed KV cache of the prompt would take |
 | `kv_bytes` | int | bytes the stored K/V tensors really allocate after compression (Σ numel·element_size) |
 | `kv_bytes_logical` | int | bytes of the entries kept (= kv_bytes except Ada-KV's padded layout) |
-| `compressed` | bool | whether compression actually ran (False e.g. when the prompt fits the budget) |
+| `compressed` | bool | whether compression ran at the end of prefill (False e.g. when the prompt fits the budget) |
+| `evicted_during_decode` | bool | whether entries were evicted while decoding (H2O, StreamingLLM) |
+| `decode_evicted` | float | entries evicted while decoding, per KV head, mean over compressible layers |
+| `kv_tokens_end` | float | mean KV entries per layer and head at the end of generation |
 | `prefill_s` | float | prefill (prompt forward + compression) wall time, seconds |
 | `ttft_s` | float | time to first token, seconds |
 | `tpot_s` | float | median time per output token after the first, seconds |
@@ -94,6 +97,9 @@ ROW_FIELDS: tuple[str, ...] = (
     "kv_bytes",
     "kv_bytes_logical",
     "compressed",
+    "evicted_during_decode",
+    "decode_evicted",
+    "kv_tokens_end",
     "prefill_s",
     "ttft_s",
     "tpot_s",

@@ -26,6 +26,17 @@ class CompressibleLayer(DynamicLayer):
     `seen` counts the tokens that went through the layer (the original sequence length); it is what
     `get_seq_length()` returns. `next_position` is the position the next token gets: `seen` with
     original positions, the stored length with StreamingLLM's compacted positions.
+
+    Left-padded batches (`model.generate(ids, attention_mask=...)`, see `snapkv.padding`): `pads`
+    `[batch]` (int64, None without padding) counts the leading slots of each row that hold no real
+    entry (the prompt's pads, later the filler that keeps rows of equal length after compression);
+    they are masked in attention and never scored. `prompt_pads` `[batch]` is the row's pad count in
+    the prompt: a row's real position = stored position - prompt_pads.
+
+    `softcap` / `sinks`: the attention logit soft-capping (Gemma 2) and the per-head sink logits
+    `[heads]` (gpt-oss `s_aux`) the model's attention applies in this layer, recorded by the hooks
+    so that scores honour them. `decode_evicted`: entries per KV head evicted while decoding (mean
+    over batch rows).
     """
 
     is_compileable = False
@@ -46,6 +57,11 @@ class CompressibleLayer(DynamicLayer):
         self.compacted = False
         self.full_length = 0  # tokens seen when the prefill compression ran
         self.last_kept: torch.Tensor | None = None  # indices of the last keep() (for re-rotation)
+        self.pads: torch.Tensor | None = None  # [batch] leading slots without a real entry
+        self.prompt_pads: torch.Tensor | None = None  # [batch] pads of the prompt
+        self.softcap: float | None = None
+        self.sinks: torch.Tensor | None = None
+        self.decode_evicted = 0.0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -71,8 +87,16 @@ class CompressibleLayer(DynamicLayer):
 
     @property
     def kept_per_head(self) -> float:
-        """Mean stored entries per KV head (per-head storage, `snapkv.headwise`, overrides it)."""
-        return float(self.stored)
+        """Mean stored real entries per KV head (pads not counted; per-head storage,
+        `snapkv.headwise`, overrides it)."""
+        pads = 0.0 if self.pads is None else float(self.pads.double().mean())
+        return float(self.stored) - pads
+
+    def row_entries(self) -> torch.Tensor:
+        """Real entries per KV head in each batch row `[batch]` (int64)."""
+        b = self.dims[0]
+        n = torch.full((b,), self.stored, dtype=torch.long, device=self.positions.device)
+        return n if self.pads is None else n - self.pads
 
     def logical_bytes(self) -> int:
         """Bytes of the K/V entries kept (equal to the allocated bytes for this uniform layout)."""
@@ -93,8 +117,13 @@ class CompressibleLayer(DynamicLayer):
         stored = self.stored
         return stored + query_length, self.next_position - stored
 
-    def keep(self, indices: torch.Tensor) -> None:
-        """Keep only the entries at `indices` `[batch, kv_heads, k]` (indices into the stored axis)."""
+    def keep(self, indices: torch.Tensor, pads: torch.Tensor | None = None) -> None:
+        """Keep only the entries at `indices` `[batch, kv_heads, k]` (indices into the stored axis);
+        `pads` `[batch]`: the leading kept slots of each row that hold no real entry (padded
+        batches, `snapkv.padding`)."""
+        if self.pads is not None and pads is None:
+            raise ValueError("keep() on a padded batch needs the kept rows' pads (snapkv.padding)")
+        self.pads = pads
         self.last_kept = indices
         idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
         self.keys = self.keys.gather(2, idx).contiguous()
@@ -113,12 +142,27 @@ class CompressibleLayer(DynamicLayer):
         self.state = "empty"
         self.compressed = self.compacted = False
         self.full_length = 0
+        self.pads = self.prompt_pads = None
+        self.decode_evicted = 0.0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
+        if self.pads is not None:  # padded batches: each beam keeps its row's pads
+            self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
+            self.prompt_pads = self.prompt_pads.index_select(0, beam_idx.to(self.prompt_pads.device))
         self.positions = self.positions.index_select(0, beam_idx.to(self.positions.device))
         if self.scores is not None:
             self.scores = self.scores.index_select(0, beam_idx.to(self.scores.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.pads is not None:
+            raise ValueError("batch re-indexing is not supported on a padded batch")
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.pads is not None:
+            raise ValueError("batch re-indexing is not supported on a padded batch")
+        super().batch_select_indices(indices)
 
 
 def full_attention_layers(config) -> list[int]:

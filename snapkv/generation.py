@@ -33,7 +33,14 @@ class GenerationResult:
     entries kept per compressible layer and KV head, `kv_bytes` the bytes really stored (all layers,
     Σ numel·element_size: allocated), `kv_bytes_logical` the bytes of the entries kept (less than
     `kv_bytes` only with padded per-head storage, Ada-KV layout="padded"), `kv_bytes_full` what the
-    same cache holds with nothing evicted.
+    same cache holds with nothing evicted. `compressed`: whether any layer was compressed at the end
+    of prefill (False when the prompt fits the budget).
+
+    What decoding did (H2O's original and StreamingLLM evict while decoding, e.g. once a prompt
+    shorter than the budget has grown past it): `evicted_during_decode`, `decode_evicted` (entries
+    evicted while decoding per KV head, summed over steps, mean over the compressible layers) and
+    `kv_tokens_end` / `kv_tokens_end_per_layer`, the entries kept at the end of generation
+    (same units as `kv_tokens`).
     """
 
     text: str
@@ -53,6 +60,10 @@ class GenerationResult:
     device: str
     new_tokens: int
     stop_reason: str
+    evicted_during_decode: bool
+    decode_evicted: float
+    kv_tokens_end: float
+    kv_tokens_end_per_layer: list[float]
     decode_s: list[float] = field(default_factory=list, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
@@ -170,7 +181,8 @@ def generate_ids(
     chunk_size: int | None = None,
     keep_logits: bool = False,
 ) -> tuple[torch.Tensor, GenerationResult]:
-    """Greedy generation from token ids `[batch, len]` (equal lengths, no padding).
+    """Greedy generation from token ids `[batch, len]` (equal lengths, no padding; left-padded
+    batches: `with snapkv.apply(model, method): model.generate(ids, attention_mask=mask)`).
 
     query_aware=True: context + question are prefilled (and compressed) together; False: the context
     is prefilled and compressed alone, then the question is fed on the compressed cache.
@@ -233,6 +245,8 @@ def generate_ids(
                 logits.append(out.logits[:, -1].float().cpu())
         finished |= torch.isin(token, stop)
     ids = torch.stack(generated, dim=1)
+    kept_end = cache.kept_tokens()
+    evicted = [layer.decode_evicted for _, layer in cache.compressible_layers()]
     result = GenerationResult(
         text="",
         output_ids=ids[0].tolist(),
@@ -251,6 +265,10 @@ def generate_ids(
         device=str(device),
         new_tokens=ids.shape[1],
         stop_reason="eos" if bool(finished.all()) else "length",
+        evicted_during_decode=any(n > 0 for n in evicted),
+        decode_evicted=sum(evicted) / len(evicted) if evicted else 0.0,
+        kv_tokens_end=sum(kept_end) / len(kept_end) if kept_end else 0.0,
+        kv_tokens_end_per_layer=kept_end,
         decode_s=steps,
         logits=logits,
     )

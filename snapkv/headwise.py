@@ -15,15 +15,18 @@ KV head) keeps `lengths[b, h]` entries in one of two layouts, and the attention 
   (int32, flash-attn's convention). Allocated bytes == logical bytes. Attention runs with
   flash-attn's `flash_attn_varlen_func` (each segment is one "sequence" whose query heads are the
   KV head's GQA group: no repeated K/V) when flash-attn is importable and the tensors are fp16/bf16
-  on CUDA; elsewhere with an exact PyTorch fallback (`segment_attention`: per-entry logits against
-  its own segment's queries, a segment-wise softmax by scatter max / sum; fp32; no padding).
+  on CUDA; elsewhere with a PyTorch fallback (`segment_attention`: per-entry logits against
+  its own segment's queries, a segment-wise softmax by scatter max / sum; no padding; computed in
+  fp32, so equal to the model's attention to fp32 rounding in fp32 and more precise than, not
+  identical to, a bf16/fp16 attention).
   Appending decoded tokens re-packs the flat tensors (one copy per step and layer, as
   `DynamicLayer`'s `torch.cat` does).
 
 Both layouts keep `positions` (the original token position of every entry; -1 on padding) so the
 result can be checked against a masked full-cache reference. Not supported on per-head storage:
-decode-time eviction (`keep`), beam search / batch re-indexing, padding attention masks (prompts
-of a batch must have equal lengths, as everywhere in snapkv), StreamingLLM's compacted positions.
+decode-time eviction (`keep`), beam search / batch re-indexing, attention sinks, StreamingLLM's
+compacted positions. Left-padded batches are supported (`snapkv.padding`): each (row, head) segment
+holds only the row's real entries.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from snapkv.cache import CompressibleLayer
 
 LAYOUTS = ("padded", "varlen")
 
-try:  # optional: flash-attn (a CUDA build); the PyTorch fallback is exact everywhere
+try:  # optional: flash-attn (a CUDA build); the PyTorch fallback runs everywhere
     from flash_attn import flash_attn_varlen_func
 except Exception:  # ImportError, or a broken CUDA build
     flash_attn_varlen_func = None

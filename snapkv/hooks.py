@@ -9,6 +9,11 @@ installed only while one is (removed in `finally`).
 After the attention of a compressible layer the session lets the method observe the queries and,
 at the end of prefill, compress that layer's cache right away: only one layer's full K/V is alive
 at a time during a single-pass prefill.
+
+Left-padded batches (`apply` reads each forward's 2-D `attention_mask`): the method's hooks run per
+row on the row's real entries and padded layers get a mask built from their kept slots
+(`snapkv.padding`). A method may replace the model's attention (H2O's fused prefill) only where
+the call is plain scaled softmax: no logit soft-capping, no attention sinks, no padding.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from contextvars import ContextVar
 import torch
 from transformers import AttentionInterface
 
+from snapkv import padding
 from snapkv.cache import CompressedCache, CompressibleLayer
 from snapkv.methods.base import Method
 
@@ -46,6 +52,9 @@ class Session:
         self.method = method
         self.cache = cache
         self.phase = "auto"
+        # The current forward's 2-D padding mask `[batch, length]` (None: no padding), set by
+        # `apply` from the forward's `attention_mask` (see snapkv.padding).
+        self.padding: torch.Tensor | None = None
         self.inv_freq = _rope_inv_freq(model) if getattr(method, "positions", "") == "compacted" else None
 
     # Called by the attention wrapper, after the layer's attention ran.
@@ -53,23 +62,56 @@ class Session:
         self, module, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor
     ) -> None:
         method = self.method
+        padded = layer.pads is not None
         if layer.state in ("empty", "prefilling"):
-            method.observe(layer, query, key, module)
             if self.phase == "prefill":
+                if padded:
+                    padding.observe_prefill_rows(method, layer, query, module)
+                else:
+                    method.observe(layer, query, key, module)
                 layer.state = "prefilling"
                 return
-            method.compress_prefill(layer, query, key, module)
+            if padded:  # each row on its own real entries (snapkv.padding)
+                padding.compress_prefill_rows(method, layer, query, module)
+            else:
+                method.observe(layer, query, key, module)
+                method.compress_prefill(layer, query, key, module)
             layer.state = "ready"
             if self.inv_freq is not None and layer.compressed:
                 _compact(layer, self.inv_freq)
         else:
             if not method.evicts_during_decode:
                 return
-            method.observe(layer, query, key, module)
-            before = layer.stored
-            method.evict(layer)
-            if self.inv_freq is not None and layer.stored < before:
+            before = layer.row_entries()
+            stored = layer.stored
+            if padded:
+                padding.evict_rows(method, layer, query, module)
+            else:
+                method.observe(layer, query, key, module)
+                method.evict(layer)
+            evicted = (before - layer.row_entries()).double().mean()
+            layer.decode_evicted += float(evicted)
+            if self.inv_freq is not None and layer.stored < stored:
                 _compact(layer, self.inv_freq)
+
+    def note_padding(self, layer: CompressibleLayer, q: int) -> None:
+        """Record the prompt's left padding on `layer` (its first forward) from the current
+        forward's 2-D mask; ValueError for padding anywhere else (see snapkv.padding)."""
+        mask = self.padding
+        if mask is None:
+            return
+        if layer.state == "empty":
+            if mask.shape[-1] != layer.seen:
+                raise ValueError(
+                    f"the attention mask covers {mask.shape[-1]} tokens, the layer's cache {layer.seen}"
+                )
+            pads = padding.left_pads(mask)
+            layer.pads = layer.prompt_pads = None if pads is None else pads.to(layer.keys.device)
+        elif not bool(mask[:, -q:].bool().all()):
+            raise ValueError(
+                "padding after the prompt (a 0 in the attention mask of a later forward) is not "
+                "supported on a compressed cache"
+            )
 
     def layer_for(self, module) -> CompressibleLayer | None:
         cache = self.cache
@@ -150,6 +192,21 @@ def _plain_causal(attention_mask, query: torch.Tensor, layer: CompressibleLayer)
     return allowed.shape[-2:] == causal.shape and bool((allowed == causal).all())
 
 
+def _padding_mask(attention_mask, query: torch.Tensor, layer: CompressibleLayer, impl: str) -> bool:
+    """Whether the mask of a layer's first forward hides tokens (padding) rather than being causal."""
+    if attention_mask is None:
+        return False
+    if impl.startswith("flash"):  # flash-attn gets the 2-D padding mask itself
+        return attention_mask.dim() == 2 and not bool(attention_mask.bool().all())
+    return not _plain_causal(attention_mask, query, layer)
+
+
+def _plain_softmax(kwargs) -> bool:
+    """Whether the model's attention call is plain scaled softmax: no logit soft-capping (Gemma 2),
+    no attention sinks (gpt-oss `s_aux`), no sliding window. Only then may a method replace it."""
+    return all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sliding_window"))
+
+
 def _model_eager(module):
     fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if fn is None:
@@ -165,17 +222,39 @@ def _make_wrapper(impl: str, original):
         layer = session.layer_for(module) if session is not None else None
         if layer is None:
             return fn(module, query, key, value, attention_mask, *args, **kwargs)
+        session.note_padding(layer, query.shape[2])
+        if (
+            layer.pads is None
+            and layer.state == "empty"
+            and _padding_mask(attention_mask, query, layer, impl)
+        ):
+            raise ValueError(
+                "a padding attention mask reached a compressed layer outside snapkv.apply: pass "
+                "left-padded batches through `with snapkv.apply(model, method): model.generate(...)`"
+            )
+        # What the model's attention applies beyond scaled softmax; scores must honour it too.
+        layer.softcap, layer.sinks = kwargs.get("softcap"), kwargs.get("s_aux")
         if getattr(layer, "per_head", False):
             # Per-head lengths (snapkv.headwise, Ada-KV): the layer attends over its own layout
             # (padded + validity mask, or flat varlen); the model's shared mask does not apply.
             out = layer.attend(module, query, key, value, fn, impl, *args, **kwargs)
         else:
             out = None
-            if layer.state in ("empty", "prefilling") and _plain_causal(attention_mask, query, layer):
+            plain = layer.pads is None and _plain_softmax(kwargs)
+            if (
+                layer.state in ("empty", "prefilling")
+                and plain
+                and _plain_causal(attention_mask, query, layer)
+            ):
                 fused = session.method.prefill_attention(layer, query, key, value, module)
                 out = None if fused is None else (fused, None)
             if out is None:
-                attention_mask = _fix_mask(attention_mask, query, key, impl)
+                if layer.pads is not None:  # the mask follows the kept entries, not the 2-D mask
+                    if impl.startswith("flash"):  # flash kernels take no arbitrary mask
+                        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+                    attention_mask = padding.attention_mask(layer, query, impl)
+                else:
+                    attention_mask = _fix_mask(attention_mask, query, key, impl)
                 out = fn(module, query, key, value, attention_mask, *args, **kwargs)
         session.after_attention(module, layer, query, key)
         return out
@@ -256,6 +335,13 @@ def apply(model, method: Method) -> Iterator[Session]:
                     f"method {method.name!r} needs a snapkv.CompressedCache, got {type(cache).__name__}"
                 )
             s.cache = cache
+            mask = kwargs.get("attention_mask")
+            if isinstance(mask, torch.Tensor) and mask.dim() != 2:
+                raise ValueError(
+                    f"snapkv.apply needs a 2-D padding attention mask, got shape {tuple(mask.shape)}"
+                )
+            has_pads = isinstance(mask, torch.Tensor) and not bool(mask.bool().all())
+            s.padding = mask if has_pads else None
 
         @functools.wraps(original_generate)
         def generate(*args, **kwargs):

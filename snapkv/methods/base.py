@@ -130,20 +130,46 @@ def reduce_group(x: torch.Tensor, how: str, dim: int = 2) -> torch.Tensor:
     raise ValueError(f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={how!r}")
 
 
-def window_attention(query: torch.Tensor, key: torch.Tensor, window: int, scaling: float) -> torch.Tensor:
+def softmax_scores(logits: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over the last axis of fp32 logits `[batch, kv_heads, group, q, k]`; `sinks`
+    `[heads]` (gpt-oss `s_aux`): one extra logit per query head in the denominator, dropped after
+    (the model's own eager attention does the same), so scores are the weights the model used."""
+    if sinks is None:
+        return logits.softmax(dim=-1)
+    b, kv, g, q, _ = logits.shape
+    sink = sinks.to(logits.device, logits.dtype).view(1, kv, g, 1, 1).expand(b, kv, g, q, 1)
+    return torch.cat([logits, sink], dim=-1).softmax(dim=-1)[..., :-1]
+
+
+def soft_cap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Attention logit soft-capping (Gemma 2): `softcap * tanh(logits / softcap)`, in place."""
+    if softcap:
+        logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
+
+
+def window_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    window: int,
+    scaling: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of the last `window` queries over ALL keys, summed over the window queries.
 
     query `[batch, heads, q>=window, d]`, key `[batch, kv_heads, L, d]` (the last `window` keys are
-    the window's own tokens). Softmax in fp32 over the full row, causal inside the window block.
-    Returns `[batch, kv_heads, group, L]`; memory `heads x window x L` (never L x L).
+    the window's own tokens). Softmax in fp32 over the full row, causal inside the window block,
+    with the module's logit soft-capping and attention sinks when it has them. Returns
+    `[batch, kv_heads, group, L]`; memory `heads x window x L` (never L x L).
     """
     kv_heads, length = key.shape[1], key.shape[2]
     q = grouped(query[:, :, -window:], kv_heads).float()
-    logits = torch.einsum("bhgqd,bhkd->bhgqk", q, key.float()) * scaling
+    logits = soft_cap(torch.einsum("bhgqd,bhkd->bhgqk", q, key.float()) * scaling, softcap)
     # Window query i sits at position L-window+i and may not see the window keys after it.
     causal = torch.ones(window, window, dtype=torch.bool, device=key.device).triu(1)
     logits[..., length - window :].masked_fill_(causal, -math.inf)
-    return logits.softmax(dim=-1).sum(dim=-2)
+    return softmax_scores(logits, sinks).sum(dim=-2)
 
 
 def pool(scores: torch.Tensor, kernel_size: int, how: str) -> torch.Tensor:
@@ -171,12 +197,16 @@ def blockwise_attention(
     value: torch.Tensor | None = None,
     block: int = 256,
     max_block_bytes: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal softmax attention in query blocks: each key's column sum and, given `value`, the output.
 
     query `[batch, heads, q, d]` at ascending `query_positions` `[q]`; key / value
     `[batch, kv_heads, L, d]` at `key_positions` `[batch, kv_heads, L]` (ascending per head; per-head
-    after compression). A query sees the keys whose position is <= its own. Returns the column sums
+    after compression). A query sees the keys whose position is <= its own. `softcap` / `sinks`: the
+    module's logit soft-capping and per-head sink logits `[heads]`, applied as its own attention
+    does (see `softmax_scores`). Returns the column sums
     `[batch, kv_heads, group, L]` (fp32) and the output `[batch, heads, q, d]` (query dtype) or None.
     Memory: one block of fp32 logits (`max_block_bytes`), never q x L. Default bound: 8 MiB on CPU
     (the block stays in L3: the softmax/sum passes are cache-bound, measured 1.6x faster than 64 MiB
@@ -205,10 +235,11 @@ def blockwise_attention(
         # The group's query heads stacked into one matrix per KV head: [g*rows, d] x [d, end].
         q = qg[:, :, :, s:t].float().reshape(b, kv_heads, rows, d)
         logits = torch.matmul(q, kt[..., :end]).view(b, kv_heads, g, t - s, end).mul_(scaling)
+        soft_cap(logits, softcap)
         if first < end:
             hidden = kpos[:, :, None, None, first:end] > query_positions[s:t].view(1, 1, 1, -1, 1)
             logits[..., first:end].masked_fill_(hidden, -math.inf)
-        probs = logits.softmax(dim=-1)  # one fused pass per row (rows fit in cache)
+        probs = softmax_scores(logits, sinks)  # one fused pass per row (rows fit in cache)
         sums[..., :end] += probs.sum(dim=-2)
         if out is not None:
             pv = torch.matmul(probs.view(b, kv_heads, rows, end), v[:, :, :end])
@@ -224,9 +255,11 @@ def causal_column_sums(
     scaling: float,
     block: int = 256,
     max_block_bytes: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ over queries of each key's causal softmax attention `[batch, kv_heads, group, L]` (fp32),
     in query blocks (see `blockwise_attention`)."""
     return blockwise_attention(
-        query, key, query_positions, key_positions, scaling, None, block, max_block_bytes
+        query, key, query_positions, key_positions, scaling, None, block, max_block_bytes, softcap, sinks
     )[0]

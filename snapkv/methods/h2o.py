@@ -5,7 +5,8 @@ every query so far (prefill queries, then each decoded token's row). A layer kee
 last tokens plus the `budget - recent` heaviest. With `evict_during_decode` (the original) eviction
 runs at every decoding step and evicted tokens never return; otherwise only once after prefill.
 `normalize` divides a key's sum by the number of queries that could see it (column sums favour
-early tokens). Scores are computed in query blocks against the causal prefix, never L x L.
+early tokens). Scores are computed in query blocks against the causal prefix, never L x L, with
+the module's logit soft-capping (Gemma 2) and attention sinks (gpt-oss) when it applies them.
 GQA: the query heads' sums are reduced over the group (`gqa_reduce`).
 """
 
@@ -32,7 +33,11 @@ class H2O(Method):
     gqa_reduce: str = "mean"
     block_size: int = 256  # queries per scoring block (bounded further by memory)
     # Prefill: compute the attention output and the column sums in one blockwise pass instead of
-    # running the model's attention and then re-deriving the weights (exact; ~2x less prefill work).
+    # running the model's attention and then re-deriving the weights (~2x less prefill work). Used
+    # only where the module's attention is plain scaled softmax (the hooks check: no logit
+    # soft-capping, no attention sinks, no padding); elsewhere the model's own attention runs. It
+    # computes in fp32: equal to the model's attention to fp32 rounding in fp32, and in bf16/fp16
+    # more precise than (so not identical to) the model's own half-precision attention.
     fused: bool = True
 
     @property
@@ -87,9 +92,18 @@ class H2O(Method):
             return  # prefill-only variant: scores are not needed any more
         q = query.shape[2]
         qpos = torch.arange(layer.seen - q, layer.seen, device=key.device)
-        self._accumulate(
-            layer, causal_column_sums(query, key, qpos, layer.positions, module.scaling, self.block_size)
+        sums = causal_column_sums(
+            query,
+            key,
+            qpos,
+            layer.positions,
+            module.scaling,
+            self.block_size,
+            None,
+            layer.softcap,
+            layer.sinks,
         )
+        self._accumulate(layer, sums)
 
     def _scores(self, layer) -> torch.Tensor:
         if not self.normalize:

@@ -57,7 +57,9 @@ class SnapKV(Method):
                 f"the last prefill chunk must hold the observation window, got {query.shape[2]} tokens "
                 f"< window={self.window}"
             )
-        votes = window_attention(query, key, self.window, module.scaling)  # [b, kv, g, L]
+        votes = window_attention(
+            query, key, self.window, module.scaling, layer.softcap, layer.sinks
+        )  # [b, kv, g, L]
         prefix = pool(votes[..., : -self.window], self.kernel_size, self.pooling)
         scores = torch.zeros(votes.shape[:2] + votes.shape[3:], device=votes.device)
         scores[..., : -self.window] = reduce_group(prefix, self.gqa_reduce)

@@ -20,6 +20,13 @@ What is checked per device, for every registered method:
 
 from __future__ import annotations
 
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import random_ids, tiny_model
@@ -186,3 +193,81 @@ def test_generation_peak_memory_is_at_least_the_kv_cache(device):
     _, res = generate_ids(model, random_ids(PROMPT).to(device), None, build_method("full"), max_new_tokens=2)
     assert res.kv_bytes > 0 and res.peak_mem_bytes >= res.kv_bytes
     assert not snapkv.hooks_installed()
+
+
+# --- scripts/gpu_check.sh / gpu_check.py at toy sizes on CPU (the prepared GPU run's smoke test) ---
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = dict(MODEL="random:llama-tiny", DTYPE="float32", DEVICE="cpu", LENGTHS="[64,128]", BATCHES="[1,2]",
+           BUDGET="48", WINDOW="8", CAP_LENGTHS="[256,320]", CAP_BUDGET="64", CAP_WINDOW="8", DECODE="3")  # fmt: skip
+
+
+def test_gpu_check_script_leaves_csvs_plot_and_log(tmp_path):
+    env = {**os.environ, **TOY, "GPU_TESTS": "0", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    tpot = list(csv.DictReader((tmp_path / "gpu_tpot.csv").open()))
+    assert [(r["batch_size"], r["input_tokens"], r["method"]) for r in tpot] == [
+        (b, n, m) for b in ("1", "2") for n in ("64", "128") for m in ("full", "snapkv")
+    ]
+    assert all(r["status"] == "ok" and float(r["tpot_s"]) > 0 and float(r["prefill_s"]) > 0 for r in tpot)
+    per_token = 2 * 2 * 16 * 2 * 4  # layers x kv heads x head_dim x (K, V) x fp32 bytes
+    for r in tpot:  # exact KV bytes: snapkv keeps its budget, full every token
+        kept = 48 if r["method"] == "snapkv" else int(r["input_tokens"])
+        assert int(r["kv_bytes"]) == kept * per_token * int(r["batch_size"])
+        assert int(r["peak_mem_bytes"]) > 0
+    cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
+    assert [(r["method"], r["input_tokens"], r["status"]) for r in cap] == [
+        ("snapkv", "256", "ok"), ("full", "256", "ok"), ("snapkv", "320", "ok")
+    ]  # fmt: skip
+    assert (cap[0]["budget"], cap[0]["window"], cap[0]["kernel_size"]) == ("64", "8", "5")
+    assert (tmp_path / "gpu_check.png").read_bytes()[:4] == b"\x89PNG"
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "gpu_tpot.csv" in log and "gpu_capacity.csv" in log and "TPOT full / TPOT snapkv" in log
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_out_of_memory_becomes_an_oom_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    gpu_check = _gpu_check_module()
+    real = snapkv.generate_ids
+
+    def fake(model, ids, question, method, **kw):
+        if method.name == "full" and ids.shape[1] >= 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+        return real(model, ids, question, method, **kw)
+
+    monkeypatch.setattr(snapkv, "generate_ids", fake)
+    args = ["--out", str(tmp_path), "--model", "random:llama-tiny", "--dtype", "float32", "--device", "cpu",
+            "--lengths", "64", "--batches", "1", "--decode", "2", "--cap-lengths", "256,320",
+            "--cap-budget", "64", "--cap-window", "8", "--warmup", "0"]  # fmt: skip
+    assert gpu_check.main(args) == 0
+    cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
+    assert [(r["method"], r["input_tokens"], r["status"]) for r in cap] == [
+        ("snapkv", "256", "ok"), ("full", "256", "oom"), ("snapkv", "320", "ok")
+    ]  # fmt: skip
+    assert "out of memory" in cap[1]["error"]
+
+
+def test_capacity_runs_stop_at_the_deadline(tmp_path):
+    gpu_check = _gpu_check_module()
+    args = ["--out", str(tmp_path), "--model", "random:llama-tiny", "--dtype", "float32", "--device", "cpu",
+            "--lengths", "64", "--batches", "1", "--decode", "2", "--cap-lengths", "256,320",
+            "--warmup", "0", "--deadline-s", "0"]  # fmt: skip
+    assert gpu_check.main(args) == 0  # the first capacity run always starts; nothing after it
+    cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
+    assert [(r["method"], r["input_tokens"]) for r in cap] == [("snapkv", "256")]
+
+
+@pytest.mark.parametrize("bad,value", [(["--lengths", "4k"], "4k"), (["--model", "random:nope"], "nope")])
+def test_gpu_check_bad_input_is_one_line_exit_2(tmp_path, bad, value):
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path), "--device", "cpu", *bad],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and value in proc.stderr, proc.stderr

@@ -18,7 +18,9 @@ if [ "$(tf_version "$py")" = "$version" ]; then
 else
   venv=.venv-compat/$version
   run=$venv/bin/python
-  if [ "$(tf_version "$run")" != "$version" ]; then
+  parent=$("$py" -c "import sys; print(sys.prefix)")
+  # rebuilt when missing, broken, or made for another interpreter (its .pth points there)
+  if [ "$(tf_version "$run")" != "$version" ] || [ "$(cat "$venv/parent" 2>/dev/null)" != "$parent" ]; then
     echo "test-compat: installing transformers==$version into $venv (once; cached)"
     rm -rf "$venv"
     "$py" -m venv "$venv"
@@ -34,6 +36,7 @@ with open(sys.argv[1], "w") as f:  # addsitedir also processes the parent's own 
 PY
     "$run" -m pip install -q --disable-pip-version-check "transformers==$version"
     [ "$(tf_version "$run")" = "$version" ] || { echo "test-compat: transformers $version did not install" >&2; exit 1; }
+    echo "$parent" >"$venv/parent"
   fi
 fi
 echo "test-compat: transformers $version ($run)"

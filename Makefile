@@ -1,25 +1,28 @@
-# snapkv-bench: `make help`
+# snapkv-bench: `make help`. Works in a venv (recommended) and with the system interpreter.
 PY ?= python
+# The supported transformers range (snapkv/compat.py): both ends are tested by test-compat.
+COMPAT_LOW ?= 5.2.0
+COMPAT_HIGH ?= 5.24.0
 
 .PHONY: help install test test-compat lint run report
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-install:  ## torch CPU build first (a plain `torch` pulls a multi-GB CUDA build), then the package
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev,cluster]"
+install:  ## torch CPU build first unless torch is there (a plain `torch` pulls a multi-GB CUDA build), then the package
+	@echo "make install: installing torch (if missing) and the package with its dev extras (a minute or two)..."
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install --progress-bar on -e ".[dev,cluster]"
 
-test: install  ## install, lint, run every test (slow ones too), then the core suite on transformers 5.23
+test: install  ## install, lint, run every test (slow ones too), then the core suite on both ends of the transformers range
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
-	$(MAKE) test-compat
+	$(MAKE) test-compat PY="$(PY)"
 
-test-compat:  ## the cache seam at the low end of the pinned range: core tests on transformers 5.23
-	$(PY) -m venv --system-site-packages .venv-compat
-	.venv-compat/bin/python -m pip install -q "transformers==5.23.0"
-	.venv-compat/bin/python -m pytest -q -p no:cacheprovider tests/test_core.py
+test-compat:  ## core tests on transformers $(COMPAT_LOW) and $(COMPAT_HIGH) (cached venvs that reuse this interpreter's torch)
+	.ci/compat.sh "$(PY)" $(COMPAT_LOW)
+	.ci/compat.sh "$(PY)" $(COMPAT_HIGH)
 
 lint:  ## ruff lint + format check
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -1,35 +1,63 @@
 #!/usr/bin/env bash
-# GPU speed/memory check for a lent H200 (device tool; 15 min of device time in all).
-# Budgeted to finish in < 8 min on one H200; prints a compact table and writes CSVs + plots.
-#   A. TPOT vs input length 4K..128K, full vs snapkv(budget 2048), batch 1 and 2 (bf16, sdpa,
-#      random-weight Llama-2-7B shape = LWM-Text-Chat-1M / LongChat, multi-head attention).
-#   B. Capacity: snapkv(budget 1024, window 16, kernel 5: the paper's needle setting) vs full at
-#      393,216 input tokens (target: snapkv runs, full runs out of memory).
-# Every knob is an environment variable so CI can smoke-test the script on CPU at toy sizes:
-#   MODEL DTYPE DEVICE LENGTHS BATCHES CAP_LENGTH DECODE OUTDIR
+# The GPU check, one prepared run on a lent H200 (device tool; 15 min of device time in all, this
+# run budgeted to < 8 min; estimate in README "GPU check"). Leaves in one folder (argument 1, else
+# $OUTDIR, else $OUT, else results/gpu):
+#   gpu_tests.log      pytest -m gpu tests/test_gpu.py (CUDA exactness for every method)
+#   gpu_tpot.csv       A. TPOT, prefill, peak memory vs input length 4K..128K, full vs snapkv(2048),
+#                         batch 1 and 2 (random-weight Llama-2-7B shape = LWM-Text-Chat-1M, bf16, sdpa)
+#   gpu_capacity.csv   B. snapkv(1024, window 16, kernel 5) vs full at 393,216 tokens (> 380K), then
+#                         longer while the time budget allows; out of memory = a row status=oom
+#   gpu_check.png      the four panels;  gpu_check.log  everything printed
+# Needs: torch with CUDA, transformers in the supported range; pytest (the image has it; else the
+# carry kit's .whl/ is installed first). No Hydra / OmegaConf. Every knob is an environment
+# variable, so CI smoke-tests this script on CPU at toy sizes:
+#   MODEL DTYPE DEVICE LENGTHS BATCHES BUDGET WINDOW CAP_LENGTH(S) CAP_BUDGET CAP_WINDOW DECODE
+#   DEADLINE_S (no capacity run starts that is predicted to end later, counted from this script's
+#   start) WARMUP GPU_TESTS(=0: skip the tests) PYTHON (default python3: the GPU image's torch)
 set -euo pipefail
+export GPU_CHECK_T0=$(date +%s)
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
 MODEL=${MODEL:-random:llama2-7b}
 DTYPE=${DTYPE:-bfloat16}
 DEVICE=${DEVICE:-cuda}
 LENGTHS=${LENGTHS:-[4096,16384,32768,65536,131072]}
 BATCHES=${BATCHES:-[1,2]}
-CAP_LENGTH=${CAP_LENGTH:-393216}
+CAP_LENGTHS=${CAP_LENGTHS:-${CAP_LENGTH:-[393216,458752,524288]}}
+BUDGET=${BUDGET:-2048}
+WINDOW=${WINDOW:-32}
+CAP_BUDGET=${CAP_BUDGET:-1024}
+CAP_WINDOW=${CAP_WINDOW:-16}
 DECODE=${DECODE:-16}
-OUTDIR=${OUTDIR:-${OUT:-results/gpu}}
+DEADLINE_S=${DEADLINE_S:-420}
+GPU_TESTS=${GPU_TESTS:-1}
+OUTDIR=${1:-${OUTDIR:-${OUT:-results/gpu}}}
+if [[ $DEVICE == cuda* ]]; then WARMUP=${WARMUP:-1024}; else WARMUP=${WARMUP:-0}; fi
 mkdir -p "$OUTDIR"
-export PYTHONUNBUFFERED=1
-[ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PIP_ROOT_USER_ACTION=ignore
+exec > >(tee "$OUTDIR/gpu_check.log") 2>&1
 
-common=(model="$MODEL" dtype="$DTYPE" device="$DEVICE" attn_implementation=sdpa subprocess=false)
-echo "== A: TPOT vs input length =="
-python scripts/bench_speed.py "${common[@]}" "lengths=$LENGTHS" "batch_sizes=$BATCHES" \
-  'methods=[full,snapkv]' budget=2048 window=32 decode_tokens="$DECODE" out="$OUTDIR/gpu_tpot.csv"
-echo "== B: longest input, snapkv(1024) vs full =="
-python scripts/bench_speed.py "${common[@]}" "lengths=[$CAP_LENGTH]" 'batch_sizes=[1]' \
-  'methods=[snapkv,full]' budget=1024 window=16 kernel_size=5 decode_tokens=4 out="$OUTDIR/gpu_capacity.csv"
-python - "$OUTDIR" <<'PY'
+if [ -d .whl ] && { [[ $DEVICE == cuda* ]] || ! "$PY" -c "import pytest" 2>/dev/null; }; then
+  PYTHON=$PY bash scripts/carry_kit.sh --install /tmp/site
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+[[ $DEVICE == cuda* ]] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+tests_rc=0
+if [ "$GPU_TESTS" = 1 ]; then
+  echo "== gpu tests (pytest -m gpu) =="
+  "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py >"$OUTDIR/gpu_tests.log" 2>&1 || tests_rc=$?
+  tail -n 15 "$OUTDIR/gpu_tests.log"
+fi
+
+echo "== A: TPOT vs input length; B: longest input =="
+"$PY" scripts/gpu_check.py --out "$OUTDIR" --model "$MODEL" --dtype "$DTYPE" --device "$DEVICE" \
+  --lengths "$LENGTHS" --batches "$BATCHES" --budget "$BUDGET" --window "$WINDOW" --decode "$DECODE" \
+  --cap-lengths "$CAP_LENGTHS" --cap-budget "$CAP_BUDGET" --cap-window "$CAP_WINDOW" \
+  --deadline-s "$DEADLINE_S" --warmup "$WARMUP"
+
+"$PY" - "$OUTDIR" <<'PY'
 import sys, pandas as pd
 d = sys.argv[1]
 for name in ("gpu_tpot.csv", "gpu_capacity.csv"):
@@ -40,3 +68,5 @@ for name in ("gpu_tpot.csv", "gpu_capacity.csv"):
     cols = ["method", "budget", "batch_size", "input_tokens", "status", "prefill_s", "tpot_ms", "peak_GiB", "kv_GiB"]
     print(f"\n{name}\n" + df[cols].to_string(index=False))
 PY
+[ "$tests_rc" = 0 ] || echo "gpu tests FAILED (exit $tests_rc): see $OUTDIR/gpu_tests.log"
+exit "$tests_rc"

@@ -1,6 +1,7 @@
 """snapkv-bench's library: KV-cache compression (SnapKV, PyramidKV, Ada-KV, H2O, StreamingLLM, full)
 inside unmodified HuggingFace transformers models, plus generation with timing and memory probes."""
 
+import snapkv.compat  # noqa: F401  (first: a transformers outside the supported range fails here)
 from snapkv.cache import CompressedCache, CompressibleLayer
 from snapkv.generation import GenerationResult, generate, generate_ids, stop_token_ids
 from snapkv.headwise import HeadwiseLayer

@@ -11,7 +11,9 @@ selections.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+from snapkv import compat
 
 
 class CompressibleLayer(DynamicLayer):
@@ -114,6 +116,7 @@ class CompressibleLayer(DynamicLayer):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         # The stored entries plus the incoming queries; the offset makes the incoming block causal
         # and every stored entry visible (their positions all precede the queries').
+        query_length = compat.query_length(query_length)
         stored = self.stored
         return stored + query_length, self.next_position - stored
 
@@ -168,8 +171,7 @@ class CompressibleLayer(DynamicLayer):
 def full_attention_layers(config) -> list[int]:
     """Indices of the layers whose cache may be compressed: transformers' own layer typing
     (`config.layer_types`, else inferred from `sliding_window`) says `full_attention`."""
-    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return [i for i, t in enumerate(layer_types) if t == "full_attention"]
+    return [i for i, t in enumerate(compat.layer_types(config)) if t == "full_attention"]
 
 
 class CompressedCache(DynamicCache):

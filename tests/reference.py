@@ -57,12 +57,14 @@ def masked_attention(visible_by_layer: dict):
         v = value.repeat_interleave(h // kv, dim=1).double()
         logits = query.double() @ k.transpose(-1, -2) * scaling
         if attention_mask is None:  # sdpa_mask skipped it: plain causal, bottom-right aligned
-            attention_mask = torch.ones(q, key.shape[2], dtype=torch.bool).tril(key.shape[2] - q)
+            attention_mask = torch.ones(q, key.shape[2], dtype=torch.bool, device=key.device).tril(
+                key.shape[2] - q
+            )
         logits = logits.masked_fill(~attention_mask, float("-inf"))
         vis = visible_by_layer.get(module.layer_idx)
         if vis is not None:
-            allowed = torch.zeros(b, kv, key.shape[2], dtype=torch.bool)
-            allowed.scatter_(2, vis, True)
+            allowed = torch.zeros(b, kv, key.shape[2], dtype=torch.bool, device=key.device)
+            allowed.scatter_(2, vis.to(key.device), True)
             allowed = allowed.repeat_interleave(h // kv, dim=1)[:, :, None, :]
             logits = logits.masked_fill(~allowed, float("-inf"))
         probs = logits.softmax(-1)
@@ -94,7 +96,7 @@ def masked_reference_logits(model, prompt_chunks: list[torch.Tensor], fed: list[
                 visible.clear()
                 if i >= len(prompt_chunks):
                     visible.update(records[i])
-                p = torch.arange(pos, pos + ids.shape[1]).unsqueeze(0)
+                p = torch.arange(pos, pos + ids.shape[1], device=ids.device).unsqueeze(0)
                 out = model(
                     input_ids=ids, position_ids=p, use_cache=True, **{hooks.cache_kwarg(model): cache}
                 )

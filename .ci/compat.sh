@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The core tests on one transformers version: .ci/compat.sh PYTHON VERSION [PYTEST_ARGS...]
+#
+# PYTHON's own packages (torch, pytest, ...) are reused, from a venv or the system interpreter alike:
+# when PYTHON already has transformers VERSION the tests run in place; otherwise in a cached venv
+# .venv-compat/VERSION whose .pth file puts PYTHON's site-packages after its own, so only
+# transformers (and a dependency it pins differently) is installed there, once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=$1 version=$2
+shift 2
+tests=("$@")
+[ ${#tests[@]} -gt 0 ] || tests=(tests/test_core.py tests/test_compat.py)
+tf_version() { "$1" -c "import transformers; print(transformers.__version__)" 2>/dev/null || true; }
+
+if [ "$(tf_version "$py")" = "$version" ]; then
+  run=$py
+else
+  venv=.venv-compat/$version
+  run=$venv/bin/python
+  parent=$("$py" -c "import sys; print(sys.prefix)")
+  # rebuilt when missing, broken, or made for another interpreter (its .pth points there)
+  if [ "$(tf_version "$run")" != "$version" ] || [ "$(cat "$venv/parent" 2>/dev/null)" != "$parent" ]; then
+    echo "test-compat: installing transformers==$version into $venv (once; cached)"
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+    site=$("$run" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+    "$py" - "$site/parent-site.pth" <<'PY'
+import os, site, sys, sysconfig
+dirs = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib"), *site.getsitepackages()]
+if site.ENABLE_USER_SITE:
+    dirs.append(site.getusersitepackages())
+dirs = [d for d in dict.fromkeys(dirs) if os.path.isdir(d)]
+with open(sys.argv[1], "w") as f:  # addsitedir also processes the parent's own .pth files
+    f.write("".join(f"import site; site.addsitedir({d!r})\n" for d in dirs))
+PY
+    "$run" -m pip install -q --disable-pip-version-check "transformers==$version"
+    [ "$(tf_version "$run")" = "$version" ] || { echo "test-compat: transformers $version did not install" >&2; exit 1; }
+    echo "$parent" >"$venv/parent"
+  fi
+fi
+echo "test-compat: transformers $version ($run)"
+"$run" -m pytest -q -p no:cacheprovider "${tests[@]}"

@@ -1,0 +1,273 @@
+"""The harness on a CUDA device (`pytest -m gpu`), with the same test bodies run on CPU in CI.
+
+Every test takes the `device` fixture: the `cpu` variant always runs (it proves the test logic
+and the device handling of the code under test); the `cuda` variant is marked `gpu` and skipped,
+with a reason, where no CUDA device is present. `pytest -m gpu tests/test_gpu.py` runs only the
+CUDA variants (scripts/gpu_check.sh does).
+
+What is checked per device, for every registered method:
+- compressed decoding (fp32) == a masked full-cache reference (eager float64 attention limited to
+  the entries each step really attended to): logits atol 1e-4 / rtol 1e-4 (CPU-vs-CPU tests use
+  1e-5; CUDA's sdpa kernels reorder the float32 sums);
+- the kept positions on the device (fp32) == the kept positions on CPU, exactly;
+- bf16: compressed decoding vs the same masked reference in bf16: logits within atol 0.02 (this
+  model's logits reach ~0.5; measured on CPU: at most 0.004 for every method), and the kept
+  positions agree with fp32 for >= 95% of the entries (measured on CPU: 98.8-100%);
+- top-k ties: `Method.select` on the device == a stable sort on CPU (earlier position wins);
+- chunked prefill == single pass (kept positions exact, keys within 1e-5);
+- the peak-memory probe sees a known allocation and stays within it plus a small slack.
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model
+from reference import masked_reference_logits, record_visible
+
+import snapkv
+from snapkv import METHODS, CompressedCache, build_method, generate_ids
+from snapkv.generation import PeakMemory
+from snapkv.hooks import cache_kwarg, session
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA device present")]
+    ),
+]
+PROMPT, NEW, W = 96, 8, 8
+
+# One evicting configuration per method (and per storage layout); methods registered later get a
+# default case below, so "every method" stays true.
+CASES = [
+    ("full", {}),
+    ("snapkv", dict(budget=40, window=W, kernel_size=5)),
+    ("h2o", dict(budget=40, evict_during_decode=True)),
+    ("h2o", dict(budget=40, evict_during_decode=False)),
+    ("streamingllm", dict(budget=40, n_sink=4)),
+    ("pyramidkv", dict(budget=40, window=W, kernel_size=5)),
+    ("adakv", dict(budget=40, window=W, layout="padded")),
+    ("adakv", dict(budget=40, window=W, layout="varlen")),
+]
+for _name, _cls in sorted(METHODS.items()):
+    if _name not in {n for n, _ in CASES}:
+        _fields = _cls.__dataclass_fields__
+        CASES.append((_name, {k: v for k, v in dict(budget=40, window=W).items() if k in _fields}))
+IDS = [f"{n}-" + "-".join(f"{k}={v}" for k, v in p.items()) for n, p in CASES]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> torch.device:
+    return torch.device(request.param)
+
+
+def model_on(device: torch.device, dtype=torch.float32, arch: str = "llama"):
+    return tiny_model(arch).to(device=device, dtype=dtype)
+
+
+def positions(layer) -> torch.Tensor:
+    """Kept original positions `[batch, kv_heads, n]` (per-head layouts pad short heads with -1)."""
+    return (layer.head_positions() if hasattr(layer, "head_positions") else layer.positions).cpu()
+
+
+def prefilled(model, ids: torch.Tensor, method, chunk_size: int | None = None) -> CompressedCache:
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    n = ids.shape[1]
+    bounds = [(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)] if chunk_size else [(0, n)]
+    with torch.no_grad(), session(model, method, cache) as s:
+        for i, (a, b) in enumerate(bounds):
+            s.phase = "final" if i == len(bounds) - 1 else "prefill"
+            pos = torch.arange(a, b, device=ids.device)[None]
+            model(
+                input_ids=ids[:, a:b],
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{cache_kwarg(model): cache},
+            )
+    return cache
+
+
+def decode_vs_reference(model, method, device):
+    ids = random_ids(PROMPT).to(device)
+    (out, res), records = record_visible(
+        model, lambda: generate_ids(model, ids, None, method, max_new_tokens=NEW, keep_logits=True)
+    )
+    fed = [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
+    ref = masked_reference_logits(model, [ids], fed, records)[-len(res.logits) :]
+    return res, [r.cpu() for r in ref]
+
+
+@pytest.mark.parametrize("name,params", CASES, ids=IDS)
+def test_compressed_decode_equals_masked_full_cache(device, name, params):
+    model = model_on(device)
+    res, ref = decode_vs_reference(model, build_method(name, **params), device)
+    assert res.device.startswith(device.type)
+    assert res.compressed == (name != "full")
+    for step, (a, b) in enumerate(zip(res.logits, ref)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("name,params", [c for c in CASES if c[0] != "full"], ids=IDS[1:])
+def test_selections_equal_cpu_selections_in_fp32(device, name, params):
+    ids = random_ids(PROMPT)
+    method = build_method(name, **params)
+    want = prefilled(model_on(torch.device("cpu")), ids, method)
+    got = prefilled(model_on(device), ids.to(device), method)
+    for (i, a), (_, b) in zip(want.compressible_layers(), got.compressible_layers()):
+        assert torch.equal(positions(a), positions(b)), f"layer {i}"
+
+
+@pytest.mark.parametrize("name,params", [c for c in CASES if c[0] != "full"], ids=IDS[1:])
+def test_bf16_decode_within_tolerance(device, name, params):
+    method = build_method(name, **params)
+    res, ref = decode_vs_reference(model_on(device, torch.bfloat16), method, device)
+    for step, (a, b) in enumerate(zip(res.logits, ref)):
+        torch.testing.assert_close(a, b, atol=0.02, rtol=0.0, msg=f"step {step}")
+    ids = random_ids(PROMPT).to(device)
+    lo = prefilled(model_on(device, torch.bfloat16), ids, method)
+    hi = prefilled(model_on(device), ids, method)
+    for (i, a), (_, b) in zip(lo.compressible_layers(), hi.compressible_layers()):
+        pa, pb = positions(a), positions(b)
+        same = sum(len(set(x.tolist()) & set(y.tolist())) for x, y in zip(pa.flatten(0, 1), pb.flatten(0, 1)))
+        assert same >= 0.95 * pb[pb >= 0].numel(), f"layer {i}: {same} of {pb.numel()} kept positions agree"
+
+
+@pytest.mark.parametrize("n", [64, 5000, 70000])
+def test_topk_ties_are_stable(device, n):
+    """Heavy ties (max-pooled scores repeat): the earlier position wins, the same on every device,
+    at sizes where CUDA switches sort algorithms."""
+    g = torch.Generator().manual_seed(n)
+    scores = torch.randint(0, 4, (2, 3, n), generator=g).float()
+    method = build_method("snapkv", budget=40, window=W)
+    budget = n // 3
+    got = method.select(scores.to(device), budget).cpu()
+    want = method.select(scores, budget)
+    assert torch.equal(got, want)
+    # independent reference: order by (-score, position), keep the first `budget`, ascending
+    s = scores.clone()
+    s[..., -W:] = float("inf")  # the window is protected
+    for b in range(2):
+        for h in range(3):
+            row = s[b, h].tolist()
+            keep = sorted(sorted(range(n), key=lambda j: (-row[j], j))[:budget])
+            assert got[b, h].tolist() == keep
+
+
+@pytest.mark.parametrize("name,params", [c for c in CASES if c[0] != "full"], ids=IDS[1:])
+def test_chunked_prefill_equals_single_pass(device, name, params):
+    model = model_on(device)
+    ids = random_ids(PROMPT).to(device)
+    method = build_method(name, **params)
+    single, chunked = prefilled(model, ids, method), prefilled(model, ids, method, chunk_size=24)
+    for (i, a), (_, b) in zip(single.compressible_layers(), chunked.compressible_layers()):
+        assert torch.equal(positions(a), positions(b)), f"layer {i}"
+        torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
+
+
+def test_peak_memory_probe_sees_an_allocation(device):
+    size = 256 * 2**20
+    with PeakMemory(device) as idle:
+        pass
+    with PeakMemory(device) as mem:
+        x = torch.ones(size // 4, dtype=torch.float32, device=device)  # written: RSS sees the pages too
+        del x
+    if device.type == "cuda":
+        base = torch.cuda.memory_allocated(device)
+        assert size <= mem.peak - base <= size + 2 * 2**20  # the allocator peak: exact up to its rounding
+    else:
+        assert mem.peak - idle.peak >= 0.9 * size  # process RSS, sampled: most of the pages seen
+
+
+def test_generation_peak_memory_is_at_least_the_kv_cache(device):
+    model = model_on(device)
+    _, res = generate_ids(model, random_ids(PROMPT).to(device), None, build_method("full"), max_new_tokens=2)
+    assert res.kv_bytes > 0 and res.peak_mem_bytes >= res.kv_bytes
+    assert not snapkv.hooks_installed()
+
+
+# --- scripts/gpu_check.sh / gpu_check.py at toy sizes on CPU (the prepared GPU run's smoke test) ---
+
+ROOT = Path(__file__).resolve().parents[1]
+TOY = dict(MODEL="random:llama-tiny", DTYPE="float32", DEVICE="cpu", LENGTHS="[64,128]", BATCHES="[1,2]",
+           BUDGET="48", WINDOW="8", CAP_LENGTHS="[256,320]", CAP_BUDGET="64", CAP_WINDOW="8", DECODE="3")  # fmt: skip
+
+
+def test_gpu_check_script_leaves_csvs_plot_and_log(tmp_path):
+    env = {**os.environ, **TOY, "GPU_TESTS": "0", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    tpot = list(csv.DictReader((tmp_path / "gpu_tpot.csv").open()))
+    assert [(r["batch_size"], r["input_tokens"], r["method"]) for r in tpot] == [
+        (b, n, m) for b in ("1", "2") for n in ("64", "128") for m in ("full", "snapkv")
+    ]
+    assert all(r["status"] == "ok" and float(r["tpot_s"]) > 0 and float(r["prefill_s"]) > 0 for r in tpot)
+    per_token = 2 * 2 * 16 * 2 * 4  # layers x kv heads x head_dim x (K, V) x fp32 bytes
+    for r in tpot:  # exact KV bytes: snapkv keeps its budget, full every token
+        kept = 48 if r["method"] == "snapkv" else int(r["input_tokens"])
+        assert int(r["kv_bytes"]) == kept * per_token * int(r["batch_size"])
+        assert int(r["peak_mem_bytes"]) > 0
+    cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
+    assert [(r["method"], r["input_tokens"], r["status"]) for r in cap] == [
+        ("snapkv", "256", "ok"), ("full", "256", "ok"), ("snapkv", "320", "ok")
+    ]  # fmt: skip
+    assert (cap[0]["budget"], cap[0]["window"], cap[0]["kernel_size"]) == ("64", "8", "5")
+    assert (tmp_path / "gpu_check.png").read_bytes()[:4] == b"\x89PNG"
+    log = (tmp_path / "gpu_check.log").read_text()
+    assert "gpu_tpot.csv" in log and "gpu_capacity.csv" in log and "TPOT full / TPOT snapkv" in log
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_out_of_memory_becomes_an_oom_row_and_the_run_goes_on(tmp_path, monkeypatch):
+    gpu_check = _gpu_check_module()
+    real = snapkv.generate_ids
+
+    def fake(model, ids, question, method, **kw):
+        if method.name == "full" and ids.shape[1] >= 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.00 GiB")
+        return real(model, ids, question, method, **kw)
+
+    monkeypatch.setattr(snapkv, "generate_ids", fake)
+    args = ["--out", str(tmp_path), "--model", "random:llama-tiny", "--dtype", "float32", "--device", "cpu",
+            "--lengths", "64", "--batches", "1", "--decode", "2", "--cap-lengths", "256,320",
+            "--cap-budget", "64", "--cap-window", "8", "--warmup", "0"]  # fmt: skip
+    assert gpu_check.main(args) == 0
+    cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
+    assert [(r["method"], r["input_tokens"], r["status"]) for r in cap] == [
+        ("snapkv", "256", "ok"), ("full", "256", "oom"), ("snapkv", "320", "ok")
+    ]  # fmt: skip
+    assert "out of memory" in cap[1]["error"]
+
+
+def test_capacity_runs_stop_at_the_deadline(tmp_path):
+    gpu_check = _gpu_check_module()
+    args = ["--out", str(tmp_path), "--model", "random:llama-tiny", "--dtype", "float32", "--device", "cpu",
+            "--lengths", "64", "--batches", "1", "--decode", "2", "--cap-lengths", "256,320",
+            "--warmup", "0", "--deadline-s", "0"]  # fmt: skip
+    assert gpu_check.main(args) == 0  # the first capacity run always starts; nothing after it
+    cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
+    assert [(r["method"], r["input_tokens"]) for r in cap] == [("snapkv", "256")]
+
+
+@pytest.mark.parametrize("bad,value", [(["--lengths", "4k"], "4k"), (["--model", "random:nope"], "nope")])
+def test_gpu_check_bad_input_is_one_line_exit_2(tmp_path, bad, value):
+    proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path), "--device", "cpu", *bad],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and value in proc.stderr, proc.stderr

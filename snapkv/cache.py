@@ -29,6 +29,9 @@ class CompressibleLayer(DynamicLayer):
     """
 
     is_compileable = False
+    # Whether heads store different numbers of entries (`snapkv.headwise.HeadwiseLayer`, Ada-KV):
+    # the attention wrapper then lets the layer attend over its own layout.
+    per_head = False
 
     def __init__(self, index: int = 0, num_layers: int = 1, **kwargs):
         super().__init__()

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from snapkv.cache import CompressibleLayer
 
 GQA_REDUCTIONS = ("mean", "max", "sum")
+# Where pooling goes relative to the GQA group reduction (SnapKV-family scores, see methods/snapkv.py).
+GQA_ORDERS = ("reduce_first", "pool_first")
 
 
 @dataclass
@@ -95,12 +97,17 @@ class Method:
     def compress_prefill(
         self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module
     ) -> None:
-        layer.full_length = layer.seen
+        """End of prefill (template): the layer's budget, then `score`, then `prune`."""
         budget = self.layer_budget(layer)
         if budget is None or layer.stored <= budget:
             return  # short prompts are left uncompressed (the result row says so)
-        layer.keep(self.select(self.score(layer, query, key, module), budget))
+        self.prune(layer, self.score(layer, query, key, module), budget)
         layer.compressed = True
+
+    def prune(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> None:
+        """Keep `budget` entries per KV head given `scores` `[batch, kv_heads, stored]` (the one
+        overridable step of `compress_prefill`; Ada-KV splits the layer's budget across heads)."""
+        layer.keep(self.select(scores, budget))
 
     def evict(self, layer: CompressibleLayer) -> None:
         """Decode-time eviction back to the budget (evicted entries never return)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -336,29 +337,45 @@ def test_unequal_layer_lengths_get_a_per_layer_mask(arch_name, impl):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_readme_example_method_is_thirty_lines_and_runs():
+def _readme_method_example() -> str:
+    """The first python block of README.md's "Adding a method" section."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Adding a method", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_example_method_is_at_most_thirty_lines_and_keeps_the_smallest_norm_keys():
+    from transformers import DynamicCache
+
     from snapkv.methods import METHODS, Method, register
 
-    @register
-    @dataclass
-    class KNorm(Method):  # the README's "Adding a method" example
-        name = "knorm"
-        budget: int | None = 1024
-
-        def score(self, layer, query, key, module):
-            return -key.float().norm(dim=-1)
-
+    code = _readme_method_example()
+    assert 3 < len(code.splitlines()) <= 30, code  # the README's promise: a method in a few lines
+    namespace = {"Method": Method, "register": register, "dataclass": dataclass}
+    exec(compile(code, "README.md:adding-a-method", "exec"), namespace)
     try:
+        assert "knorm" in METHODS
         model = tiny_model("llama")
         ids = random_ids(PROMPT)
-        _, res = generate_ids(model, ids, None, build_method("knorm", budget=32), max_new_tokens=2)
+        method = build_method("knorm", budget=32)
+        # Reference: the full cache's keys; each head keeps its 32 smallest-norm keys.
+        with torch.no_grad():
+            full = DynamicCache(config=model.config)
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): full})
+        cache = _prefilled_cache(model, ids, method)
+        for i, layer in cache.compressible_layers():
+            norms = full.layers[i].keys.norm(dim=-1)  # [1, kv_heads, 96]
+            want = norms.argsort(dim=-1)[..., :32].sort(dim=-1).values
+            assert torch.equal(layer.positions, want), f"layer {i}"
+        # ... and decoding on it is exact (the masked full-cache reference), through the harness.
+        (out, res), records = record_visible(model, lambda: run(model, method, ids))
         assert res.compressed and res.kv_tokens == 32
-        cache = _prefilled_cache(model, ids, build_method("knorm", budget=32))
-        for _, layer in cache.compressible_layers():  # kept = the 32 smallest-norm keys of each head
-            norms = layer.keys.norm(dim=-1)
-            assert layer.stored == 32 and norms.shape[-1] == 32
+        fed = [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
+        ref = masked_reference_logits(model, [ids], fed, records)
+        for a, b in zip(res.logits, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     finally:
-        METHODS.pop("knorm")
+        METHODS.pop("knorm", None)
 
 
 def test_prefill_holds_one_uncompressed_layer_at_a_time():

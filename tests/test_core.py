@@ -27,6 +27,46 @@ NEW = 8
 EVERY_METHOD = pytest.mark.parametrize("name,params", CATALOGUE, ids=ids(CATALOGUE))
 
 
+def test_catalogue_covers_every_method_and_switch():
+    """Every registered method is in tests/method_catalogue.py, and every value of every switch
+    (bool or enumerated field) is run by some entry; a new field must be classified."""
+    from method_catalogue import NOT_SWITCHES, SWITCHES_TESTED_ELSEWHERE
+
+    from snapkv.headwise import LAYOUTS
+    from snapkv.methods import METHODS
+    from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
+    from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS
+    from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS
+
+    choices = {
+        "pooling": ("max", "avg", "none"),
+        "gqa_reduce": GQA_REDUCTIONS,
+        "gqa_order": GQA_ORDERS,
+        "schedule": SCHEDULES,
+        "short_prompt": SHORT_PROMPTS,
+        "allocation": ALLOCATIONS,
+        "base": BASES,
+        "layout": LAYOUTS,
+        ("adakv", "normalize"): NORMALIZE,
+    }
+    assert {name for name, _ in CATALOGUE} == set(METHODS)
+    covered: dict[str, set] = {}
+    for name, params in CATALOGUE:
+        method = build_method(name, **params)
+        for key, value in method.params().items():
+            covered.setdefault(key, set()).add(repr(value))
+    for name, cls in METHODS.items():
+        for key, default in cls().params().items() if name == "full" else cls(budget=64).params().items():
+            if key in NOT_SWITCHES or (name, key) in SWITCHES_TESTED_ELSEWHERE:
+                continue
+            want = choices.get(
+                (name, key), choices.get(key, (False, True) if isinstance(default, bool) else None)
+            )
+            assert want is not None, f"classify {name}.{key}: a switch (list its values) or NOT_SWITCHES"
+            missing = {repr(v) for v in want} - covered.get(key, set())
+            assert not missing, f"no catalogue entry runs {name}.{key} in {sorted(missing)}"
+
+
 def run(model, method, ids, question=None, **kw):
     return generate_ids(model, ids, question, method, max_new_tokens=NEW, keep_logits=True, **kw)
 
@@ -254,7 +294,7 @@ def test_kv_bytes_match_kept_tokens(arch, dtype):
 
 
 def test_streamingllm_compacted_positions_rerotate_keys():
-    from snapkv.hooks import rerotate
+    from snapkv.rope import rerotate
 
     model = tiny_model("llama")
     rope = model.model.rotary_emb

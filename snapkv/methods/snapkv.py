@@ -63,6 +63,10 @@ class SnapKV(Method):
     def protected(self) -> tuple[int, int]:
         return 0, self.window
 
+    @property
+    def min_last_chunk(self) -> int:
+        return self.window  # the observation window's queries come from the last prefill chunk
+
     def score(self, layer, query, key, module) -> torch.Tensor:
         if query.shape[2] < self.window:
             raise ValueError(

@@ -59,6 +59,10 @@ QUIET_DEFAULTS: dict[str, Any] = {
     "normalize": False,
     "block_size": 256,
     "positions": "original",
+    "gqa_order": "reduce_first",
+    "schedule": "exact",
+    "short_prompt": "uniform",
+    "allocation": "adakv",
 }
 BUDGET_KEYS = ("budget", "max_capacity_prompt", "kv_budget")
 QUERY_AGNOSTIC_SUFFIX = " q-agnostic"

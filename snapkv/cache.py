@@ -11,7 +11,7 @@ selections.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from snapkv import compat
 
@@ -42,6 +42,9 @@ class CompressibleLayer(DynamicLayer):
     """
 
     is_compileable = False
+    # Whether heads store different numbers of entries (`snapkv.headwise.HeadwiseLayer`, Ada-KV):
+    # the attention wrapper then lets the layer attend over its own layout.
+    per_head = False
 
     def __init__(self, index: int = 0, num_layers: int = 1, **kwargs):
         super().__init__()
@@ -57,7 +60,9 @@ class CompressibleLayer(DynamicLayer):
         self.state = "empty"
         self.compressed = False
         self.compacted = False
-        self.full_length = 0  # tokens seen when the prefill compression ran
+        # Per-layer state a method keeps beside its scores (an object of the method's own type,
+        # e.g. H2O's `H2OLayerState`); None until the method sets it, cleared by reset().
+        self.method_state: object | None = None
         self.last_kept: torch.Tensor | None = None  # indices of the last keep() (for re-rotation)
         self.pads: torch.Tensor | None = None  # [batch] leading slots without a real entry
         self.prompt_pads: torch.Tensor | None = None  # [batch] pads of the prompt
@@ -144,9 +149,9 @@ class CompressibleLayer(DynamicLayer):
         self.positions = self.scores = None
         self.state = "empty"
         self.compressed = self.compacted = False
-        self.full_length = 0
         self.pads = self.prompt_pads = None
         self.decode_evicted = 0.0
+        self.method_state = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -166,6 +171,14 @@ class CompressibleLayer(DynamicLayer):
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
         super().batch_select_indices(indices)
+
+
+def kv_tensors(layer) -> list[torch.Tensor]:
+    """The K/V tensors a cache layer holds: transformers' attention layers (`CacheLayerMixin`)
+    declare `keys` / `values`; other kinds (linear attention state) hold none."""
+    if not isinstance(layer, CacheLayerMixin):
+        return []
+    return [t for t in (layer.keys, layer.values) if isinstance(t, torch.Tensor)]
 
 
 def full_attention_layers(config) -> list[int]:
@@ -203,9 +216,7 @@ class CompressedCache(DynamicCache):
         """Bytes of the K/V tensors really stored, all layers (Σ numel · element_size)."""
         total = 0
         for layer in self.layers:
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
+            total += sum(t.numel() * t.element_size() for t in kv_tensors(layer))
         return total
 
     def kv_bytes_logical(self) -> int:
@@ -216,18 +227,17 @@ class CompressedCache(DynamicCache):
             if isinstance(layer, CompressibleLayer):
                 total += layer.logical_bytes()
                 continue
-            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-                if isinstance(t, torch.Tensor):
-                    total += t.numel() * t.element_size()
+            total += sum(t.numel() * t.element_size() for t in kv_tensors(layer))
         return total
 
     def kv_bytes_full(self) -> int:
         """Bytes the same cache would hold with nothing evicted (each compressible layer at `seen`)."""
         total = 0
         for layer in self.layers:
-            keys = getattr(layer, "keys", None)
-            if not isinstance(keys, torch.Tensor):
+            tensors = kv_tensors(layer)
+            if not tensors:
                 continue
+            keys = tensors[0]
             if isinstance(layer, CompressibleLayer) and layer.dims is not None:
                 (b, h, d), length = layer.dims, layer.seen  # keys may be a flat per-head layout
             elif keys.dim() == 4:

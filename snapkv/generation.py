@@ -212,10 +212,9 @@ def generate_ids(
         pos = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0).expand(batch, -1)
         return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
 
-    window = getattr(method, "window", 1)
     with session(model, method, cache) as s, PeakMemory(device) as mem:
         t0 = _now(device)
-        spans = _chunks(context_ids.shape[1], chunk_size, window)
+        spans = _chunks(context_ids.shape[1], chunk_size, method.min_last_chunk)
         for i, (a, b) in enumerate(spans):
             s.phase = "final" if i == len(spans) - 1 else "prefill"
             out = forward(context_ids[:, a:b])

@@ -55,7 +55,7 @@ class Session:
         # The current forward's 2-D padding mask `[batch, length]` (None: no padding), set by
         # `apply` from the forward's `attention_mask` (see snapkv.padding).
         self.padding: torch.Tensor | None = None
-        self.inv_freq = _rope_inv_freq(model) if getattr(method, "positions", "") == "compacted" else None
+        method.post_init_from_model(model)
 
     # Called by the attention wrapper, after the layer's attention ran.
     def after_attention(
@@ -77,13 +77,10 @@ class Session:
                 method.observe(layer, query, key, module)
                 method.compress_prefill(layer, query, key, module)
             layer.state = "ready"
-            if self.inv_freq is not None and layer.compressed:
-                _compact(layer, self.inv_freq)
         else:
             if not method.evicts_during_decode:
                 return
             before = layer.row_entries()
-            stored = layer.stored
             if padded:
                 padding.evict_rows(method, layer, query, module)
             else:
@@ -91,8 +88,6 @@ class Session:
                 method.evict(layer)
             evicted = (before - layer.row_entries()).double().mean()
             layer.decode_evicted += float(evicted)
-            if self.inv_freq is not None and layer.stored < stored:
-                _compact(layer, self.inv_freq)
 
     def note_padding(self, layer: CompressibleLayer, q: int) -> None:
         """Record the prompt's left padding on `layer` (its first forward) from the current
@@ -120,43 +115,6 @@ class Session:
             return None
         layer = cache.layers[idx]
         return layer if isinstance(layer, CompressibleLayer) else None
-
-
-def _rope_inv_freq(model) -> torch.Tensor:
-    found = [m.inv_freq for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
-    if len(found) != 1:
-        raise ValueError(
-            f"positions='compacted' needs a model with one rotary embedding, found {len(found)} "
-            "(use positions='original')"
-        )
-    return found[0]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def rerotate(keys: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Move post-RoPE keys `[batch, kv_heads, n, d]` by `delta` `[batch, kv_heads, n]` positions.
-
-    RoPE rotations compose: R(p + δ) k = R(δ) R(p) k. Rotate-half convention (Llama, Qwen, Mistral).
-    """
-    angles = delta.to(torch.float32)[..., None] * inv_freq.to(keys.device, torch.float32)
-    emb = torch.cat((angles, angles), dim=-1)
-    k = keys.float()
-    return (k * emb.cos() + _rotate_half(k) * emb.sin()).to(keys.dtype)
-
-
-def _compact(layer: CompressibleLayer, inv_freq: torch.Tensor) -> None:
-    """StreamingLLM's compacted positions: after a `keep`, the key at stored slot i must be rotated
-    at position i. Before the keep, slot j was rotated at j (compacted) or at its original position
-    (first compression), so the delta is i - (old rotation position)."""
-    kept_old = layer.last_kept  # [b, kv, S] indices into the pre-keep slots
-    old_rot = kept_old if layer.compacted else layer.positions
-    new_rot = torch.arange(layer.stored, device=kept_old.device).expand_as(kept_old)
-    layer.keys = rerotate(layer.keys, new_rot - old_rot, inv_freq)
-    layer.compacted = True
 
 
 def _fix_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, impl: str):
@@ -234,7 +192,7 @@ def _make_wrapper(impl: str, original):
             )
         # What the model's attention applies beyond scaled softmax; scores must honour it too.
         layer.softcap, layer.sinks = kwargs.get("softcap"), kwargs.get("s_aux")
-        if getattr(layer, "per_head", False):
+        if layer.per_head:
             # Per-head lengths (snapkv.headwise, Ada-KV): the layer attends over its own layout
             # (padded + validity mask, or flat varlen); the model's shared mask does not apply.
             out = layer.attend(module, query, key, value, fn, impl, *args, **kwargs)
@@ -321,8 +279,7 @@ def apply(model, method: Method) -> Iterator[Session]:
     its prefill forward compresses each layer, later forwards decode (and evict, for methods that
     do). Positions stay original, so generate's own position bookkeeping is right.
     """
-    if getattr(method, "positions", "original") == "compacted":
-        raise ValueError("positions='compacted' is only supported by snapkv.generate, not model.generate")
+    method.check_model_generate()
     kw = cache_kwarg(model)
     original_generate = model.generate
 

@@ -148,7 +148,6 @@ def compress_prefill_rows(method, layer: CompressibleLayer, query: torch.Tensor,
     for v, q in views:
         method.compress_prefill(v, q, v.keys, module)
     _merge(layer, views)
-    layer.full_length = layer.seen
 
 
 def observe_prefill_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> None:

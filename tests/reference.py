@@ -120,35 +120,54 @@ def eager_attentions(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 
 def naive_snapkv_selection(
-    attn: torch.Tensor, kv_heads: int, budget: int, window: int, kernel: int, pooling: str, reduce: str
+    attn: torch.Tensor,
+    kv_heads: int,
+    budget: int,
+    window: int,
+    kernel: int,
+    pooling: str,
+    reduce: str,
+    order: str = "reduce_first",
 ):
-    """Kept positions per KV head from one layer's eager weights `[1, heads, L, L]`, with loops."""
+    """Kept positions per KV head from one layer's eager weights `[1, heads, L, L]`, with loops.
+
+    order="reduce_first": the group's votes are reduced, then pooled (KVCache-Factory's kv-head
+    mode, AdaKV's gqa_support); "pool_first": each query head's votes are pooled, then reduced."""
     _, h, length, _ = attn.shape
     g = h // kv_heads
     prefix = length - window
+
+    def pooled(votes):
+        out = []
+        for j in range(prefix):
+            lo, hi = j - kernel // 2, j + kernel // 2
+            vals = [votes[i] if 0 <= i < prefix else 0.0 for i in range(lo, hi + 1)]
+            if pooling == "max":
+                out.append(max(v for i, v in zip(range(lo, hi + 1), vals) if 0 <= i < prefix))
+            elif pooling == "avg":
+                out.append(sum(vals) / kernel)
+            else:
+                out.append(votes[j])
+        return out
+
+    def reduced(rows):
+        cols = list(zip(*rows))
+        if reduce == "mean":
+            return [sum(c) / g for c in cols]
+        if reduce == "max":
+            return [max(c) for c in cols]
+        return [sum(c) for c in cols]
+
     kept = []
     for kvh in range(kv_heads):
-        per_head = []
-        for qh in range(kvh * g, (kvh + 1) * g):
-            votes = [float(attn[0, qh, length - window :, j].sum()) for j in range(prefix)]
-            pooled = []
-            for j in range(prefix):
-                lo, hi = j - kernel // 2, j + kernel // 2
-                vals = [votes[i] if 0 <= i < prefix else 0.0 for i in range(lo, hi + 1)]
-                if pooling == "max":
-                    pooled.append(max(v for i, v in zip(range(lo, hi + 1), vals) if 0 <= i < prefix))
-                elif pooling == "avg":
-                    pooled.append(sum(vals) / kernel)
-                else:
-                    pooled.append(votes[j])
-            per_head.append(pooled)
-        cols = list(zip(*per_head))
-        if reduce == "mean":
-            score = [sum(c) / g for c in cols]
-        elif reduce == "max":
-            score = [max(c) for c in cols]
+        votes = [
+            [float(attn[0, qh, length - window :, j].sum()) for j in range(prefix)]
+            for qh in range(kvh * g, (kvh + 1) * g)
+        ]
+        if order == "reduce_first":
+            score = pooled(reduced(votes))
         else:
-            score = [sum(c) for c in cols]
+            score = reduced([pooled(v) for v in votes])
         top = sorted(range(prefix), key=lambda j: -score[j])[: budget - window]
         kept.append(sorted(top) + list(range(prefix, length)))
     return kept

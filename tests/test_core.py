@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import random_ids, tiny_model
+from method_catalogue import CATALOGUE, catalogue, ids
 from reference import (
     eager_attentions,
     masked_reference_logits,
@@ -22,30 +24,66 @@ from snapkv.hooks import cache_kwarg, session
 
 PROMPT = 96
 NEW = 8
+EVERY_METHOD = pytest.mark.parametrize("name,params", CATALOGUE, ids=ids(CATALOGUE))
 
-# (name, params) whose budget is below the prompt length: these really evict.
-EVICTING = [
-    ("snapkv", dict(budget=40, window=8, kernel_size=5)),
-    ("snapkv", dict(budget=40, window=8, kernel_size=4, pooling="avg", gqa_reduce="max")),
-    ("h2o", dict(budget=40, evict_during_decode=True)),
-    ("h2o", dict(budget=40, evict_during_decode=False, normalize=True)),
-    ("streamingllm", dict(budget=40, n_sink=4)),
-]
+
+def test_catalogue_covers_every_method_and_switch():
+    """Every registered method is in tests/method_catalogue.py, and every value of every switch
+    (bool or enumerated field) is run by some entry; a new field must be classified."""
+    from method_catalogue import NOT_SWITCHES, SWITCHES_TESTED_ELSEWHERE
+
+    from snapkv.headwise import LAYOUTS
+    from snapkv.methods import METHODS
+    from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
+    from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS
+    from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS
+
+    choices = {
+        "pooling": ("max", "avg", "none"),
+        "gqa_reduce": GQA_REDUCTIONS,
+        "gqa_order": GQA_ORDERS,
+        "schedule": SCHEDULES,
+        "short_prompt": SHORT_PROMPTS,
+        "allocation": ALLOCATIONS,
+        "base": BASES,
+        "layout": LAYOUTS,
+        ("adakv", "normalize"): NORMALIZE,
+    }
+    assert {name for name, _ in CATALOGUE} == set(METHODS)
+    covered: dict[str, set] = {}
+    for name, params in CATALOGUE:
+        method = build_method(name, **params)
+        for key, value in method.params().items():
+            covered.setdefault(key, set()).add(repr(value))
+    for name, cls in METHODS.items():
+        for key, default in cls().params().items() if name == "full" else cls(budget=64).params().items():
+            if key in NOT_SWITCHES or (name, key) in SWITCHES_TESTED_ELSEWHERE:
+                continue
+            want = choices.get(
+                (name, key), choices.get(key, (False, True) if isinstance(default, bool) else None)
+            )
+            assert want is not None, f"classify {name}.{key}: a switch (list its values) or NOT_SWITCHES"
+            missing = {repr(v) for v in want} - covered.get(key, set())
+            assert not missing, f"no catalogue entry runs {name}.{key} in {sorted(missing)}"
 
 
 def run(model, method, ids, question=None, **kw):
     return generate_ids(model, ids, question, method, max_new_tokens=NEW, keep_logits=True, **kw)
 
 
-@pytest.mark.parametrize(
-    "name,params",
-    [
-        ("snapkv", dict(budget=PROMPT, window=8)),
-        ("h2o", dict(budget=PROMPT + NEW)),
-        ("streamingllm", dict(budget=PROMPT + NEW)),
-        ("snapkv", dict(budget=4096, window=32)),
-    ],
-)
+def kept_positions(layer) -> torch.Tensor:
+    """Original positions kept per head `[batch, kv_heads, n]` (per-head storage: padded with -1)."""
+    return layer.head_positions() if layer.per_head else layer.positions
+
+
+# Budget >= prompt + new tokens: nothing is ever evicted (also by the decode-time evicting methods).
+NOT_EVICTING = catalogue(budget=PROMPT + NEW) + [
+    ("snapkv", dict(budget=PROMPT, window=8)),  # the boundary: budget == prompt length
+    ("snapkv", dict(budget=4096, window=32)),
+]
+
+
+@pytest.mark.parametrize("name,params", NOT_EVICTING, ids=ids(NOT_EVICTING))
 def test_budget_at_least_length_equals_full(arch, name, params):
     model = tiny_model(arch)
     ids = random_ids(PROMPT)
@@ -57,17 +95,18 @@ def test_budget_at_least_length_equals_full(arch, name, params):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name,params", EVICTING)
+@EVERY_METHOD
 @pytest.mark.parametrize("query_aware", [True, False])
 def test_compressed_decoding_equals_masked_full_cache(arch, name, params, query_aware):
     model = tiny_model(arch)
-    ids = random_ids(PROMPT)
+    ids = random_ids(PROMPT, batch=2)  # two rows: per-row selections (Ada-KV: per-row head budgets)
     ctx, q = ids[:, :80], ids[:, 80:]
     (out, res), records = record_visible(
         model, lambda: run(model, build_method(name, **params), ctx, q, query_aware=query_aware)
     )
-    assert res.compressed
-    # Query-agnostic: the question forward comes after compression, so it is a masked step too.
+    assert res.compressed == (name != "full")
+    # Query-agnostic: the question forward comes after compression (on a cache whose layers / heads
+    # may hold different lengths), so it is a masked step too.
     fed = ([] if query_aware else [q]) + [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
     ref = masked_reference_logits(model, [ids if query_aware else ctx], fed, records)
     ref = ref[-len(res.logits) :]
@@ -76,23 +115,47 @@ def test_compressed_decoding_equals_masked_full_cache(arch, name, params, query_
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"step {step}")
 
 
+@pytest.mark.parametrize("order", ["reduce_first", "pool_first"])
 @pytest.mark.parametrize("pooling", ["max", "avg", "none"])
 @pytest.mark.parametrize("reduce", ["mean", "max", "sum"])
-def test_snapkv_selection_equals_naive_reference(pooling, reduce):
+def test_snapkv_selection_equals_naive_reference(pooling, reduce, order):
     model = tiny_model("llama")
     ids = random_ids(64)
-    method = build_method("snapkv", budget=24, window=8, kernel_size=5, pooling=pooling, gqa_reduce=reduce)
-    _, res = generate_ids(model, ids, None, method, max_new_tokens=1, keep_logits=False)
+    method = build_method(
+        "snapkv", budget=24, window=8, kernel_size=5, pooling=pooling, gqa_reduce=reduce, gqa_order=order
+    )
     attns = eager_attentions(model, ids)
     cache = _prefilled_cache(model, ids, method)
     for layer_idx, layer in cache.compressible_layers():
-        want = naive_snapkv_selection(attns[layer_idx], 2, 24, 8, 5, pooling, reduce)
+        want = naive_snapkv_selection(attns[layer_idx], 2, 24, 8, 5, pooling, reduce, order)
         got = layer.positions[0].tolist()
         assert got == want, f"layer {layer_idx}"
 
 
+def test_gqa_orders_differ_with_max_pooling_and_agree_when_linear():
+    """The two GQA orders are two methods with max-pooling; with avg-pooling and a mean they rank
+    alike (both steps linear). Measured on the tiny model: the share of kept prefix entries that
+    differ."""
+    model = tiny_model("llama", layers=4)
+    ids = random_ids(200)
+
+    def kept(**p):
+        cache = _prefilled_cache(model, ids, build_method("snapkv", budget=40, window=8, kernel_size=7, **p))
+        return [layer.positions[..., :-8] for _, layer in cache.compressible_layers()]
+
+    def differ(a, b):
+        same = sum(len(set(x.tolist()) & set(y.tolist())) for u, v in zip(a, b) for x, y in zip(u[0], v[0]))
+        return 1 - same / sum(u[0].numel() for u in a)
+
+    assert differ(kept(gqa_order="reduce_first"), kept(gqa_order="pool_first")) > 0.1
+    linear = differ(
+        kept(gqa_order="reduce_first", pooling="avg"), kept(gqa_order="pool_first", pooling="avg")
+    )
+    assert linear == 0
+
+
 def _prefilled_cache(model, ids, method, chunk_size=None):
-    cache = CompressedCache(model.config)
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     kw = cache_kwarg(model)
     with torch.no_grad(), session(model, method, cache) as s:
         bounds = (
@@ -155,14 +218,14 @@ def test_streamingllm_keeps_sinks_and_most_recent():
         assert layer.positions[0].tolist() == [want, want]
 
 
-@pytest.mark.parametrize("name,params", [EVICTING[0], EVICTING[2], EVICTING[4]])
+@EVERY_METHOD
 def test_chunked_prefill_selects_exactly_as_single_pass(name, params):
     model = tiny_model("llama")
     ids = random_ids(PROMPT)
     single = _prefilled_cache(model, ids, build_method(name, **params))
     chunked = _prefilled_cache(model, ids, build_method(name, **params), chunk_size=24)
     for (_, a), (_, b) in zip(single.compressible_layers(), chunked.compressible_layers()):
-        assert torch.equal(a.positions, b.positions)
+        assert torch.equal(kept_positions(a), kept_positions(b))
         torch.testing.assert_close(a.keys, b.keys, atol=1e-5, rtol=1e-5)
 
 
@@ -176,7 +239,7 @@ def test_chunked_generation_equals_single_pass():
     torch.testing.assert_close(ra.logits[-1], rb.logits[-1], atol=1e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name,params", EVICTING)
+@EVERY_METHOD
 def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, params):
     model = tiny_model("llama")
     ids = random_ids(PROMPT)
@@ -189,16 +252,7 @@ def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, param
     assert torch.equal(out[:, ids.shape[1] :], own)
 
 
-@pytest.mark.parametrize(
-    "name,params",
-    EVICTING
-    + [  # per-layer and per-head budgets go through model.generate too
-        ("pyramidkv", dict(budget=40, window=8, kernel_size=5)),
-        ("adakv", dict(budget=40, window=8, layout="padded")),
-        ("adakv", dict(budget=40, window=8, layout="varlen")),
-        ("adakv", dict(budget=40, window=8, layout="varlen", base="pyramidkv", normalize=True, alpha=0.5)),
-    ],
-)
+@EVERY_METHOD
 def test_apply_context_manager_matches_own_loop(name, params):
     model = tiny_model("llama")
     ids = random_ids(PROMPT)
@@ -240,7 +294,7 @@ def test_kv_bytes_match_kept_tokens(arch, dtype):
 
 
 def test_streamingllm_compacted_positions_rerotate_keys():
-    from snapkv.hooks import rerotate
+    from snapkv.rope import rerotate
 
     model = tiny_model("llama")
     rope = model.model.rotary_emb
@@ -323,29 +377,45 @@ def test_unequal_layer_lengths_get_a_per_layer_mask(arch_name, impl):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-def test_readme_example_method_is_thirty_lines_and_runs():
+def _readme_method_example() -> str:
+    """The first python block of README.md's "Adding a method" section."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Adding a method", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_readme_example_method_is_at_most_thirty_lines_and_keeps_the_smallest_norm_keys():
+    from transformers import DynamicCache
+
     from snapkv.methods import METHODS, Method, register
 
-    @register
-    @dataclass
-    class KNorm(Method):  # the README's "Adding a method" example
-        name = "knorm"
-        budget: int | None = 1024
-
-        def score(self, layer, query, key, module):
-            return -key.float().norm(dim=-1)
-
+    code = _readme_method_example()
+    assert 3 < len(code.splitlines()) <= 30, code  # the README's promise: a method in a few lines
+    namespace = {"Method": Method, "register": register, "dataclass": dataclass}
+    exec(compile(code, "README.md:adding-a-method", "exec"), namespace)
     try:
+        assert "knorm" in METHODS
         model = tiny_model("llama")
         ids = random_ids(PROMPT)
-        _, res = generate_ids(model, ids, None, build_method("knorm", budget=32), max_new_tokens=2)
+        method = build_method("knorm", budget=32)
+        # Reference: the full cache's keys; each head keeps its 32 smallest-norm keys.
+        with torch.no_grad():
+            full = DynamicCache(config=model.config)
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): full})
+        cache = _prefilled_cache(model, ids, method)
+        for i, layer in cache.compressible_layers():
+            norms = full.layers[i].keys.norm(dim=-1)  # [1, kv_heads, 96]
+            want = norms.argsort(dim=-1)[..., :32].sort(dim=-1).values
+            assert torch.equal(layer.positions, want), f"layer {i}"
+        # ... and decoding on it is exact (the masked full-cache reference), through the harness.
+        (out, res), records = record_visible(model, lambda: run(model, method, ids))
         assert res.compressed and res.kv_tokens == 32
-        cache = _prefilled_cache(model, ids, build_method("knorm", budget=32))
-        for _, layer in cache.compressible_layers():  # kept = the 32 smallest-norm keys of each head
-            norms = layer.keys.norm(dim=-1)
-            assert layer.stored == 32 and norms.shape[-1] == 32
+        fed = [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
+        ref = masked_reference_logits(model, [ids], fed, records)
+        for a, b in zip(res.logits, ref):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     finally:
-        METHODS.pop("knorm")
+        METHODS.pop("knorm", None)
 
 
 def test_prefill_holds_one_uncompressed_layer_at_a_time():

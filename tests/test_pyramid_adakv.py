@@ -20,14 +20,6 @@ PROMPT = 96
 NEW = 8
 W = 8
 
-# (name, params) below the prompt length: these really evict.
-EVICTING = [
-    ("pyramidkv", dict(budget=40, window=W, kernel_size=5)),
-    ("adakv", dict(budget=40, window=W, layout="padded")),
-    ("adakv", dict(budget=40, window=W, layout="varlen")),
-    ("adakv", dict(budget=40, window=W, layout="varlen", base="pyramidkv", normalize=True, alpha=0.5)),
-]
-
 
 def run(model, method, ids, question=None, **kw):
     return generate_ids(model, ids, question, method, max_new_tokens=NEW, keep_logits=True, **kw)
@@ -48,39 +40,9 @@ def prefilled(model, ids, method, chunk_size=None):
 # ---- exactness ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name,params",
-    [
-        ("pyramidkv", dict(budget=PROMPT, window=W)),
-        ("adakv", dict(budget=PROMPT, window=W, layout="padded")),
-        ("adakv", dict(budget=PROMPT, window=W, layout="varlen", base="pyramidkv")),
-    ],
-)
-def test_budget_at_least_length_equals_full(arch, name, params):
-    model = tiny_model(arch)
-    ids = random_ids(PROMPT)
-    ref, rref = run(model, build_method("full"), ids)
-    out, res = run(model, build_method(name, **params), ids)
-    assert torch.equal(out, ref) and not res.compressed
-    for a, b in zip(res.logits, rref.logits):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("name,params", [EVICTING[0], EVICTING[1], EVICTING[3]])
-@pytest.mark.parametrize("query_aware", [True, False])
-def test_compressed_decoding_equals_masked_full_cache(arch, name, params, query_aware):
-    model = tiny_model(arch)
-    ids = random_ids(PROMPT, batch=2)
-    ctx, q = ids[:, :80], ids[:, 80:]
-    method = build_method(name, **params)
-    (out, res), records = record_visible(model, lambda: run(model, method, ctx, q, query_aware=query_aware))
-    assert res.compressed
-    # Query-agnostic: the 16-token question forward runs on the compressed, unequal-length cache.
-    fed = ([] if query_aware else [q]) + [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
-    ref = masked_reference_logits(model, [ids if query_aware else ctx], fed, records)[-len(res.logits) :]
-    assert len(records) == 1 + len(fed)
-    for step, (a, b) in enumerate(zip(res.logits, ref)):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"step {step}")
+# The method-wide exactness tests (budget >= length == full, compressed decoding == the masked full
+# cache, chunked prefill, model.generate inside apply) run over tests/method_catalogue.py in
+# tests/test_core.py; the tests here are specific to layer and head budgets.
 
 
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
@@ -149,7 +111,9 @@ def test_kvcache_factory_floor_overspends_where_ours_does_not():
 def test_realised_mean_budget_equals_request_on_30_layers(name):
     model = tiny_model("llama", layers=30)
     ids = random_ids(200)
-    params = dict(budget=64, window=W) | (dict(base="pyramidkv") if name == "adakv" else {})
+    params = dict(budget=64, window=W) | (
+        dict(base="pyramidkv", allocation="exact") if name == "adakv" else {}
+    )
     _, res = generate_ids(model, ids, None, build_method(name, **params), max_new_tokens=1)
     per_layer = res.kv_tokens_per_layer
     assert len(per_layer) == 30 and sum(per_layer) == 64 * 30  # mean exactly 64, never above
@@ -174,14 +138,16 @@ def test_head_budgets_sum_floor_and_adaptivity():
     scores = torch.rand(3, 4, 50, generator=g)
     scores[:, 0] += 10  # head 0 dominates the global top-k
     for alpha in (0.0, 0.2, 0.5, 1.0):
-        for normalize in (False, True):
-            c = head_budgets(scores, 12, alpha, normalize)
+        for normalize in (False, True, "sum"):
+            c = head_budgets(scores, 12, alpha, normalize, allocation="exact")
             assert c.sum(-1).tolist() == [48, 48, 48]
             assert bool((c >= math.ceil(alpha * 12)).all()) and bool((c <= 50).all())
-    assert head_budgets(scores, 12, 1.0).eq(12).all()
-    c = head_budgets(scores, 12, 0.2)
-    assert bool((c[:, 0] > 12).all()) and bool((c[:, 1:] >= 3).all())
-    assert head_budgets(scores, 12, 0.0)[:, 0].tolist() == [48, 48, 48]  # no floor: all to head 0
+    for allocation in ("exact", "adakv"):
+        assert head_budgets(scores, 12, 1.0, allocation=allocation).eq(12).all()
+        c = head_budgets(scores, 12, 0.2, allocation=allocation)
+        assert bool((c[:, 0] > 12).all()) and bool((c[:, 1:] >= 2).all())
+        # no floor: all to head 0
+        assert head_budgets(scores, 12, 0.0, allocation=allocation)[:, 0].tolist() == [48, 48, 48]
 
 
 @pytest.mark.parametrize("layout", ["padded", "varlen"])
@@ -189,7 +155,9 @@ def test_head_budgets_sum_floor_and_adaptivity():
 def test_adakv_head_counts_sum_to_layer_budget_and_respect_floor(layout, base):
     model = tiny_model("llama")
     ids = random_ids(PROMPT, batch=2)
-    method = build_method("adakv", budget=40, window=W, layout=layout, base=base, alpha=0.2)
+    method = build_method(
+        "adakv", budget=40, window=W, layout=layout, base=base, alpha=0.2, allocation="exact"
+    )
     cache = prefilled(model, ids, method)
     for _, layer in cache.compressible_layers():
         budget = method.layer_budget(layer)
@@ -212,7 +180,7 @@ def test_allocated_bytes_follow_head_budgets():
     ids = random_ids(PROMPT)
     res = {}
     for layout in ("padded", "varlen"):
-        method = build_method("adakv", budget=40, window=W, layout=layout)
+        method = build_method("adakv", budget=40, window=W, layout=layout, allocation="exact")
         _, res[layout] = generate_ids(model, ids, None, method, max_new_tokens=1)
         cache = prefilled(model, ids, method)
         for _, layer in cache.compressible_layers():

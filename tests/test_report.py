@@ -115,7 +115,14 @@ def test_method_label():
     assert method_label("snapkv", {"budget": 512}, query_aware=True) == "snapkv b=512"
     assert budget_of({"budget": 512}) == 512.0 and budget_of({}) is None
     # The params of the real method dataclasses: secondary ones at their defaults stay out of the label.
-    snap = {"budget": 1024, "window": 32, "kernel_size": 7, "pooling": "max", "gqa_reduce": "mean"}
+    snap = {
+        "budget": 1024,
+        "window": 32,
+        "kernel_size": 7,
+        "pooling": "max",
+        "gqa_reduce": "mean",
+        "gqa_order": "reduce_first",
+    }
     assert method_label("snapkv", snap) == "snapkv b=1024 w=32 k=7 max"
     assert method_label("snapkv", {**snap, "gqa_reduce": "max", "pooling": "none"}) == (
         "snapkv b=1024 w=32 k=7 gqa_reduce=max pooling=none"

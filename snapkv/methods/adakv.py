@@ -4,15 +4,25 @@
 A layer's budget is split across its KV heads instead of giving each head the same share. With
 `P = layer budget - window` selectable entries per head and `h` KV heads, the layer selects
 `h x P` entries per batch row: a global top-`h*P` over ALL heads' scores (SnapKV's pooled window
-votes, GQA-reduced per KV head; `normalize=True` first divides each head's scores by their sum)
-counts `c_h` entries for head h, and with the safeguard floor `f = ceil(alpha * P)` head h keeps
-`f + (P - f) * c_h / P` entries (the paper's `alpha*B + (1-alpha)*B_adaptive`), rounded by
-largest remainder so that the heads' budgets sum to `h x P` exactly and each is >= f. Every head
+votes, GQA-reduced per KV head, `gqa_order` as SnapKV) counts `c_h` entries for head h, and head h
 keeps its own top entries plus the whole window; nothing is evicted while decoding (new tokens
 are appended to every head). `base`: `snapkv` (uniform layer budgets: Ada-SnapKV) or `pyramidkv`
-(PyramidKV's layer schedule, `beta`: Ada-PyramidKV). Defaults follow the Ada-KV code: window 32,
-kernel 7, max-pool, alpha 0.2. The original code rounds `c_h*(1-alpha) + floor` per head, which
-can miss the layer total by a few entries; here the total is exact.
+(PyramidKV's layer schedule, `beta`, `schedule`, `short_prompt`: Ada-PyramidKV; `short_prompt`
+defaults to `clip` here, as AdaKV's code has no uniform fallback). Defaults follow the Ada-KV
+code: window 32, kernel 7, max-pool, alpha 0.2.
+
+The two formulas, each a named switch (defaults: the Ada-KV code's, `FFY0/AdaKV`
+`AdaptiveSnapKVCluster`):
+
+- `allocation="adakv"`: floor `f = int(alpha * P)`, head h keeps `round(c_h * (1 - alpha) + f)`
+  (`torch.round`: half to even) selected entries — the paper's `alpha*B + (1-alpha)*B_adaptive`.
+  The heads' total can fall short of `h x P` (by `h x frac(alpha*P)` plus rounding: at P=32,
+  alpha=0.2 about 0.4 entries per head). `allocation="exact"`: `f = ceil(alpha * P)`, head h keeps
+  `f + (P - f) * c_h / P` rounded by largest remainder: the total is exactly `h x P`, each >= f.
+- `normalize=True`: AdaKV's normalisation, each head's scores MULTIPLIED by the share of its score
+  mass in its own top-P (`sum(top-P scores) / sum(scores)`) before the global top-k.
+  `normalize="sum"`: each head's scores DIVIDED by their sum (every head's scores sum to 1).
+  `False`: raw scores.
 
 Storage (`layout`) is per head, with real memory savings (`snapkv.headwise`): `varlen` (default)
 keeps one flat `[total_kept, head_dim]` tensor per layer for K and V with `cu_seqlens` (attended
@@ -39,22 +49,38 @@ from snapkv.methods.pyramidkv import PyramidKV
 from snapkv.methods.registry import register
 
 BASES = ("snapkv", "pyramidkv")
+ALLOCATIONS = ("adakv", "exact")
+NORMALIZE = (False, True, "sum")
 
 
-def head_budgets(scores: torch.Tensor, per_head: int, alpha: float, normalize: bool = False) -> torch.Tensor:
-    """Ada-KV's allocation: `[batch, kv_heads]` selectable entries per head, summing to
+def head_budgets(
+    scores: torch.Tensor,
+    per_head: int,
+    alpha: float,
+    normalize: bool | str = False,
+    allocation: str = "adakv",
+) -> torch.Tensor:
+    """Ada-KV's allocation: `[batch, kv_heads]` selectable entries per head.
+
+    scores `[batch, kv_heads, n]` (n > per_head) of the selectable (non-window) entries; `normalize`
+    and `allocation` as in the module docstring. With `allocation="exact"` the heads' budgets sum to
     `kv_heads * per_head` per batch row, each >= ceil(alpha * per_head).
-
-    scores `[batch, kv_heads, n]` (n > per_head) of the selectable (non-window) entries.
     """
     b, h, n = scores.shape
     s = scores.float()
-    if normalize:
-        s = s / s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
+    tiny = torch.finfo(torch.float32).tiny
+    if normalize is True:
+        top_mass = s.sort(dim=-1, descending=True).values[..., :per_head].sum(dim=-1, keepdim=True)
+        s = s * (top_mass / s.sum(dim=-1, keepdim=True).clamp_min(tiny))
+    elif normalize == "sum":
+        s = s / s.sum(dim=-1, keepdim=True).clamp_min(tiny)
     # Global top-(h * P) over all heads of the row; stable sort: ties to the lower (head, position).
     top = s.reshape(b, h * n).sort(dim=-1, descending=True, stable=True).indices[:, : h * per_head]
     chosen = torch.zeros(b, h, dtype=torch.long, device=s.device)
     chosen.scatter_add_(1, top // n, torch.ones_like(top))
+    if allocation == "adakv":
+        # The original's arithmetic: int floor, an fp32 product, torch.round (half to even).
+        return torch.round(chosen * (1 - alpha) + int(per_head * alpha)).long()
     floor = min(per_head, math.ceil(round(alpha * per_head, 9)))
     # Exact integers: real budget = (floor * P + (P - floor) * c) / P; sum over heads = h * P.
     numer = floor * per_head + (per_head - floor) * chosen
@@ -74,10 +100,14 @@ class AdaKV(PyramidKV):
     kernel_size: int = 7
     pooling: str = "max"  # max | avg | none
     gqa_reduce: str = "mean"  # mean | max | sum
+    gqa_order: str = "reduce_first"  # reduce_first (AdaKV's gqa_support) | pool_first
     beta: float = 20  # base=pyramidkv only
+    schedule: str = "exact"  # base=pyramidkv only: exact | floor
+    short_prompt: str = "clip"  # base=pyramidkv only: clip (AdaKV) | uniform (KVCache-Factory)
     base: str = "snapkv"  # snapkv | pyramidkv: the layer budgets
-    alpha: float = 0.2  # floor: each head keeps >= ceil(alpha * (layer budget - window)) + window
-    normalize: bool = False  # divide each head's scores by their sum before the global top-k
+    alpha: float = 0.2  # floor share: each head keeps >= alpha * (layer budget - window) + window
+    allocation: str = "adakv"  # adakv: int floor, per-head round | exact: ceil floor, exact total
+    normalize: bool | str = False  # True: AdaKV's top-P mass ratio | "sum": divide by the sum
     layout: str = "varlen"  # varlen | padded
 
     @property
@@ -94,29 +124,26 @@ class AdaKV(PyramidKV):
             or not 0 <= self.alpha <= 1
         ):
             raise ValueError(f"alpha must be in [0, 1], got alpha={self.alpha!r}")
-        if not isinstance(self.normalize, bool):
-            raise ValueError(f"normalize must be true or false, got normalize={self.normalize!r}")
+        if not (isinstance(self.normalize, bool) or self.normalize == "sum"):
+            raise ValueError(f"normalize must be one of {NORMALIZE}, got normalize={self.normalize!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got allocation={self.allocation!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got layout={self.layout!r}")
 
     def cache_layer(self, index: int, num_layers: int) -> HeadwiseLayer:
         return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)
 
-    def compress_prefill(self, layer, query, key, module) -> None:
-        layer.full_length = layer.seen
-        budget = self.layer_budget(layer)
-        if budget is None or layer.stored <= budget:
-            return
+    def prune(self, layer, scores: torch.Tensor, budget: int) -> None:
         if not isinstance(layer, HeadwiseLayer):
             raise ValueError(
                 "adakv needs per-head storage: build the cache with "
                 "CompressedCache(config, layer_factory=method.cache_layer) (snapkv.generate and "
                 f"snapkv.apply do), got {type(layer).__name__}"
             )
-        scores = self.score(layer, query, key, module)  # [b, kv, L]; the window's entries: 0
-        length, w = scores.shape[-1], self.window
+        length, w = scores.shape[-1], self.window  # scores [b, kv, L]; the window's entries: 0
         prefix = scores[..., : length - w]
-        counts = head_budgets(prefix, budget - w, self.alpha, self.normalize)  # [b, kv]
+        counts = head_budgets(prefix, budget - w, self.alpha, self.normalize, self.allocation)  # [b, kv]
         # Per head: its top counts[b, h] prefix entries (ascending), then the window.
         m = int(counts.max())
         order = prefix.float().sort(dim=-1, descending=True, stable=True).indices[..., :m]
@@ -128,4 +155,3 @@ class AdaKV(PyramidKV):
         in_window = (slot >= counts[..., None]) & (slot < counts[..., None] + w)
         indices = torch.where(in_window, window_idx, top).clamp(max=length - 1)
         layer.keep_per_head(indices, counts + w)
-        layer.compressed = True

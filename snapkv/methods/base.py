@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from snapkv.cache import CompressibleLayer
 
 GQA_REDUCTIONS = ("mean", "max", "sum")
+# Where pooling goes relative to the GQA group reduction (SnapKV-family scores, see methods/snapkv.py).
+GQA_ORDERS = ("reduce_first", "pool_first")
 
 
 @dataclass
@@ -35,10 +37,24 @@ class Method:
     def __post_init__(self) -> None:
         self.validate()
 
-    # ---- what a method defines -------------------------------------------------------------
+    # ---- what a method defines (every hook has a no-op / uniform default) ---------------------
     def validate(self) -> None:
         if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
             raise ValueError(f"budget must be a positive integer, got budget={self.budget!r}")
+
+    def post_init_from_model(self, model) -> None:
+        """Called once per session, before the first forward (kvpress's hook): a method that needs
+        something from the model takes it here (StreamingLLM's compacted positions: the RoPE
+        frequencies). ValueError if the method cannot run on this model."""
+
+    def check_model_generate(self) -> None:
+        """ValueError if the method cannot run inside `model.generate` (`snapkv.apply`)."""
+
+    @property
+    def min_last_chunk(self) -> int:
+        """Tokens the last prefill chunk must hold (SnapKV-style scores: the observation window);
+        chunked prefill merges a shorter last chunk into the one before."""
+        return 1
 
     def layer_budget(self, layer: CompressibleLayer) -> int | None:
         """Entries kept per KV head in this layer (uniform by default; PyramidKV-style schedules
@@ -63,7 +79,8 @@ class Method:
 
     def observe(self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module) -> None:
         """Called after attention for every forward on the layer (prefill chunks and decoding):
-        methods that accumulate statistics (H2O) update `layer.scores` here."""
+        methods that accumulate statistics (H2O) update `layer.scores` here; other per-layer state
+        a method keeps goes in `layer.method_state` (an object of the method's own type)."""
 
     def score(self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module) -> torch.Tensor:
         """Scores `[batch, kv_heads, stored]` of the stored entries at the end of prefill; higher is kept.
@@ -95,19 +112,25 @@ class Method:
     def compress_prefill(
         self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module
     ) -> None:
-        layer.full_length = layer.seen
+        """End of prefill (template): the layer's budget, then `score`, then `prune`."""
         budget = self.layer_budget(layer)
         if budget is None or layer.stored <= budget:
             return  # short prompts are left uncompressed (the result row says so)
-        layer.keep(self.select(self.score(layer, query, key, module), budget))
+        self.prune(layer, self.score(layer, query, key, module), budget)
         layer.compressed = True
+
+    def prune(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> None:
+        """Keep `budget` entries per KV head given `scores` `[batch, kv_heads, stored]`: the one
+        overridable step of `compress_prefill` and `evict` (Ada-KV splits the layer's budget across
+        heads; StreamingLLM re-rotates the kept keys with compacted positions)."""
+        layer.keep(self.select(scores, budget))
 
     def evict(self, layer: CompressibleLayer) -> None:
         """Decode-time eviction back to the budget (evicted entries never return)."""
         budget = self.layer_budget(layer)
         if budget is None or layer.stored <= budget:
             return
-        layer.keep(self.select(self.decode_score(layer), budget))
+        self.prune(layer, self.decode_score(layer), budget)
         layer.compressed = True
 
 

@@ -20,6 +20,13 @@ from snapkv.methods.base import GQA_REDUCTIONS, Method, blockwise_attention, cau
 from snapkv.methods.registry import register
 
 
+@dataclass
+class H2OLayerState:
+    """H2O's per-layer state (`layer.method_state`) beside the accumulated `layer.scores`."""
+
+    fused_chunk: bool = False  # the fused prefill already accumulated this chunk: observe() skips it
+
+
 @register
 @dataclass
 class H2O(Method):
@@ -81,12 +88,13 @@ class H2O(Method):
             query, key, qpos, layer.positions, module.scaling, value, self.block_size
         )
         self._accumulate(layer, sums)
-        layer.observed = True  # observe() must not count this chunk twice
+        layer.method_state = H2OLayerState(fused_chunk=True)  # observe() must not count it twice
         return out.transpose(1, 2).contiguous()
 
     def observe(self, layer, query, key, module) -> None:
-        if getattr(layer, "observed", False):
-            layer.observed = False
+        state = layer.method_state
+        if isinstance(state, H2OLayerState) and state.fused_chunk:
+            state.fused_chunk = False
             return
         if layer.state == "ready" and not self.evict_during_decode:
             return  # prefill-only variant: scores are not needed any more

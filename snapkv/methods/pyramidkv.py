@@ -9,20 +9,26 @@ compressible layer to `P/beta` in the last, so that its mean is `P`; every layer
 window. When the first layer would keep more than the prompt's prefix (`2P - P/beta > L - window`)
 the top is clipped to `L - window` and the bottom raised to `2P - (L - window)`, mean unchanged.
 
-Budgets here are integers whose MEAN over the compressible layers is exactly `budget`: the
-real-valued schedule is rounded by largest remainder (ties to the lower layer), so the integer
-budgets sum to `budget x n_layers` and each differs from its real value by less than one entry.
-KVCache-Factory instead floors the per-layer step (`(max - min) // (n_layers - 1)`), which
-overspends at small budgets: budget 64, window 8, 32 layers gives prefix budgets 110 - 3i, a mean
-of 63.5 instead of 56 selectable entries (+13%; 71.5 instead of 64 in total, +12%). Its fallback
-to uniform SnapKV budgets for prompts shorter than 2P is not reproduced (the clipped pyramid runs).
+Two switches cover what KVCache-Factory (the PyramidKV authors' code) does differently:
+
+- `schedule`: `exact` (default) rounds the real-valued schedule by largest remainder (ties to the
+  lower layer), so the integer budgets sum to `budget x n_layers` and each is within one entry of
+  its real value. `floor` is KVCache-Factory's integer schedule: `lo = P // beta`, `hi = 2P - lo`,
+  step `(hi - lo) // (n_layers - 1)`, layer i keeps `hi - i x step`; it overspends at small
+  budgets (budget 64, window 8, 32 layers: prefix budgets 110 - 3i, a mean of 63.5 instead of 56
+  selectable entries, +13%), which is why it is not the default.
+- `short_prompt`: what happens when the prompt is longer than the budget but shorter than
+  `2 x (budget - window)`. `uniform` (default, KVCache-Factory): every layer keeps `budget`, as
+  SnapKV. `clip`: the clipped pyramid above runs (AdaKV's own pyramid code has no such fallback;
+  Ada-KV's default here).
+
 Hybrid models: only the compressible (full-attention) layers are counted and ranked.
 
 Hyper-parameters: `budget` (mean entries per KV head per layer, window included), `beta` (pyramid
-steepness: the last layer keeps P/beta selectable entries; paper/code default 20; 1 = uniform) and
-SnapKV's `window`, `kernel_size`, `pooling`, `gqa_reduce`. `budget - window >= beta` is required so
-that every layer keeps at least one entry beyond the window. Prompts with L <= budget are not
-compressed. The realised per-layer budgets are `GenerationResult.kv_tokens_per_layer`.
+steepness: the last layer keeps P/beta selectable entries; paper/code default 20; 1 = uniform),
+`schedule`, `short_prompt` and SnapKV's `window`, `kernel_size`, `pooling`, `gqa_reduce`,
+`gqa_order`. `budget - window >= beta` is required so that every layer keeps at least one entry
+beyond the window. Prompts with L <= budget are not compressed. The realised per-layer budgets are `GenerationResult.kv_tokens_per_layer`.
 """
 
 from __future__ import annotations
@@ -46,15 +52,33 @@ def _largest_remainder(reals: list[Fraction], total: int) -> list[int]:
     return ints
 
 
+SCHEDULES = ("exact", "floor")
+SHORT_PROMPTS = ("uniform", "clip")
+
+
 @functools.lru_cache(maxsize=256)
 def pyramid_budgets(
-    budget: int, window: int, n_layers: int, beta: float = 20, length: int | None = None
+    budget: int,
+    window: int,
+    n_layers: int,
+    beta: float = 20,
+    length: int | None = None,
+    schedule: str = "exact",
 ) -> tuple[int, ...]:
-    """Per-layer budgets (window included), first compressible layer first, summing to
-    `budget * n_layers` exactly. `length`: the prompt length (clips the top of the pyramid to it)."""
+    """Per-layer budgets (window included), first compressible layer first. `length`: the prompt
+    length (clips the top of the pyramid to it). `schedule="exact"`: they sum to `budget * n_layers`
+    exactly; `"floor"`: KVCache-Factory's floored integer schedule (may overspend)."""
     p = budget - window
     if n_layers == 1:
         return (budget,)
+    if schedule == "floor":
+        lo_int = int(p // beta)
+        hi_int = 2 * p - lo_int
+        if length is not None and hi_int >= length - window:
+            hi_int = length - window
+            lo_int = 2 * p - hi_int
+        step_int = (hi_int - lo_int) // (n_layers - 1)
+        return tuple(hi_int - i * step_int + window for i in range(n_layers))
     lo = Fraction(p) / Fraction(beta)
     hi = 2 * p - lo
     if length is not None and hi > length - window:
@@ -75,7 +99,10 @@ class PyramidKV(SnapKV):
     kernel_size: int = 7
     pooling: str = "max"  # max | avg | none
     gqa_reduce: str = "mean"  # mean | max | sum
+    gqa_order: str = "reduce_first"  # reduce_first | pool_first
     beta: float = 20  # the last layer keeps (budget - window) / beta selectable entries
+    schedule: str = "exact"  # exact (mean == budget) | floor (KVCache-Factory's, overspends)
+    short_prompt: str = "uniform"  # budget < L < 2(budget - window): uniform (KVCache-Factory) | clip
 
     @property
     def pyramid(self) -> bool:
@@ -86,6 +113,12 @@ class PyramidKV(SnapKV):
         super().validate()
         if self.budget is None:
             raise ValueError(f"{self.name} needs a budget, got budget=None")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got schedule={self.schedule!r}")
+        if self.short_prompt not in SHORT_PROMPTS:
+            raise ValueError(
+                f"short_prompt must be one of {SHORT_PROMPTS}, got short_prompt={self.short_prompt!r}"
+            )
         if not self.pyramid:
             return
         if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not self.beta >= 1:
@@ -101,6 +134,9 @@ class PyramidKV(SnapKV):
     def layer_budget(self, layer) -> int | None:
         if not self.pyramid or layer.seen <= self.budget:
             return self.budget  # short prompts stay uncompressed, as with SnapKV
-        return pyramid_budgets(self.budget, self.window, layer.num_compressible, self.beta, layer.seen)[
-            layer.rank
-        ]
+        if self.short_prompt == "uniform" and layer.seen < 2 * (self.budget - self.window):
+            return self.budget  # KVCache-Factory's fallback: SnapKV's uniform budgets
+        budgets = pyramid_budgets(
+            self.budget, self.window, layer.num_compressible, self.beta, layer.seen, self.schedule
+        )
+        return budgets[layer.rank]

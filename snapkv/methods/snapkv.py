@@ -7,9 +7,17 @@ and each KV head keeps the top `budget - window` prefix positions plus the whole
 keep their original positions; nothing is evicted while decoding. Paper settings: LongBench
 window 32, kernel 7, max-pool, budget 1024/2048/4096; needle to 380K: window 16, kernel 5, budget 1024.
 
-GQA: the original code repeats K/V to every query head before caching. Here each query head scores,
-the scores are pooled per query head and reduced over the group (`gqa_reduce`), and the cache stays
-at KV-head granularity.
+GQA: the original code repeats K/V to every query head before caching (each query head keeps its own
+set: the group's memory times the group size). Here each query head votes, the votes are combined
+over the group (`gqa_reduce`: mean | max | sum) and the cache stays at KV-head granularity.
+`gqa_order` says where the pooling goes:
+
+- `reduce_first` (default): reduce the group's votes, then pool once per KV head — the public GQA
+  ports: KVCache-Factory's kv-head mode (`gqa_score_agg`) and AdaKV's `gqa_support` (mean).
+- `pool_first`: pool each query head's votes, then reduce — kvpress's order (it average-pools).
+
+With `pooling=avg` (or none) and `gqa_reduce` mean / sum the two orders give the same scores (both
+steps are linear); with max-pooling they keep different entries (20-43% of them on tiny models).
 """
 
 from __future__ import annotations
@@ -17,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-from snapkv.methods.base import GQA_REDUCTIONS, Method, pool, reduce_group, window_attention
+from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS, Method, pool, reduce_group, window_attention
 from snapkv.methods.registry import register
 
 
@@ -32,6 +41,7 @@ class SnapKV(Method):
     kernel_size: int = 7
     pooling: str = "max"  # max | avg | none
     gqa_reduce: str = "mean"  # mean | max | sum
+    gqa_order: str = "reduce_first"  # reduce_first (KVCache-Factory, AdaKV) | pool_first (kvpress)
 
     def validate(self) -> None:
         super().validate()
@@ -47,9 +57,15 @@ class SnapKV(Method):
             raise ValueError(
                 f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={self.gqa_reduce!r}"
             )
+        if self.gqa_order not in GQA_ORDERS:
+            raise ValueError(f"gqa_order must be one of {GQA_ORDERS}, got gqa_order={self.gqa_order!r}")
 
     def protected(self) -> tuple[int, int]:
         return 0, self.window
+
+    @property
+    def min_last_chunk(self) -> int:
+        return self.window  # the observation window's queries come from the last prefill chunk
 
     def score(self, layer, query, key, module) -> torch.Tensor:
         if query.shape[2] < self.window:
@@ -57,10 +73,12 @@ class SnapKV(Method):
                 f"the last prefill chunk must hold the observation window, got {query.shape[2]} tokens "
                 f"< window={self.window}"
             )
-        votes = window_attention(
-            query, key, self.window, module.scaling, layer.softcap, layer.sinks
-        )  # [b, kv, g, L]
-        prefix = pool(votes[..., : -self.window], self.kernel_size, self.pooling)
-        scores = torch.zeros(votes.shape[:2] + votes.shape[3:], device=votes.device)
-        scores[..., : -self.window] = reduce_group(prefix, self.gqa_reduce)
-        return scores  # the window's own entries are protected
+        votes = window_attention(query, key, self.window, module.scaling, layer.softcap, layer.sinks)[
+            ..., : -self.window
+        ]  # [b, kv, g, L-w]
+        if self.gqa_order == "reduce_first":
+            prefix = pool(reduce_group(votes, self.gqa_reduce), self.kernel_size, self.pooling)
+        else:
+            prefix = reduce_group(pool(votes, self.kernel_size, self.pooling), self.gqa_reduce)
+        # [b, kv, L]: the window's own entries score 0 (they are protected)
+        return F.pad(prefix, (0, self.window))

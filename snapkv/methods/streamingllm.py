@@ -11,8 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from snapkv.methods.base import Method
 from snapkv.methods.registry import register
+from snapkv.rope import compact, rope_inv_freq
 
 
 @register
@@ -39,3 +42,18 @@ class StreamingLLM(Method):
     def protected(self) -> tuple[int, int]:
         # Together exactly the budget: sinks + the most recent tokens; scores are not needed.
         return self.n_sink, self.budget - self.n_sink
+
+    # Compacted positions: the model's RoPE frequencies (not a field: not a hyper-parameter).
+    _inv_freq = None
+
+    def post_init_from_model(self, model) -> None:
+        self._inv_freq = rope_inv_freq(model) if self.positions == "compacted" else None
+
+    def check_model_generate(self) -> None:
+        if self.positions == "compacted":
+            raise ValueError("positions='compacted' is only supported by snapkv.generate, not model.generate")
+
+    def prune(self, layer, scores: torch.Tensor, budget: int) -> None:
+        super().prune(layer, scores, budget)
+        if self.positions == "compacted":
+            compact(layer, self._inv_freq)  # the kept key at slot i is re-rotated to position i

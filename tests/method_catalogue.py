@@ -1,0 +1,70 @@
+"""The one list of methods and parameter variants that every method-wide test parametrizes over
+(kvpress' `default_presses.py` idea). Adding a method or a switch: add a line here, and every
+method-wide test (exactness against the masked full cache, `model.generate` inside `apply`, chunked
+prefill, budget >= length == full, ...) runs it. `test_catalogue_covers_every_method_and_switch`
+fails while a registered method or a value of one of its switches is missing.
+
+Budgets are for the tests' 96-token prompts: every entry but `full` really evicts (40 < 96, and
+96 >= 2 x (40 - 8), so PyramidKV's pyramid runs rather than its short-prompt fallback).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+W = 8  # observation window of the SnapKV-family entries
+
+CATALOGUE: list[tuple[str, dict[str, Any]]] = [
+    ("full", {}),
+    ("snapkv", dict(budget=40, window=W, kernel_size=5)),
+    (
+        "snapkv",
+        dict(budget=40, window=W, kernel_size=4, pooling="avg", gqa_reduce="max", gqa_order="pool_first"),
+    ),
+    ("snapkv", dict(budget=40, window=W, kernel_size=5, pooling="none", gqa_reduce="sum")),
+    ("h2o", dict(budget=40, evict_during_decode=True)),
+    ("h2o", dict(budget=40, evict_during_decode=False, normalize=True, gqa_reduce="max")),
+    ("h2o", dict(budget=40, recent=10, fused=False, gqa_reduce="sum")),
+    ("streamingllm", dict(budget=40, n_sink=4)),
+    ("pyramidkv", dict(budget=40, window=W, kernel_size=5)),
+    ("pyramidkv", dict(budget=40, window=W, schedule="floor", short_prompt="clip", gqa_order="pool_first")),
+    ("adakv", dict(budget=40, window=W, layout="padded")),
+    ("adakv", dict(budget=40, window=W, layout="varlen")),
+    ("adakv", dict(budget=40, window=W, layout="varlen", base="pyramidkv", normalize=True, alpha=0.5)),
+    ("adakv", dict(budget=40, window=W, layout="padded", allocation="exact", normalize="sum")),
+    (
+        "adakv",
+        dict(
+            budget=40,
+            window=W,
+            base="pyramidkv",
+            schedule="floor",
+            short_prompt="uniform",
+            gqa_order="pool_first",
+        ),
+    ),
+]
+
+# Parameters that are not enumerated switches (numbers, storage layout sizes) or whose other values
+# are covered by dedicated tests (StreamingLLM's compacted positions only run in snapkv.generate).
+NOT_SWITCHES = {
+    "budget", "window", "kernel_size", "recent", "recent_ratio", "beta", "alpha", "block_size", "n_sink",
+}  # fmt: skip
+SWITCHES_TESTED_ELSEWHERE = {("streamingllm", "positions"): "test_streamingllm_compacted_*"}
+
+
+def ids(entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """Readable pytest ids: `snapkv-budget=40-window=8-...`."""
+    return ["-".join([name, *(f"{k}={v}" for k, v in params.items())]) for name, params in entries]
+
+
+def catalogue(*names: str, budget: int | None = None) -> list[tuple[str, dict[str, Any]]]:
+    """Catalogue entries (all, or of `names`); `budget` replaces every budget (not full's)."""
+    out = []
+    for name, params in CATALOGUE:
+        if names and name not in names:
+            continue
+        if budget is not None and name != "full":
+            params = {**params, "budget": budget}
+        out.append((name, params))
+    return out

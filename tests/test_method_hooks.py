@@ -1,0 +1,126 @@
+"""Methods own their needs through explicit hooks on `Method`; the generic code never probes a
+method or a cache layer for attributes (issue 10, "methods, not plumbing, own method needs")."""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model
+
+import snapkv
+from snapkv import generate_ids
+from snapkv.cache import CompressibleLayer
+from snapkv.methods import Method
+
+ROOT = Path(__file__).resolve().parents[1]
+GENERIC = ["snapkv/hooks.py", "snapkv/generation.py", "snapkv/cache.py", "snapkv/methods/base.py"]
+
+
+@dataclass
+class _ProbeState:
+    chunks: list[int] = field(default_factory=list)
+    pruned: bool = False
+
+
+@dataclass
+class _Probe(Method):
+    """Test-only method (not registered) that uses every hook."""
+
+    name = "probe"
+    budget: int | None = 32
+    last_chunk: int = 20
+    refuse_generate: bool = False
+
+    models = ()  # what post_init_from_model saw (not a field)
+
+    def post_init_from_model(self, model) -> None:
+        self.models = (*self.models, model)
+
+    def check_model_generate(self) -> None:
+        if self.refuse_generate:
+            raise ValueError("probe refuses model.generate")
+
+    @property
+    def min_last_chunk(self) -> int:
+        return self.last_chunk
+
+    def observe(self, layer, query, key, module) -> None:
+        if layer.method_state is None:
+            layer.method_state = _ProbeState()
+        layer.method_state.chunks.append(query.shape[2])
+
+    def score(self, layer, query, key, module) -> torch.Tensor:
+        return -key.float().norm(dim=-1)
+
+    def prune(self, layer, scores, budget) -> None:
+        super().prune(layer, scores, budget)
+        layer.method_state.pruned = True
+
+
+def test_a_method_defined_outside_the_package_uses_every_hook():
+    model = tiny_model("llama")
+    ids = random_ids(90)
+    method = _Probe()
+    _, res = generate_ids(model, ids, None, method, max_new_tokens=2, chunk_size=24)
+    assert method.models == (model,)  # post_init_from_model: once per session
+    assert res.compressed and res.kv_tokens == 32
+    # Chunks of 24: the last one (18 < min_last_chunk = 20) merges into the one before.
+    cache = snapkv.CompressedCache(model.config, layer_factory=method.cache_layer)
+    with torch.no_grad(), snapkv.hooks.session(model, method, cache) as s:
+        for i, (a, b) in enumerate([(0, 24), (24, 48), (48, 90)]):
+            s.phase = "final" if i == 2 else "prefill"
+            pos = torch.arange(a, b)[None]
+            model(input_ids=ids[:, a:b], position_ids=pos, **{snapkv.hooks.cache_kwarg(model): cache})
+    for _, layer in cache.compressible_layers():
+        assert layer.method_state == _ProbeState(chunks=[24, 24, 42], pruned=True)
+        layer.reset()
+        assert layer.method_state is None
+    with pytest.raises(ValueError, match="probe refuses"):
+        with snapkv.apply(model, _Probe(refuse_generate=True)):
+            pass
+
+
+def test_chunked_prefill_last_chunk_follows_the_methods_declared_minimum():
+    model = tiny_model("llama")
+    ids = random_ids(90)
+    seen = []
+
+    class _Spy(_Probe):
+        def observe(self, layer, query, key, module) -> None:
+            super().observe(layer, query, key, module)
+            if layer.index == 0:
+                seen.append(query.shape[2])
+
+    for last, want in [(1, [24, 24, 24, 18]), (20, [24, 24, 42]), (50, [24, 66])]:
+        seen.clear()
+        generate_ids(model, ids, None, _Spy(last_chunk=last), max_new_tokens=1, chunk_size=24)
+        assert seen == want
+
+
+def _probes(path: str) -> list[str]:
+    tree = ast.parse((ROOT / path).read_text())
+    found = []
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr")
+        ):
+            target = ast.unparse(node.args[0]) if node.args else ""
+            if "method" in target or "layer" in target:
+                found.append(f"{path}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+@pytest.mark.parametrize("path", GENERIC)
+def test_no_attribute_probing_of_methods_or_cache_layers_in_generic_code(path):
+    assert _probes(path) == []
+
+
+def test_layer_declares_what_the_hooks_read():
+    layer = CompressibleLayer()
+    assert layer.per_head is False and layer.method_state is None

@@ -1,0 +1,225 @@
+"""Each deviation switch against a naive transcription of the original code's formula.
+
+Transcribed (definitions, re-written with Python loops; no code copied) from:
+- AdaKV (FFY0/AdaKV, `adaptive_snapkv/monkeypatch/snapkv_utils.py`, `AdaptiveSnapKVCluster`
+  `update_kv_gqa` / `calcul_attn_sore`): window-mean votes, group mean (gqa_support), pooling, per
+  head `ratio = sum(top-P) / sum(all)` multiplied in (`normalize`), a global top-(h*P), per head
+  `round(count * (1 - alpha) + int(P * alpha))` selected entries plus the window.
+- KVCache-Factory (Zefan-Cai/KVCache-Factory, `pyramidkv/pyramidkv_utils.py`, `PyramidKVCluster.
+  update_kv`): no compression below the budget, uniform SnapKV budgets while
+  L < 2 (budget - window), else the floored pyramid `max_num - layer * steps` (+ window).
+- KVCache-Factory's kv-head mode / AdaKV's gqa_support for the GQA order: tests/test_core.py's
+  `test_snapkv_selection_equals_naive_reference` (tests/reference.py, `order=`).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model
+from reference import eager_attentions
+
+from snapkv import CompressedCache, build_method, generate_ids
+from snapkv.hooks import cache_kwarg, session
+from snapkv.methods.adakv import head_budgets
+
+W = 8
+
+
+def _prefilled(model, ids, method):
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    with torch.no_grad(), session(model, method, cache) as s:
+        s.phase = "final"
+        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    return cache
+
+
+# ---- Ada-KV ----------------------------------------------------------------------------------------
+
+
+def _round_half_even(x: float) -> int:
+    return round(x)  # Python's round is half to even, as torch.round
+
+
+def naive_pooled_votes(attn: torch.Tensor, kv_heads: int, window: int, kernel: int) -> list[list[float]]:
+    """AdaKV's `calcul_attn_sore` with gqa_support, one layer `[1, heads, L, L]` -> per KV head:
+    mean over the window queries, mean over the group, max-pool (stride 1, padding kernel // 2)."""
+    _, h, length, _ = attn.shape
+    g, prefix = h // kv_heads, length - window
+    out = []
+    for kvh in range(kv_heads):
+        votes = [
+            sum(float(attn[0, qh, length - window :, j].mean()) for qh in range(kvh * g, (kvh + 1) * g)) / g
+            for j in range(prefix)
+        ]
+        half = kernel // 2
+        out.append([max(votes[max(0, j - half) : j + half + 1]) for j in range(prefix)])
+    return out
+
+
+def naive_adakv_counts(scores: list[list[float]], per_head: int, alpha: float, normalize: bool) -> list[int]:
+    """AdaKV's per-head selected counts for one batch row (`update_kv_gqa`)."""
+    h = len(scores)
+    flat = []
+    for head, row in enumerate(scores):
+        ranked = sorted(row, reverse=True)
+        ratio = sum(ranked[:per_head]) / sum(ranked) if normalize else 1.0
+        flat += [(v * ratio, head) for v in ranked]
+    top = sorted(flat, key=lambda t: -t[0])[: h * per_head]
+    counts = [sum(1 for _, head in top if head == i) for i in range(h)]
+    floor = int(per_head * alpha)
+    return [_round_half_even(c * (1 - alpha) + floor) for c in counts]
+
+
+def naive_exact_counts(
+    scores: list[list[float]], per_head: int, alpha: float, normalize: bool | str
+) -> list[int]:
+    """This harness's `allocation="exact"` (and `normalize="sum"`): ceil floor, largest remainder."""
+    h = len(scores)
+    if normalize == "sum":
+        scores = [[v / sum(row) for v in row] for row in scores]
+    elif normalize is True:
+        scores = [[v * sum(sorted(row, reverse=True)[:per_head]) / sum(row) for v in row] for row in scores]
+    flat = sorted(((v, i, j) for i, row in enumerate(scores) for j, v in enumerate(row)), key=lambda t: -t[0])
+    counts = [sum(1 for _, i, _ in flat[: h * per_head] if i == head) for head in range(h)]
+    floor = math.ceil(Fraction(alpha).limit_denominator(10**6) * per_head)
+    reals = [floor + Fraction(per_head - floor, per_head) * c for c in counts]
+    ints = [math.floor(r) for r in reals]
+    order = sorted(range(h), key=lambda i: (-(reals[i] - ints[i]), i))
+    for i in order[: h * per_head - sum(ints)]:
+        ints[i] += 1
+    return ints
+
+
+@pytest.mark.parametrize("alpha", [0.2, 0.5, 0.35])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_adakv_default_allocation_is_the_original_formula(alpha, normalize):
+    """Defaults (allocation="adakv") = AdaKV's int floor + per-head round; normalize=True = its
+    top-P mass ratio. Checked on the counts and on the kept positions of a tiny GQA model."""
+    model = tiny_model("mistral")
+    ids = random_ids(96)
+    budget = 40  # P = 32: alpha * P = 6.4 / 16 / 11.2 (int floor != ceil for 0.2 and 0.35)
+    method = build_method("adakv", budget=budget, window=W, kernel_size=7, alpha=alpha, normalize=normalize)
+    cache = _prefilled(model, ids, method)
+    attns = eager_attentions(model, ids)
+    for layer_idx, layer in cache.compressible_layers():
+        votes = naive_pooled_votes(attns[layer_idx], 2, W, 7)
+        counts = naive_adakv_counts(votes, budget - W, alpha, normalize)
+        assert (layer.lengths[0] - W).tolist() == counts, f"layer {layer_idx}"
+        pos = layer.head_positions()
+        for head, row in enumerate(votes):
+            top = sorted(range(len(row)), key=lambda j: -row[j])[: counts[head]]
+            want = sorted(top) + list(range(96 - W, 96))
+            assert pos[0, head, : counts[head] + W].tolist() == want
+
+
+def test_adakv_default_floor_differs_from_ceil_and_can_underspend():
+    # P = 32, alpha = 0.2: the original's floor is int(6.4) = 6 (ceil: 7); its total falls short.
+    g = torch.Generator().manual_seed(0)
+    scores = torch.rand(4, 8, 100, generator=g) ** 4
+    scores[:, :3] += 10  # heads 0-2 hold the global top-256: the others count 0
+    for row in range(4):
+        s = scores[row].tolist()
+        assert head_budgets(scores[row : row + 1], 32, 0.2)[0].tolist() == naive_adakv_counts(
+            s, 32, 0.2, False
+        )
+    orig = head_budgets(scores, 32, 0.2)
+    assert bool((orig.sum(-1) < 8 * 32).all())  # 0.4 entries per head below the budget, rounded
+    exact = head_budgets(scores, 32, 0.2, allocation="exact")
+    assert exact.sum(-1).tolist() == [8 * 32] * 4 and bool((exact >= 7).all())
+    assert orig[:, 3:].eq(6).all()  # the int floor: 6 entries, where ceil(alpha * P) = 7
+
+
+@pytest.mark.parametrize("normalize", [False, True, "sum"])
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5])
+def test_exact_allocation_equals_its_transcription(normalize, alpha):
+    g = torch.Generator().manual_seed(1)
+    scores = torch.rand(3, 4, 50, generator=g) ** 3
+    scores[:, 0] *= 5  # head 0 has more mass: normalisations change the split
+    for row in range(3):
+        s = scores[row].tolist()
+        got = head_budgets(scores[row : row + 1], 12, alpha, normalize, allocation="exact")[0].tolist()
+        assert got == naive_exact_counts(s, 12, alpha, normalize)
+
+
+def test_normalize_variants_are_different_formulas():
+    g = torch.Generator().manual_seed(2)
+    scores = torch.rand(1, 4, 60, generator=g) ** 6
+    scores[:, 1] *= 20
+    got = {str(n): head_budgets(scores, 10, 0.0, n).tolist() for n in (False, True, "sum")}
+    assert len({str(v) for v in got.values()}) == 3
+    for n in (False, True):
+        assert got[str(n)][0] == naive_adakv_counts(scores[0].tolist(), 10, 0.0, n)
+
+
+# ---- PyramidKV ------------------------------------------------------------------------------------
+
+
+def naive_kvcache_factory_budgets(
+    budget: int, window: int, n_layers: int, beta: int, length: int
+) -> list[int]:
+    """Entries each layer keeps in KVCache-Factory's `PyramidKVCluster.update_kv` (window included)."""
+    out = []
+    for layer in range(n_layers):
+        min_num = (budget - window) // beta
+        max_num = (budget - window) * 2 - min_num
+        if max_num >= length - window:
+            max_num = length - window
+            min_num = (budget - window) * 2 - max_num
+        steps = (max_num - min_num) // (n_layers - 1)
+        if length < budget:
+            out.append(length)  # not compressed
+        elif length < (budget - window) * 2:
+            out.append(budget)  # uniform SnapKV budgets
+        else:
+            out.append(max_num - layer * steps + window)
+    return out
+
+
+@pytest.mark.parametrize("length", [30, 40, 50, 63, 64, 70, 96, 200])
+def test_pyramidkv_floor_schedule_and_short_prompt_fallback_equal_kvcache_factory(length):
+    model = tiny_model("llama", layers=4)
+    ids = random_ids(length)
+    method = build_method("pyramidkv", budget=40, window=W, schedule="floor", short_prompt="uniform")
+    _, res = generate_ids(model, ids, None, method, max_new_tokens=1)
+    assert res.kv_tokens_per_layer == [float(b) for b in naive_kvcache_factory_budgets(40, W, 4, 20, length)]
+
+
+@pytest.mark.parametrize("length", [41, 50, 63])
+def test_pyramidkv_default_falls_back_to_uniform_on_short_prompts_and_clip_does_not(length):
+    model = tiny_model("llama", layers=4)
+    ids = random_ids(length)
+    _, res = generate_ids(model, ids, None, build_method("pyramidkv", budget=40, window=W), max_new_tokens=1)
+    assert res.kv_tokens_per_layer == [40.0] * 4  # B < L < 2 (B - w): SnapKV's uniform budgets
+    clip = build_method("pyramidkv", budget=40, window=W, short_prompt="clip")
+    _, res = generate_ids(model, ids, None, clip, max_new_tokens=1)
+    assert res.kv_tokens_per_layer[0] == length and res.kv_tokens_per_layer[0] > res.kv_tokens_per_layer[-1]
+    assert sum(res.kv_tokens_per_layer) == 4 * 40  # the clipped pyramid, mean still exact
+
+
+def test_adakv_pyramid_base_keeps_adakv_short_prompt_behaviour():
+    # AdaKV's own pyramid mode has no uniform fallback: Ada-PyramidKV defaults to the clipped pyramid.
+    method = build_method("adakv", budget=40, window=W, base="pyramidkv")
+    assert (
+        method.short_prompt == "clip"
+        and build_method("pyramidkv", budget=40, window=W).short_prompt == "uniform"
+    )
+
+
+@pytest.mark.parametrize(
+    "name,params,bad",
+    [
+        ("snapkv", dict(budget=64, gqa_order="first"), "gqa_order='first'"),
+        ("pyramidkv", dict(budget=64, schedule="round"), "schedule='round'"),
+        ("pyramidkv", dict(budget=64, short_prompt="pad"), "short_prompt='pad'"),
+        ("adakv", dict(budget=64, allocation="fair"), "allocation='fair'"),
+        ("adakv", dict(budget=64, normalize="mass"), "normalize='mass'"),
+        ("adakv", dict(budget=64, normalize=1), "normalize=1"),
+    ],
+)
+def test_bad_switch_values_raise_value_error_naming_them(name, params, bad):
+    with pytest.raises(ValueError, match=bad):
+        build_method(name, **params)

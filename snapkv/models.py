@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from snapkv.errors import first_line
+from snapkv.paths import cache_root
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,6 @@ RANDOM_SHAPES: dict[str, dict[str, Any]] = {
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
-
-
-def cache_root() -> Path:
-    """`$SNAPKV_BENCH_CACHE`, else `~/.cache/snapkv-bench`."""
-    return Path(os.environ.get("SNAPKV_BENCH_CACHE", Path.home() / ".cache" / "snapkv-bench"))
 
 
 def fetch_embedded(name: str, quiet: bool = False) -> Path:
@@ -217,8 +214,7 @@ def load_model(
                 src, dtype=torch_dtype, attn_implementation=attn, **placement, **extra
             )
         except OSError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise FileNotFoundError(f"model {name!r} could not be loaded: {first}") from e
+            raise FileNotFoundError(f"model {name!r} could not be loaded: {first_line(e)}") from e
         if name in EMBEDDED and path.suffix == ".gguf" and torch_dtype == torch.float32:
             _save_converted(model, tokenizer, cache_root() / "models" / name / "hf")
         if device != "auto":

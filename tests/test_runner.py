@@ -122,7 +122,7 @@ def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
     assert runner.run(cfg) == results
 
     (path,) = result_files(results)
-    assert path.parent == results / "needle" / path.parent.name and path.name.startswith("snapkv-")
+    assert path.parent == results / "needle" / "tiny-llama" and path.name.startswith("snapkv-")
     rows = read_rows(path)
     assert len(rows) == N_CELLS
     assert {r["sample_id"] for r in rows} == {f"len{n}_depth{d:g}" for n in LENGTHS for d in DEPTHS}
@@ -130,11 +130,12 @@ def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
         assert fields_missing(row) == [], row["sample_id"]
         assert row["status"] == "ok" and row["error"] is None
         assert path.name == f"snapkv-{row['method_hash']}.jsonl"
-        assert row["model"] == tiny_dir and row["task"] == "needle" and row["dataset"] == "needle"
+        assert row["model"] == "tiny-llama" and row["model_path"] == tiny_dir  # short key, full path
+        assert row["task"] == "needle" and row["dataset"] == "needle"
         assert row["method_params"] == {"budget": 64, "window": 32, "kernel_size": 7, "pooling": "max", "gqa_reduce": "mean"}  # fmt: skip
         assert row["query_aware"] is True and row["dtype"] == "float32" and row["device"] == "cpu"
         assert row["attn_impl"] == "sdpa" and row["seed"] == 42
-        assert row["context_length"] in LENGTHS and row["depth_percent"] in DEPTHS and row["length"] is None
+        assert row["context_length"] in LENGTHS and row["depth_percent"] in DEPTHS and "length" not in row
         assert set(row["scores"]) == {"exact", "partial"} and 0.0 <= row["score"] <= 1.0
         assert isinstance(row["prediction"], str) and row["answers"] and row["answers"][0].isdigit()
         assert row["input_tokens"] == row["context_length"]  # the needle task sizes prompts exactly
@@ -143,6 +144,8 @@ def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
         assert row["kv_bytes"] <= row["kv_bytes_full"] and row["prefill_s"] > 0 and row["peak_mem_bytes"] > 0
         assert set(row["versions"]) == {"torch", "transformers", "snapkv_bench"}
         assert row["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", row["git_sha"])
+        assert row["git_dirty"] in (None, True, False)
+        assert (row["git_diff_sha"] is not None) is bool(row["git_dirty"])
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", row["timestamp"])
         assert row["trained_context"] == 4096 and row["haystack"] == "noise"
 
@@ -208,7 +211,9 @@ def test_shards_cover_every_sample_once(tiny_dir, tmp_path):
     assert not set(ids[0]) & set(ids[1]) and len(ids[0]) + len(ids[1]) == N_CELLS
     merged = ResultStore.load_dir(results)
     assert len(merged) == N_CELLS and not merged["sample_id"].duplicated().any()
-    assert runner.write_report(results, quiet=True) == results / "report.md"
+    from eval.report import write_report
+
+    assert write_report(results).report_md == results / "report.md"
     import pandas as pd
 
     summary = pd.read_csv(results / "summary.csv")
@@ -302,7 +307,7 @@ def test_longbench_run(tiny_dir, tmp_path):
     for row in rows:
         assert fields_missing(row) == [] and row["status"] == "ok", row.get("error")
         assert row["task"] == "longbench" and row["dataset"] in datasets
-        assert isinstance(row["length"], int) and row["context_length"] is None
+        assert isinstance(row["length"], int) and "context_length" not in row
         assert 0.0 <= row["score"] <= 1.0 and row["scores"] == {}
         assert row["input_tokens"] <= 300 + 16  # middle-truncated (+ the chat template's tokens)
         assert row["compressed"] is (row["input_tokens"] > 64)
@@ -330,7 +335,7 @@ def run_cli_in_process(monkeypatch, tmp_path, *args: str) -> int:
         ["run.py", f"hydra.run.dir={tmp_path}/hydra", "hydra.output_subdir=null", *QUIET_HYDRA, *args],
     )
     with pytest.raises(SystemExit) as exc:
-        run_module.main()
+        run_module.cli()
     return exc.value.code
 
 
@@ -352,7 +357,24 @@ BAD_INPUT = {
     "model not found": (["model.name={tmp}/no-such-model"], "{tmp}/no-such-model"),
     "missing model path": (["model=gemma3-270m"], "model.name"),
     "bad shard": (["task.num_shards=2", "task.shard=2"], "shard=2"),
+    # Config errors that used to run every sample into an error row and exit 0:
+    "negative chunk size": (["prefill.chunk_size=-5"], "prefill.chunk_size=-5"),
+    "chunk size not a number": (["prefill.chunk_size=abc"], "prefill.chunk_size='abc'"),
+    "zero chunk size": (["prefill.chunk_size=0"], "prefill.chunk_size=0"),
+    # Unknown config group options: one line naming the value and the known ones (not Hydra's 12).
+    "unknown method group option": (["method=bogus"], "unknown method 'bogus'; known: adakv, full, h2o"),
+    "unknown model group option": (["model=bogus"], "unknown model 'bogus'; known: gemma3-270m"),
+    "unknown option in a sweep": (["-m", "method=full,bogus"], "unknown method 'bogus'"),
+    # results_dir checked before the model loads (it used to fail after the first sample).
+    "results_dir is a file": (["results_dir={tmp}/afile/sub"], "afile' is a file"),
+    "results_dir not writable": (["results_dir={readonly}/results"], "is not writable"),
+    "bad query_aware": (["query_aware=maybe"], "query_aware='maybe'"),
+    "bad dtype": (["model.dtype=float8"], "model.dtype='float8'"),
 }
+
+
+def _no_model_load(*args, **kwargs):
+    raise AssertionError("the model was loaded although the config is invalid")
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
@@ -361,13 +383,22 @@ def test_bad_input_is_one_line_and_exit_2(case, monkeypatch, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "hotpotqa.jsonl").write_text(json.dumps(_record("hotpotqa", 0)) + "\n{not json\n")
-    args = [a.format(tmp=tmp_path) for a in args]
+    (tmp_path / "afile").write_text("not a directory")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes into mode-555 directories; /sys refuses even root
+        readonly = Path("/sys")
+    args = [a.format(tmp=tmp_path, readonly=readonly) for a in args]
+    if case != "model not found":  # that case fails inside the loader, by design
+        monkeypatch.setattr(runner, "load_model", _no_model_load)
     code = run_cli_in_process(monkeypatch, tmp_path, f"results_dir={tmp_path}/results", *args)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: "), err
-    assert expected.format(tmp=tmp_path) in err[0]
-    assert not (tmp_path / "results").exists()  # failed before anything was written
+    assert expected.format(tmp=tmp_path, readonly=readonly) in err[0]
+    assert not list((tmp_path / "results").rglob("*.jsonl"))  # no row written
+    if case != "model not found":  # failed before the results dir was even created
+        assert not (tmp_path / "results").exists()
 
 
 def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -383,8 +414,14 @@ def test_cli_errors_in_a_subprocess(tmp_path):
     proc = _cli(tmp_path, "method.budget=16", f"hydra.run.dir={tmp_path}/h")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: window must be < budget, got window=32, budget=16"]
-    # Hydra's own errors (unknown group option, typo in a key): non-zero, short, no traceback.
-    for args, needle in ((["method=nope"], "method/nope"), (["method.budgt=5"], "budgt")):
+    # An unknown group option: exit 2 and one line naming it and the known options.
+    proc = _cli(tmp_path, "method=nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown method 'nope'; known: adakv, full, h2o, pyramidkv, snapkv, streamingllm"
+    ]
+    # Hydra's own errors (a typo in a key): non-zero, short, no traceback.
+    for args, needle in ((["method.budgt=5"], "budgt"),):
         proc = _cli(tmp_path, *args)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and needle in out and "Traceback" not in out

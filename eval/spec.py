@@ -28,7 +28,11 @@ RUN_KEYS = ("name", "shard", "num_shards")
 
 
 def _container(node: Any) -> Any:
-    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    return (
+        OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+        if OmegaConf.is_config(node)
+        else node
+    )
 
 
 def _int(key: str, value: Any, minimum: int | None = None, allow_none: bool = False) -> int | None:
@@ -70,7 +74,9 @@ class ModelSpec:
         from snapkv.models import DTYPES
 
         if m.get("dtype") not in DTYPES:
-            raise ValueError(f"model.dtype must be one of {sorted(DTYPES)}, got model.dtype={m.get('dtype')!r}")
+            raise ValueError(
+                f"model.dtype must be one of {sorted(DTYPES)}, got model.dtype={m.get('dtype')!r}"
+            )
         attn = m.get("attn_implementation")
         if attn not in ("sdpa", "eager", "flash_attention_2"):
             raise ValueError(

@@ -9,6 +9,7 @@ touches the Hub; only the `slow` test loads the real default model (cached).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import eval.runner as runner
 from eval.store import ROW_FIELDS, ResultStore, fields_missing, read_rows
@@ -538,3 +540,138 @@ def test_debug_experiment_on_the_default_model(tmp_path):
     assert (results / "report.md").is_file() and list(results.glob("needle_*.png"))
     assert "report.md" in proc.stderr
     assert set(ROW_FIELDS) <= set(row)
+
+
+# ------------------------------------------------------------------------- fail early, fail loudly
+def test_a_run_whose_samples_all_failed_does_not_exit_0(tiny_dir, tmp_path, monkeypatch, capsys):
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner, "generate", failing)
+    results = tmp_path / "results"
+    with pytest.raises(runner.AllSamplesFailed, match=f"all {N_CELLS} samples failed"):
+        runner.run(make_cfg(tiny_dir, results))
+    rows = read_rows(result_files(results)[0])
+    assert len(rows) == N_CELLS and {r["status"] for r in rows} == {"error"}  # the rows are kept
+    code = run_cli_in_process(monkeypatch, tmp_path, *tiny_overrides(tiny_dir, results))
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: all {N_CELLS} samples failed"), err
+
+
+def test_a_sweep_with_a_bad_point_records_it_goes_on_and_reports(tiny_dir, tmp_path, monkeypatch):
+    """`-m budget=64,16,128`: 16 < window is invalid; 64 and 128 still run and the report is written."""
+    import run as run_module
+
+    results = tmp_path / "results"
+    args = [
+        a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report", "budget"))
+    ]
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["run.py", "-m", *QUIET_HYDRA, f"hydra.sweep.dir={tmp_path}/multirun", "budget=64,16,128",
+         "task.lengths=[150]", *args],
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        run_module.cli()
+    assert exc.value.code == 2
+    budgets = sorted(read_rows(f)[0]["method_params"]["budget"] for f in result_files(results))
+    assert budgets == [64, 128]
+    report = (results / "report.md").read_text()
+    assert "snapkv b=64" in report and "snapkv b=128" in report
+    (error,) = (tmp_path / "multirun").glob("*/error.txt")
+    assert "window=32, budget=16" in error.read_text()
+    from eval.callbacks import sweep_errors
+
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "multirun")}, "output_subdir": ".hydra"}})
+    ((point, message),) = sweep_errors(cfg)
+    assert "budget=16" in point and "window=32, budget=16" in message
+
+
+def test_a_second_identical_run_waits_and_never_duplicates_a_sample(tiny_dir, tmp_path, monkeypatch):
+    """Two identical runs into one results dir (a re-submitted job): the second waits for the first's
+    lock, then finds every sample done. Before the lock, both computed every sample (2 rows each)."""
+    import threading
+
+    from eval.spec import RunSpec
+
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results)
+    store = ResultStore(RunSpec.from_config(cfg).result_path)
+    counting = CountingGenerate()
+    monkeypatch.setattr(runner, "generate", counting)
+    with store.exclusive():  # "the first run" holds the file
+        second = threading.Thread(target=runner.run, args=(cfg,))
+        second.start()
+        second.join(timeout=5)
+        assert second.is_alive() and counting.calls == []  # waiting, computing nothing
+        ids = [f"len{n}_depth{d:g}" for n in LENGTHS for d in DEPTHS]
+        for sid in ids:  # the first run finishes every sample
+            store.append({"sample_id": sid, "status": "ok", "task": "needle"})
+    second.join(timeout=120)
+    assert not second.is_alive()
+    assert counting.calls == []  # all done by the first run: nothing recomputed
+    rows = read_rows(store.path)
+    assert sorted(r["sample_id"] for r in rows) == sorted(ids)
+
+
+def test_two_identical_processes_write_one_row_per_sample(tiny_dir, tmp_path):
+    results = tmp_path / "results"
+    args = [*tiny_overrides(tiny_dir, results), "task.lengths=[150,250,350]"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}/h{i}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    (path,) = result_files(results)
+    ids = [r["sample_id"] for r in read_rows(path)]
+    assert len(ids) == 3 * len(DEPTHS) == len(set(ids))
+
+
+def test_all_samples_already_done_says_so(tiny_dir, tmp_path, caplog):
+    logging.getLogger("eval.runner").disabled = False  # an in-process Hydra run may have disabled it
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results, "task.lengths=[150]")
+    runner.run(cfg)
+    with caplog.at_level("INFO", logger="eval.runner"):
+        runner.run(cfg)
+    messages = [r.getMessage() for r in caplog.records if r.name == "eval.runner"]
+    assert any(f"all {len(DEPTHS)} samples already done" in m for m in messages), messages
+    assert not any("0 ok" in m for m in messages)
+
+
+def test_old_rows_in_the_old_model_folder_are_resumed(tiny_dir, tmp_path, monkeypatch):
+    """Rows written before the short model key (folder = the full path, no model_path field) count
+    as done, and the report merges them with the new rows under the short key."""
+    from eval.spec import RunSpec
+    from eval.store import result_path
+
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results, "task.lengths=[150]")
+    runner.run(cfg)
+    (new,) = result_files(results)
+    spec = RunSpec.from_config(cfg)
+    old = result_path(results, "needle", tiny_dir, "snapkv", spec.method_hash)  # the old layout
+    old.parent.mkdir(parents=True)
+    with open(old, "w") as f:
+        for row in read_rows(new)[:2]:  # two samples done by an old version
+            row = {k: v for k, v in row.items() if k not in ("model_path", "git_dirty", "git_diff_sha")}
+            f.write(json.dumps({**row, "model": tiny_dir, "length": None}) + "\n")
+    new.unlink()
+    counting = CountingGenerate()
+    monkeypatch.setattr(runner, "generate", counting)
+    runner.run(make_cfg(tiny_dir, results, "task.lengths=[150]", "report=true"))
+    assert len(counting.calls) == len(DEPTHS) - 2  # only the sample the old rows lack
+    merged = ResultStore.load_dir(results)
+    assert len(merged) == len(DEPTHS) and set(merged["model"]) == {"tiny-llama"}
+    assert set(merged["model_path"]) == {tiny_dir}
+    assert "| needle | tiny-llama |" in (results / "report.md").read_text()

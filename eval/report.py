@@ -275,8 +275,10 @@ def _code_version(row: pd.Series) -> tuple[str, str, str]:
         return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
 
     dirty = row.get("git_dirty")
-    state = "—" if dirty is None or (isinstance(dirty, float) and math.isnan(dirty)) else (
-        f"dirty (diff {text(row.get('git_diff_sha'))})" if dirty else "clean"
+    state = (
+        "—"
+        if dirty is None or (isinstance(dirty, float) and math.isnan(dirty))
+        else (f"dirty (diff {text(row.get('git_diff_sha'))})" if dirty else "clean")
     )
     versions = row.get("versions")
     own = versions.get("snapkv_bench") if isinstance(versions, dict) else None
@@ -288,7 +290,8 @@ def code_versions(df: pd.DataFrame) -> tuple[str, bool]:
     keys = [_code_version(r) for _, r in df.iterrows()]
     counts = pd.Series(keys, dtype=object).value_counts(sort=False)
     rows = [[sha, state, own, n] for (sha, state, own), n in sorted(counts.items())]
-    return md_table(["git commit", "working tree", "snapkv-bench", "rows"], rows, text_columns=3), len(rows) > 1
+    table = md_table(["git commit", "working tree", "snapkv-bench", "rows"], rows, text_columns=3)
+    return table, len(rows) > 1
 
 
 def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
@@ -375,7 +378,10 @@ class Report:
 
 
 def build_report(
-    results_dir: str | Path, out: str | Path | None = None, trained_context: int | None = None, plots: bool = True
+    results_dir: str | Path,
+    out: str | Path | None = None,
+    trained_context: int | None = None,
+    plots: bool = True,
 ) -> Report:
     """Write summary.csv, report.md and the plots of `results_dir` into `out` (default: results_dir).
 
@@ -412,7 +418,9 @@ def write_report(results_dir: str | Path, **kwargs: Any) -> Report | None:
     logger.info("%s", report.markdown)
     logger.info("report: %s  table: %s", report.report_md, report.summary_csv)
     if report.plots:
-        logger.info("plots in %s: %s", report.report_md.parent, ", ".join(sorted(p.name for p in report.plots)))
+        logger.info(
+            "plots in %s: %s", report.report_md.parent, ", ".join(sorted(p.name for p in report.plots))
+        )
     return report
 
 
@@ -422,7 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: RESULTS_DIR)")
     ap.add_argument(
-        "--trained-context", type=int, default=None, help="dashed line on needle heatmaps (default: the rows')"
+        "--trained-context",
+        type=int,
+        default=None,
+        help="dashed line on needle heatmaps (default: the rows')",
     )
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)

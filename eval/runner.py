@@ -173,7 +173,9 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
                 task.name, spec.model.key, label, len(samples), where, path,
             )  # fmt: skip
         base = _base_fields(spec, info)
-        bar = tqdm(todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress, dynamic_ncols=True)
+        bar = tqdm(
+            todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress, dynamic_ncols=True
+        )
         for sample in bar:
             row = run_sample(sample, task, model, tokenizer, spec, base)
             store.append(row)

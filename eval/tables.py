@@ -87,4 +87,6 @@ def score_table(
             if len(members):
                 rows.append([f"*{cat}*"] + [macro(means.loc[members], c) for c in cols])
     note = "\n\n† mean over only the datasets this config has scores for." if incomplete else ""
-    return f"### {title}\n\nScore x100 (mean over ok samples).\n\n" + md_table(["dataset"] + cols, rows) + note
+    return (
+        f"### {title}\n\nScore x100 (mean over ok samples).\n\n" + md_table(["dataset"] + cols, rows) + note
+    )

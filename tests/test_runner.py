@@ -583,7 +583,9 @@ def test_a_sweep_with_a_bad_point_records_it_goes_on_and_reports(tiny_dir, tmp_p
     assert "window=32, budget=16" in error.read_text()
     from eval.callbacks import sweep_errors
 
-    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(tmp_path / "multirun")}, "output_subdir": ".hydra"}})
+    cfg = OmegaConf.create(
+        {"hydra": {"sweep": {"dir": str(tmp_path / "multirun")}, "output_subdir": ".hydra"}}
+    )
     ((point, message),) = sweep_errors(cfg)
     assert "budget=16" in point and "window=32, budget=16" in message
 

@@ -507,4 +507,3 @@ def _report_plots(df: pd.DataFrame, options: ReportOptions) -> list[Path]:
                 )
             )
     return written
-

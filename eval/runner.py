@@ -1,8 +1,8 @@
 """Run one (task x model x method) configuration: `python run.py ...` calls `run(cfg)`.
 
 Flow: validate the config into a `RunSpec` (eval/spec.py: task, method, model and every run option
-checked; ValueError before anything loads), read the task's data (`Task.num_samples`), check the
-results file and that `results_dir` is writable, then take the results file's lock (a second
+checked; ValueError before anything loads), check that `results_dir` is writable and its results
+file well-formed, read the task's data (`Task.num_samples`), then take the results file's lock (a second
 identical run waits, then skips what the first did). The results file is
 `{results_dir}/{task}/{model key}/{method}-{hash8}[.shardIofN].jsonl`; the samples it already holds
 with status ok are skipped (resume). Load the model once, run this job's shard of the remaining
@@ -149,10 +149,10 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
     t_start = time.perf_counter()
     spec = cfg if isinstance(cfg, RunSpec) else RunSpec.from_config(cfg)
     task = spec.task
-    task.num_samples()  # reads the data: a missing/malformed file fails before the model loads
+    spec.check_results_dir()
     store = ResultStore(spec.result_path, also_read=spec.legacy_result_paths)
     store.done_ids()  # rejects a malformed results file before the model loads
-    spec.check_results_dir()
+    task.num_samples()  # reads the data: a missing/malformed file fails before the model loads
     path = store.path
     label = _label(spec)
     counts = {"ok": 0, "error": 0, "oom": 0}

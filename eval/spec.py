@@ -11,6 +11,7 @@ resume on another machine; the model is in the file's path.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,13 +194,14 @@ class RunSpec:
         ]  # fmt: skip
 
     def check_results_dir(self) -> None:
-        """Create results_dir and write a probe file in it: ValueError when it is a file or not writable."""
+        """ValueError when results_dir (or the first of its parents that exists) is a file, or when
+        a file cannot be created in it (tried for real: root ignores permission bits). Folders
+        created for the probe are removed again, so a run that fails later leaves nothing behind."""
         d = self.results_dir
-        for parent in (d, *d.parents):
-            if parent.exists():
-                if not parent.is_dir():
-                    raise ValueError(f"results_dir={str(d)!r} is not usable: {str(parent)!r} is a file")
-                break
+        existing = next(p for p in (d, *d.parents) if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"results_dir={str(d)!r} is not usable: {str(existing)!r} is a file")
+        created = [p for p in (d, *d.parents) if not p.exists()]
         try:
             d.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryFile(dir=d, prefix=".write-probe-"):
@@ -208,3 +210,7 @@ class RunSpec:
             raise ValueError(
                 f"results_dir={str(d)!r} is not writable: {e.strerror or e} ({type(e).__name__})"
             ) from None
+        finally:
+            for p in created:  # deepest first
+                with contextlib.suppress(OSError):
+                    p.rmdir()

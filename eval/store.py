@@ -7,8 +7,12 @@ Layout under a `results_dir`::
 
 `hash8` is `config_hash({...})`: the first 8 hex digits of the sha256 of the canonical JSON (sorted keys,
 no whitespace) of everything that changes outputs: method name, method params, query_aware and the
-task's output-relevant config (e.g. max_prompt_tokens, haystack, needle). `model` is made path-safe
+task's output-relevant config (e.g. max_prompt_tokens, haystack, needle); see eval/spec.py. `model`
+is the short model key (`model_key`: a local path's stem, else the name), made path-safe
 (`HuggingFaceTB/SmolLM2-135M-Instruct` -> `HuggingFaceTB__SmolLM2-135M-Instruct`).
+
+Concurrency: `exclusive()` holds an OS file lock on `.{file}.lock` while a run appends, so two
+identical runs never compute one sample twice (the second waits, then resumes).
 
 Writes: `ResultStore.append` writes one whole line with a single `os.write` on an `O_APPEND`
 descriptor, then `fsync`s, as soon as a sample finishes. A process killed mid-write leaves at most a

@@ -29,7 +29,8 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-from snapkv.errors import first_line  # noqa: E402
+# Project modules are imported inside the functions: launchers that pickle `main` (submitit) load
+# it in a fresh process before the checkout is on sys.path.
 
 # Bad input surfaces as one of these (unknown names, out-of-range values, missing files or data,
 # malformed jsonl, missing mandatory config values); anything else is a bug and keeps its traceback.
@@ -42,6 +43,8 @@ logger = logging.getLogger("run")
 
 
 def error_line(err: BaseException) -> str:
+    from snapkv.errors import first_line
+
     return first_line(err)
 
 

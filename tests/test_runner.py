@@ -406,6 +406,9 @@ def test_bad_input_is_one_line_and_exit_2(case, monkeypatch, tmp_path, capsys):
 def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # Launcher workers (joblib, submitit) unpickle the job by module name: make them import THIS
+    # checkout, not whatever copy of the project is pip-installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
@@ -476,8 +479,18 @@ def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_pa
         loads.append(args[0])
         return REAL_LOAD_MODEL(*args, **kwargs)
 
+    import eval.report
+
+    reports = []
+    real_build = eval.report.build_report
+
+    def counting_build(results_dir, **kwargs):
+        reports.append(results_dir)
+        return real_build(results_dir, **kwargs)
+
     monkeypatch.setattr(runner, "load_model", counting_load)
     monkeypatch.setattr(runner, "_LOADED", {})
+    monkeypatch.setattr(eval.report, "build_report", counting_build)
     results = tmp_path / "results"
     args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report"))]
     monkeypatch.setattr(
@@ -489,8 +502,7 @@ def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_pa
     run_module.main()
     assert loads == [tiny_dir]
     assert sorted(f.name.split("-")[0] for f in result_files(results)) == ["full", "snapkv", "streamingllm"]
-    out = capsys.readouterr()
-    assert out.out.count("# snapkv-bench report") == 1  # by ReportCallback, after the last job
+    assert reports == [str(results)]  # once, by ReportCallback, after the last job
     assert "streamingllm b=64" in (results / "report.md").read_text()
 
 
@@ -627,7 +639,7 @@ def test_two_identical_processes_write_one_row_per_sample(tiny_dir, tmp_path):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         )  # fmt: skip
         for i in range(2)
     ]

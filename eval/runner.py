@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 from eval.provenance import git_state, utc_now, versions
 from eval.spec import RunSpec
@@ -176,13 +177,14 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
         bar = tqdm(
             todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress, dynamic_ncols=True
         )
-        for sample in bar:
-            row = run_sample(sample, task, model, tokenizer, spec, base)
-            store.append(row)
-            counts[row["status"]] += 1
-            if row["status"] != "ok":
-                logger.warning("%s: %s: %s", sample.sample_id, row["status"], row["error"])
-            bar.set_postfix({k: v for k, v in counts.items() if v})
+        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+            for sample in bar:
+                row = run_sample(sample, task, model, tokenizer, spec, base)
+                store.append(row)
+                counts[row["status"]] += 1
+                if row["status"] != "ok":
+                    logger.warning("%s: %s: %s", sample.sample_id, row["status"], row["error"])
+                bar.set_postfix({k: v for k, v in counts.items() if v})
         bar.close()
     if todo:
         logger.info(

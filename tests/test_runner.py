@@ -689,3 +689,14 @@ def test_old_rows_in_the_old_model_folder_are_resumed(tiny_dir, tmp_path, monkey
     assert len(merged) == len(DEPTHS) and set(merged["model"]) == {"tiny-llama"}
     assert set(merged["model_path"]) == {tiny_dir}
     assert "| needle | tiny-llama |" in (results / "report.md").read_text()
+
+
+def test_the_run_log_holds_the_run(tiny_dir, tmp_path):
+    """Python logging, not prints: Hydra's {run dir}/run.log records the run (and stderr shows it)."""
+    results = tmp_path / "results"
+    args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith("task.lengths")]
+    proc = _cli(tmp_path, *args, "task.lengths=[150]", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert f"{len(DEPTHS)} to run" in log and "done in" in log and "[INFO]" in log
+    assert "[snapkv-bench] done in" in proc.stderr

@@ -97,6 +97,10 @@ def test_model_configs(name):
         assert model["tokenizer"], "random-weight models need a tokenizer for text tasks"
     if name == "gemma3-270m":
         assert OmegaConf.is_missing(cfg.model, "name")  # a local path the user supplies
+        with pytest.raises(ValueError, match=r"model\.name is required"):  # said before anything loads
+            RunSpec.from_config(cfg)
+        cfg = compose_cfg([f"model={name}", "task=longbench", "model.name=/models/gemma-3-270m-q4_k_m.gguf"])
+        assert RunSpec.from_config(cfg).model.key == "gemma-3-270m-q4_k_m"  # short folder name
     else:
         assert model["name"]
     check_buildable(cfg)

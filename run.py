@@ -6,12 +6,16 @@
     python run.py -m hydra/launcher=slurm model=mistral-7b-instruct-v0.2 task=longbench ...
 
 The work is done by `eval.runner.run(cfg)`; this file only turns bad input into one line on stderr
-(`error: ...`, exit code 2) instead of a traceback. In a sweep (`-m`) a bad value stops the sweep the
-same way; rows already written are always kept, and rerunning the command resumes.
+(`error: ...`, exit code 2) instead of a traceback, before any model loads: an unknown config
+group option (`method=bogus`) is refused before Hydra composes the config. A run whose samples all
+failed exits 1. In a sweep (`-m`) a bad point is recorded and the sweep goes on; after the last job
+the report is written and the failed points are listed (exit code 2). Rows already written are
+always kept, and rerunning the command resumes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -25,32 +29,81 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
+# Project modules are imported inside the functions: launchers that pickle `main` (submitit) load
+# it in a fresh process before the checkout is on sys.path.
+
 # Bad input surfaces as one of these (unknown names, out-of-range values, missing files or data,
 # malformed jsonl, missing mandatory config values); anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, OmegaConfBaseException)
 # Absolute, so that the entry point also works when imported (tests) or started from another directory.
-CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+CONF_DIR = Path(__file__).resolve().parent / "conf"
+# Config groups whose options are files conf/<group>/<option>.yaml, checked before Hydra composes.
+CHECKED_GROUPS = ("model", "method", "task", "experiment")
+logger = logging.getLogger("run")
 
 
 def error_line(err: BaseException) -> str:
-    text = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
-    return (str(text).strip().splitlines() or [type(err).__name__])[0]
+    from snapkv.errors import first_line
+
+    return first_line(err)
 
 
-@hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
+def check_group_options(args: list[str]) -> None:
+    """ValueError naming an unknown option of a config group (`method=bogus`), sweeps included."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    overrides = [a for a in args if "=" in a and not a.startswith("-")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra reports it itself
+        return
+    for o in parsed:
+        if o.key_or_group not in CHECKED_GROUPS:
+            continue
+        values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
+        known = sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))
+        for v in values:
+            if v is not None and str(v) not in known:
+                raise ValueError(f"unknown {o.key_or_group} {str(v)!r}; known: {', '.join(known)}")
+
+
+def _fail(message: str, code: int) -> None:
+    """One line on stderr and exit `code`; in a sweep job: recorded, and the sweep goes on."""
+    from eval.callbacks import record_job_error
+    from eval.runner import _in_multirun
+
+    if _in_multirun():
+        record_job_error(message)
+        logger.error("error: %s (this sweep point is skipped; the sweep goes on)", message)
+        return
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eval.runner import run
+    from eval.runner import AllSamplesFailed, run
 
     try:
         run(cfg)
     except USER_ERRORS as err:
-        print(f"error: {error_line(err)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        _fail(error_line(err), 2)
+    except AllSamplesFailed as err:
+        _fail(error_line(err), 1)
     except KeyboardInterrupt:
         print("interrupted: the rows written so far are kept; run the same command again to resume",
               file=sys.stderr, flush=True)  # fmt: skip
         sys.exit(130)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    try:
+        check_group_options(sys.argv[1:])
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,4 +1,5 @@
-"""Summarise a results directory: `python -m eval.report RESULTS_DIR [--out DIR] [--trained-context N]`.
+"""Summarise a results directory: `python -m eval.report RESULTS_DIR [--out DIR] [--trained-context N]`,
+or from code `write_report(results_dir)`.
 
 Writes into `--out` (default: RESULTS_DIR):
 
@@ -7,12 +8,14 @@ Writes into `--out` (default: RESULTS_DIR):
   (mean `scores["partial"]` x100 where present), and means over ok rows of input_tokens, kv_tokens,
   kv_bytes_full, kv_bytes, compression (kv_bytes / kv_bytes_full per row), prefill_s, ttft_s, tpot_s,
   peak_mem_bytes.
-- `report.md` (also printed to stdout): per (task, model) score tables (rows = dataset, columns =
-  method config label, score x100, plus "Average" and LongBench category means), needle accuracy
-  per method config x context length (mean over depths), and a cost table.
-- `needle_<model>_<label>.png` per (model, method config) and `score_vs_budget_<task>.png` for tasks
-  run at more than one budget.
+- `report.md` (the CLI also prints it): each task's own tables (`Task.report_tables`, grouped under
+  the task's `report_section`: e.g. LongBench's score table with category means, the needle
+  accuracy per context length), a cost table, and the code versions the rows came from (a warning
+  when they differ).
+- each task's plots (`Task.report_plots`, e.g. `needle_<model>_<label>.png`) and
+  `score_vs_budget_<task>.png` for tasks run at more than one budget.
 
+Nothing here knows a particular task: rows of an unregistered task get the generic score table.
 Rows with status != ok are counted (n_error) but excluded from every mean. Exit code 2 (one line on
 stderr) when there is nothing to report.
 """
@@ -21,15 +24,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
-import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from eval.store import ResultStore
+from eval.tables import cell as _cell
+from eval.tables import column_order as _column_order  # noqa: F401  (scripts/make_figures.py)
+from eval.tables import md_table, slug
+from eval.tasks import TASKS, ReportOptions, Task
+
+logger = logging.getLogger(__name__)
 
 # Parameter name -> short label key, in label order. Several spellings map to one key.
 _ABBREV: dict[str, str] = {
@@ -146,21 +156,20 @@ def budget_of(params: dict | None) -> float | None:
     return None
 
 
-def slug(text: str) -> str:
-    """File-name-safe version of a label / model id."""
-    text = str(text).replace("/", "__")
-    text = re.sub(r"\s+", "_", text.strip())
-    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text) or "_"
-
-
 # ---------------------------------------------------------------------------------------- preparation
 def _is_false(v: Any) -> bool:
     return v is False or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
 
 
+def _task_class(task: str) -> type[Task]:
+    """The registered class of a task name; the generic `Task` (default tables) for unknown names."""
+    return TASKS.get(task, Task)
+
+
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
     """Add derived columns: label, config_label (label + query-agnostic suffix), params_json, budget,
-    ok, partial, compression, and numeric versions of the metric columns."""
+    ok, partial, compression, numeric versions of the metric columns, and each task's own columns
+    (`Task.prepare_rows`)."""
     df = df.copy()
     for col in ("task", "dataset", "model", "method"):
         df[col] = df[col].map(
@@ -181,23 +190,13 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
     df["partial"] = pd.to_numeric(
         df["scores"].map(lambda s: s.get("partial") if isinstance(s, dict) else None), errors="coerce"
     )
-    for col in (
-        "score",
-        "input_tokens",
-        "kv_tokens",
-        "kv_bytes_full",
-        "kv_bytes",
-        "prefill_s",
-        "ttft_s",
-        "tpot_s",
-        "peak_mem_bytes",
-        "context_length",
-        "depth_percent",
-    ):
-        df[col] = pd.to_numeric(df[col], errors="coerce")
+    for col in ("score", *_MEAN_COLUMNS):
+        if col != "compression":
+            df[col] = pd.to_numeric(df[col], errors="coerce")
     full = df["kv_bytes_full"].where(df["kv_bytes_full"] > 0)
     df["compression"] = df["kv_bytes"] / full
-    return df
+    parts = [_task_class(task).prepare_rows(part) for task, part in df.groupby("task", sort=False)]
+    return pd.concat(parts).loc[df.index] if parts else df
 
 
 def _group_stats(group: pd.DataFrame) -> dict[str, Any]:
@@ -221,184 +220,15 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
     records = []
     for keys, group in df.groupby(SUMMARY_KEYS, sort=True, dropna=False):
         if group["method_hash"].nunique(dropna=True) > 1:
-            print(
-                f"warning: {dict(zip(SUMMARY_KEYS, keys))} merges {group['method_hash'].nunique()} "
-                "configs (method_hash differs, e.g. task config); see `file` in the rows",
-                file=sys.stderr,
-            )
+            logger.warning(
+                "warning: %s merges %d configs (method_hash differs, e.g. task config); see `file` in the rows",
+                dict(zip(SUMMARY_KEYS, keys)), group["method_hash"].nunique(),
+            )  # fmt: skip
         records.append({**dict(zip(SUMMARY_KEYS, keys)), **_group_stats(group)})
     return pd.DataFrame.from_records(records, columns=SUMMARY_COLUMNS)
 
 
 # ------------------------------------------------------------------------------------------ markdown
-def _cell(v: Any, digits: int = 2) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "—"
-    if isinstance(v, float):
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
-def md_table(headers: list[str], rows: list[list[Any]], text_columns: int = 1) -> str:
-    """Markdown table; the first `text_columns` columns are left-aligned, the rest right-aligned."""
-
-    def esc(s: str) -> str:
-        return s.replace("|", "\\|")
-
-    lines = ["| " + " | ".join(esc(str(h)) for h in headers) + " |"]
-    lines.append("|" + "|".join("---" if i < text_columns else "---:" for i in range(len(headers))) + "|")
-    for row in rows:
-        lines.append("| " + " | ".join(esc(_cell(v)) for v in row) + " |")
-    return "\n".join(lines)
-
-
-def _column_order(df: pd.DataFrame, col: str = "config_label") -> list[str]:
-    """Method config columns: full first, then by method, budget, label."""
-    keys = (
-        df[[col, "method", "budget"]]
-        .drop_duplicates(col)
-        .assign(_full=lambda d: d["method"] != "full", _b=lambda d: d["budget"].fillna(float("inf")))
-        .sort_values(["_full", "method", "_b", col])
-    )
-    return keys[col].tolist()
-
-
-def _categories() -> dict[str, str] | None:
-    try:
-        from eval.metrics import DATASET2CATEGORY  # lazy: optional, owned by the metrics module
-    except Exception as e:  # noqa: BLE001 - any failure just drops the category rows
-        print(f"note: LongBench category rows omitted ({type(e).__name__}: {e})", file=sys.stderr)
-        return None
-    return dict(DATASET2CATEGORY)
-
-
-def _category_of(dataset: str, mapping: dict[str, str]) -> str | None:
-    if dataset in mapping:
-        return mapping[dataset]
-    if dataset.endswith("_e") and dataset[:-2] in mapping:  # LongBench-E names
-        return mapping[dataset[:-2]]
-    return None
-
-
-def is_needle(df: pd.DataFrame) -> pd.Series:
-    return df["task"].str.contains("needle", case=False) | df["depth_percent"].notna()
-
-
-def score_tables(df: pd.DataFrame) -> list[str]:
-    """Per (task, model): rows = dataset, columns = config label, values = mean score x100 (ok rows)."""
-    out = []
-    mapping: dict[str, str] | None = None
-    mapping_loaded = False
-    for (task, model), part in df.groupby(["task", "model"], sort=True):
-        cols = _column_order(part)
-        is_longbench = "longbench" in task.lower()
-        if is_longbench and not mapping_loaded:
-            mapping, mapping_loaded = _categories(), True
-        mapping_here = mapping if is_longbench else None
-        datasets = sorted(part["dataset"].unique())
-        if mapping_here:  # LongBench's own dataset order (the mapping's order), unknown datasets last
-            order = {ds: i for i, ds in enumerate(mapping_here)}
-            datasets.sort(key=lambda ds: order.get(ds, order.get(ds[:-2], len(order))))
-        ok = part[part["ok"]]
-        means = ok.groupby(["dataset", "config_label"])["score"].mean().mul(100).unstack()
-        means = means.reindex(index=datasets, columns=cols)
-        rows: list[list[Any]] = [[ds] + [means.at[ds, c] for c in cols] for ds in means.index]
-        incomplete = False
-
-        def macro(sub: pd.DataFrame, c: str) -> Any:
-            # Mean over datasets; marked with † when the config lacks some of them (not comparable).
-            nonlocal incomplete
-            values = sub[c]
-            if values.isna().all() or values.notna().all():
-                return values.mean()
-            incomplete = True
-            return f"{values.mean():.2f}†"
-
-        if len(means.index) > 1:
-            rows.append(["**Average**"] + [macro(means, c) for c in cols])
-        if mapping_here:
-            cats = pd.Series({ds: _category_of(ds, mapping_here) for ds in means.index}, dtype=object)
-            for cat in dict.fromkeys(mapping_here.values()):  # category order as in the mapping
-                members = cats[cats == cat].index
-                if len(members):
-                    rows.append([f"*{cat}*"] + [macro(means.loc[members], c) for c in cols])
-        note = "\n\n† mean over only the datasets this config has scores for." if incomplete else ""
-        out.append(
-            f"### {task} — {model}\n\nScore x100 (mean over ok samples).\n\n"
-            + md_table(["dataset"] + cols, rows)
-            + note
-        )
-        if is_longbench and "length" in ok and pd.to_numeric(ok["length"], errors="coerce").notna().any():
-            out.append(longbench_e_table(ok, cols, datasets))
-    return out
-
-
-LONGBENCH_E_BUCKETS = ("0-4k", "4-8k", "8k+")
-
-
-def longbench_e_bucket(length: float) -> str:
-    """LongBench-E's buckets of the records' `length` field (eval.py's scorer_e: <4000, <8000, rest)."""
-    return (
-        LONGBENCH_E_BUCKETS[0]
-        if length < 4000
-        else LONGBENCH_E_BUCKETS[1]
-        if length < 8000
-        else LONGBENCH_E_BUCKETS[2]
-    )
-
-
-def longbench_e_table(ok: pd.DataFrame, cols: list[str], datasets: list[str]) -> str:
-    """Score x100 per dataset x LongBench-E length bucket (rows) and config (columns)."""
-    ok = ok.assign(length=pd.to_numeric(ok["length"], errors="coerce")).dropna(subset=["length"])
-    ok = ok.assign(bucket=ok["length"].map(longbench_e_bucket))
-    means = ok.groupby(["dataset", "bucket", "config_label"])["score"].mean().mul(100)
-    rows = []
-    for ds in datasets:
-        for bucket in LONGBENCH_E_BUCKETS:
-            if (ds, bucket) in means.index.droplevel(2):
-                rows.append([f"{ds} {bucket}"] + [means.get((ds, bucket, c), float("nan")) for c in cols])
-    return "LongBench-E length buckets (the records' `length`, words), score x100.\n\n" + md_table(
-        ["dataset / length"] + cols, rows
-    )
-
-
-def needle_means(df: pd.DataFrame, value: str = "score") -> pd.DataFrame:
-    """`value` x100 per (task, model, config_label, context_length): mean over depths of per-depth means."""
-    ok = df[df["ok"] & df["context_length"].notna()]
-    per_depth = ok.groupby(
-        ["task", "model", "config_label", "context_length", "depth_percent"], dropna=False
-    )[value].mean()
-    return per_depth.groupby(level=[0, 1, 2, 3]).mean().mul(100).rename("score").reset_index()
-
-
-NEEDLE_VALUES = {
-    "score": "Needle accuracy x100 per context length (mean over depths).",
-    "partial": "Partial credit x100 (longest correct prefix of the number / its length), mean over depths.",
-}
-
-
-def needle_tables(df: pd.DataFrame) -> list[str]:
-    out = []
-    for value, caption in NEEDLE_VALUES.items():
-        if value not in df or df[value].isna().all():
-            continue
-        means = needle_means(df, value)
-        for (task, model), part in df.groupby(["task", "model"], sort=True):
-            sub = means[(means["task"] == task) & (means["model"] == model)]
-            table = sub.pivot_table(
-                index="config_label", columns="context_length", values="score", aggfunc="mean"
-            )
-            lengths = sorted(table.columns)
-            labels = _column_order(part)
-            table = table.reindex(index=labels, columns=lengths)
-            headers = (
-                ["method"] + [str(int(v)) if float(v).is_integer() else str(v) for v in lengths] + ["avg"]
-            )
-            rows = [[lab] + [table.at[lab, c] for c in lengths] + [table.loc[lab].mean()] for lab in labels]
-            out.append(f"### {task} — {model}\n\n{caption}\n\n" + md_table(headers, rows))
-    return out
-
-
 def cost_table(df: pd.DataFrame) -> str:
     rows = []
     for (task, model, label), g in df.groupby(["task", "model", "config_label"], sort=True):
@@ -444,8 +274,31 @@ def cost_table(df: pd.DataFrame) -> str:
     return md_table(headers, rows, text_columns=3)
 
 
+def _code_version(row: pd.Series) -> tuple[str, str, str]:
+    def text(v: Any) -> str:
+        return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+    dirty = row.get("git_dirty")
+    state = (
+        "—"
+        if dirty is None or (isinstance(dirty, float) and math.isnan(dirty))
+        else (f"dirty (diff {text(row.get('git_diff_sha'))})" if dirty else "clean")
+    )
+    versions = row.get("versions")
+    own = versions.get("snapkv_bench") if isinstance(versions, dict) else None
+    return text(row.get("git_sha"))[:12], state, text(own)
+
+
+def code_versions(df: pd.DataFrame) -> tuple[str, bool]:
+    """`(markdown table of the code versions the rows came from, whether there is more than one)`."""
+    keys = [_code_version(r) for _, r in df.iterrows()]
+    counts = pd.Series(keys, dtype=object).value_counts(sort=False)
+    rows = [[sha, state, own, n] for (sha, state, own), n in sorted(counts.items())]
+    table = md_table(["git commit", "working tree", "snapkv-bench", "rows"], rows, text_columns=3)
+    return table, len(rows) > 1
+
+
 def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
-    needle = is_needle(df)
     n_bad = int((~df["ok"]).sum())
     parts = [
         "# snapkv-bench report",
@@ -453,10 +306,13 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
         f"Results: `{results_dir}` — {len(df)} rows, {int(df['ok'].sum())} ok, {n_bad} not ok "
         "(error/oom rows are counted but excluded from score means).",
     ]
-    if (~needle).any():
-        parts += ["", "## Scores", ""] + ["\n\n".join(score_tables(df[~needle]))]
-    if needle.any():
-        parts += ["", "## Needle in a haystack", ""] + ["\n\n".join(needle_tables(df[needle]))]
+    sections: dict[str, list[str]] = {Task.report_section: []}  # the generic "Scores" first
+    for task, part in df.groupby("task", sort=True):
+        cls = _task_class(task)
+        sections.setdefault(cls.report_section, []).extend(cls.report_tables(part))
+    for heading, tables in sections.items():
+        if tables:
+            parts += ["", f"## {heading}", ""] + ["\n\n".join(tables)]
     parts += [
         "",
         "## Cost",
@@ -466,42 +322,24 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
         cost_table(df),
         "",
     ]
+    versions, differ = code_versions(df)
+    parts += ["## Code versions", ""]
+    if differ:
+        parts += ["**Warning: these rows come from more than one version of the code.**", ""]
+    parts += [versions, ""]
     return "\n".join(parts)
 
 
 # --------------------------------------------------------------------------------------------- plots
 def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None) -> list[Path]:
-    from eval.plots import needle_heatmap, score_vs_budget
+    """Each task's plots (`Task.report_plots`, ok rows) and score-vs-budget per task run at >1 budget."""
+    from eval.plots import score_vs_budget
 
     written: list[Path] = []
     ok = df[df["ok"]]
-    needle = ok[is_needle(ok) & ok["context_length"].notna() & ok["depth_percent"].notna()]
-    several_tasks = needle["task"].nunique() > 1
-    for (task, model, label), g in needle.groupby(["task", "model", "config_label"], sort=True):
-        tc = trained_context
-        if (
-            "trained_context" in g.columns
-            and pd.to_numeric(g["trained_context"], errors="coerce").notna().any()
-        ):
-            tc = int(pd.to_numeric(g["trained_context"], errors="coerce").dropna().iloc[0])
-        name = f"needle_{slug(task) + '_' if several_tasks else ''}{slug(model)}_{slug(label)}.png"
-        title = f"{model}\n{label}" + (f" ({task})" if several_tasks else "")
-        written.append(needle_heatmap(g, out / name, title=title, trained_context=tc))
-        # Partial credit (longest correct prefix of the number) beside exact containment: on small
-        # models a compressed cache often keeps only the first digits, which exact match hides.
-        partial = pd.to_numeric(
-            g["scores"].map(lambda s: s.get("partial") if isinstance(s, dict) else None), errors="coerce"
-        )
-        if partial.notna().any():
-            written.append(
-                needle_heatmap(
-                    g.assign(partial=partial),
-                    out / name.replace(".png", "_partial.png"),
-                    title=f"{title} (partial credit)",
-                    trained_context=tc,
-                    value="partial",
-                )
-            )
+    options = ReportOptions(out=out, trained_context=trained_context)
+    for task, part in ok.groupby("task", sort=True):
+        written += _task_class(task).report_plots(part, options)
 
     for task, g in ok.groupby("task", sort=True):
         if g["budget"].dropna().nunique() < 2:
@@ -530,36 +368,87 @@ def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None)
     return written
 
 
+# ----------------------------------------------------------------------------------------- library
+class NothingToReport(ValueError):
+    """The results dir does not exist, holds no result rows, or a results file is malformed."""
+
+
+@dataclass
+class Report:
+    markdown: str
+    report_md: Path
+    summary_csv: Path
+    plots: list[Path] = field(default_factory=list)
+
+
+def build_report(
+    results_dir: str | Path,
+    out: str | Path | None = None,
+    trained_context: int | None = None,
+    plots: bool = True,
+) -> Report:
+    """Write summary.csv, report.md and the plots of `results_dir` into `out` (default: results_dir).
+
+    `trained_context`: the needle heatmaps' dashed line (default: each row's own value).
+    NothingToReport (a ValueError) when there is nothing to report.
+    """
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        raise NothingToReport(f"results dir not found: {results_dir}")
+    try:
+        raw = ResultStore.load_dir(results_dir)
+    except ValueError as e:
+        raise NothingToReport(str(e)) from None
+    if raw.empty:
+        raise NothingToReport(f"no result rows (*.jsonl) found under {results_dir}")
+    out = Path(out) if out is not None else results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    df = prepare(raw)
+    summarize(df).to_csv(out / "summary.csv", index=False)
+    markdown = build_markdown(df, results_dir)
+    (out / "report.md").write_text(markdown, encoding="utf-8")
+    written = write_plots(df, out, trained_context=trained_context) if plots else []
+    return Report(markdown, out / "report.md", out / "summary.csv", written)
+
+
+def write_report(results_dir: str | Path, **kwargs: Any) -> Report | None:
+    """`build_report` for the runner: logs where the report is (or why there is none); never raises
+    for a missing or empty results dir."""
+    try:
+        report = build_report(results_dir, **kwargs)
+    except NothingToReport as e:
+        logger.warning("no report: %s", e)
+        return None
+    logger.info("%s", report.markdown)
+    logger.info("report: %s  table: %s", report.report_md, report.summary_csv)
+    if report.plots:
+        logger.info(
+            "plots in %s: %s", report.report_md.parent, ", ".join(sorted(p.name for p in report.plots))
+        )
+    return report
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__.split("\n")[0])
     ap.add_argument("results_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: RESULTS_DIR)")
-    ap.add_argument("--trained-context", type=int, default=None, help="dashed line on needle heatmaps")
+    ap.add_argument(
+        "--trained-context",
+        type=int,
+        default=None,
+        help="dashed line on needle heatmaps (default: the rows')",
+    )
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-
-    if not args.results_dir.is_dir():
-        print(f"error: results dir not found: {args.results_dir}", file=sys.stderr)
-        return 2
+    if not logging.getLogger().handlers:
+        logging.basicConfig(format="%(message)s", stream=sys.stderr)
     try:
-        raw = ResultStore.load_dir(args.results_dir)
-    except ValueError as e:
+        report = build_report(args.results_dir, args.out, args.trained_context, plots=not args.no_plots)
+    except NothingToReport as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if raw.empty:
-        print(f"error: no result rows (*.jsonl) found under {args.results_dir}", file=sys.stderr)
-        return 2
-
-    out = args.out or args.results_dir
-    out.mkdir(parents=True, exist_ok=True)
-    df = prepare(raw)
-    summarize(df).to_csv(out / "summary.csv", index=False)
-    markdown = build_markdown(df, args.results_dir)
-    (out / "report.md").write_text(markdown, encoding="utf-8")
-    if not args.no_plots:
-        write_plots(df, out, trained_context=args.trained_context)
-    print(markdown)
+    print(report.markdown)
     return 0
 
 

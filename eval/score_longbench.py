@@ -3,7 +3,9 @@
 Reads `PRED_DIR/<dataset>.jsonl` (one JSON object per line with `pred`, `answers`, `all_classes`
 and, for `--e`, `length`), writes `PRED_DIR/result.json` as LongBench's eval.py does (dataset ->
 score, or with `--e` dataset -> {"0-4k", "4-8k", "8k+"}) and prints it. As in LongBench, the
-`all_classes` of a file's last line is used for the whole file, and an empty `--e` bucket is NaN.
+`all_classes` of a file's last line is used for the whole file. An empty `--e` bucket (NaN in
+LongBench) is written as `null`, so result.json is strict JSON. An existing result.json is never
+overwritten silently: pass `--force` to replace it.
 Files whose stem is not a LongBench English dataset are skipped with a message on stderr.
 Bad input (missing directory, malformed line, missing key, ...) exits with code 2 and one line on
 stderr.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -119,6 +122,17 @@ def score_dir(pred_dir: Path, longbench_e: bool = False) -> dict[str, float | di
     return scores
 
 
+def strict_json(scores: dict) -> dict:
+    """NaN / infinite scores (an empty LongBench-E bucket) -> None, i.e. `null` in JSON."""
+
+    def fix(v):
+        if isinstance(v, dict):
+            return {k: fix(x) for k, x in v.items()}
+        return None if isinstance(v, float) and not math.isfinite(v) else v
+
+    return fix(scores)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 2 bad input)."""
     parser = argparse.ArgumentParser(
@@ -127,19 +141,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("pred_dir", type=Path, metavar="PRED_DIR", help="folder of <dataset>.jsonl files")
     parser.add_argument("--e", action="store_true", help="LongBench-E: score per length bucket 0-4k/4-8k/8k+")
+    parser.add_argument("--force", action="store_true", help=f"overwrite an existing PRED_DIR/{RESULT_FILE}")
     args = parser.parse_args(argv)
     try:
-        scores = score_dir(args.pred_dir, longbench_e=args.e)
         out_path = args.pred_dir / RESULT_FILE
+        if out_path.exists() and not args.force:
+            raise PredictionFileError(f"{out_path} exists; pass --force to overwrite it")
+        scores = strict_json(score_dir(args.pred_dir, longbench_e=args.e))
         try:
             with out_path.open("w", encoding="utf-8") as f:
-                json.dump(scores, f, ensure_ascii=False, indent=4)
+                json.dump(scores, f, ensure_ascii=False, indent=4, allow_nan=False)
         except OSError as err:
             raise PredictionFileError(f"{out_path}: cannot write ({err.strerror or err})") from None
     except PredictionFileError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(scores, ensure_ascii=False, indent=4))
+    print(json.dumps(scores, ensure_ascii=False, indent=4, allow_nan=False))
     return 0
 
 

@@ -7,8 +7,12 @@ Layout under a `results_dir`::
 
 `hash8` is `config_hash({...})`: the first 8 hex digits of the sha256 of the canonical JSON (sorted keys,
 no whitespace) of everything that changes outputs: method name, method params, query_aware and the
-task's output-relevant config (e.g. max_prompt_tokens, haystack, needle). `model` is made path-safe
+task's output-relevant config (e.g. max_prompt_tokens, haystack, needle); see eval/spec.py. `model`
+is the short model key (`model_key`: a local path's stem, else the name), made path-safe
 (`HuggingFaceTB/SmolLM2-135M-Instruct` -> `HuggingFaceTB__SmolLM2-135M-Instruct`).
+
+Concurrency: `exclusive()` holds an OS file lock on `.{file}.lock` while a run appends, so two
+identical runs never compute one sample twice (the second waits, then resumes).
 
 Writes: `ResultStore.append` writes one whole line with a single `os.write` on an `O_APPEND`
 descriptor, then `fsync`s, as soon as a sample finishes. A process killed mid-write leaves at most a
@@ -20,12 +24,16 @@ Resume: `done_ids()` is the set of sample_ids whose winning row has status "ok";
 are retried. Winning row per sample_id (within a file, across shard files of one config, and in
 `load_dir`): the last "ok" row if there is one, else the last row.
 
-Row schema (filled by the runner; every row is one JSON object on one line):
+Row schema (filled by the runner; every row is one JSON object on one line). A row is the GENERIC
+columns below plus the task's own metadata columns (`Task.row_metadata`, e.g. the needle task's
+`context_length`, `depth_percent`, LongBench's `length`, `prompt_tokens`, `truncated`; see the task's
+docstring). Nothing here knows a particular task.
 
 | field | type | meaning |
 |---|---|---|
 | `sample_id` | str | task-unique sample id (resume / de-duplication key) |
-| `model` | str | model id (HF repo id or local path) |
+| `model` | str | short model key: the results folder name (`model.key`, else a local path's stem, else the name) |
+| `model_path` | str | what was loaded: embedded name, local path or Hub id (`model.name`) |
 | `task` | str | task name (`longbench`, `needle`, ...) |
 | `dataset` | str | dataset / subtask (LongBench dataset name; `needle` for the needle task) |
 | `method` | str | compression method (`full`, `snapkv`, ...) |
@@ -54,13 +62,17 @@ Row schema (filled by the runner; every row is one JSON object on one line):
 | `scores` | dict | extra metrics in [0, 1], e.g. `{"exact": 1.0, "partial": 0.43}` |
 | `status` | str | `ok`, `oom` or `error` |
 | `error` | str \\| null | exception type and message when status != ok |
-| `context_length` | int \\| null | needle rows: haystack length in tokens; null otherwise |
-| `depth_percent` | float \\| null | needle rows: needle depth in % of the context; null otherwise |
-| `length` | int \\| null | LongBench rows: the dataset's `length` field (words); null otherwise |
 | `versions` | dict | `{"torch": ..., "transformers": ..., "snapkv_bench": ...}` |
 | `git_sha` | str \\| null | commit of the harness that produced the row |
+| `git_dirty` | bool \\| null | the checkout had uncommitted changes (tracked or untracked files) |
+| `git_diff_sha` | str \\| null | 12 hex digits of the sha256 of those changes (null when clean) |
 | `seed` | int | random seed |
 | `timestamp` | str | ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z` |
+
+Old rows (written before `model_path` existed: the committed `results/` and earlier runs) are read
+as they are, through `normalize_row`: `model_path` = their `model`, `model` = its short key, and the
+columns the old fixed schema wrote as null for other tasks (e.g. `depth_percent: null` on LongBench
+rows) dropped. Their files resume too: the runner also reads the old folder of a local-path model.
 
 `load_dir` adds a `file` column (path of the source file relative to `results_dir`), and skips with a
 warning any `*.jsonl` whose first row is an object without `sample_id` (not a results file, e.g.
@@ -69,22 +81,28 @@ LongBench-format predictions exported next to the results).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pandas as pd
+from filelock import FileLock, Timeout
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 ROW_FIELDS: tuple[str, ...] = (
     "sample_id",
     "model",
+    "model_path",
     "task",
     "dataset",
     "method",
@@ -113,11 +131,10 @@ ROW_FIELDS: tuple[str, ...] = (
     "scores",
     "status",
     "error",
-    "context_length",
-    "depth_percent",
-    "length",
     "versions",
     "git_sha",
+    "git_dirty",
+    "git_diff_sha",
     "seed",
     "timestamp",
 )
@@ -166,6 +183,29 @@ def safe_name(name: str) -> str:
     name = str(name).replace("/", "__").replace("\\", "__")
     name = re.sub(r"[^A-Za-z0-9._=+-]", "_", name).strip(".")
     return name or "_"
+
+
+def model_key(name: str) -> str:
+    """Short model key for folder names and report labels: a local file's or directory's stem
+    (`/data/gemma-3-270m-q4_k_m.gguf` -> `gemma-3-270m-q4_k_m`), else the name itself (an embedded
+    name or a Hub id `org/name`, made path-safe by `result_path`)."""
+    name = str(name)
+    path = Path(name).expanduser()
+    looks_local = name.startswith(("/", "./", "../", "~")) or path.suffix == ".gguf" or path.exists()
+    if looks_local and path.name not in ("", ".", ".."):
+        return path.stem if path.is_file() or path.suffix == ".gguf" else path.name
+    return name
+
+
+def normalize_row(row: dict) -> dict:
+    """A row in today's shape (see "Old rows" above); rows already in it are returned unchanged."""
+    if "model_path" in row:
+        return row
+    row = {k: v for k, v in row.items() if k in ROW_FIELDS or v is not None}
+    row["model_path"] = row.get("model")
+    if row["model_path"] is not None:
+        row["model"] = model_key(row["model_path"])
+    return row
 
 
 def result_path(
@@ -280,8 +320,10 @@ def _looks_like_results(path: Path) -> bool:
 class ResultStore:
     """Append-only JSONL store for one (task x model x method config) [x shard] file."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, also_read: Sequence[str | os.PathLike] = ()):
+        """`also_read`: older files of the same config (e.g. an old folder name) that count for resume."""
         self.path = Path(path)
+        self.also_read = [Path(p) for p in also_read]
         self._repaired = False
 
     # -- reading ---------------------------------------------------------------------------------
@@ -303,13 +345,35 @@ class ResultStore:
     def latest(self) -> dict[str, dict]:
         """Winning row per sample_id over this file and its shard siblings (a finished retry wins)."""
         rows: list[dict] = []
-        for p in self.sibling_paths():
+        for p in self.sibling_paths() + [p for p in self.also_read if p.is_file()]:
             rows.extend(read_rows(p))
         return latest_rows(rows)
 
     def done_ids(self) -> set[str]:
         """sample_ids with an "ok" row (in this file or a sibling shard file); others are (re)run."""
         return {sid for sid, row in self.latest().items() if row.get("status") == "ok"}
+
+    # -- exclusive use ---------------------------------------------------------------------------
+    @property
+    def lock_path(self) -> Path:
+        return self.path.with_name(f".{self.path.name}.lock")
+
+    @contextlib.contextmanager
+    def exclusive(self) -> Iterator[None]:
+        """Hold this file's lock (`.{name}.lock`, an OS file lock released when the process dies):
+        a second run of the same config into the same results dir waits here, then resumes and
+        skips what the first one did. Never two rows for one sample from concurrent runs."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(self.lock_path)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.info("another run is writing %s; waiting for it to finish", self.path)
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
 
     # -- writing ---------------------------------------------------------------------------------
     def _repair(self) -> None:
@@ -390,7 +454,7 @@ class ResultStore:
             file_hash = m.group(1) if m else None
             rel = path.relative_to(results_dir).as_posix()
             for row in read_rows(path):
-                row = dict(row)
+                row = dict(normalize_row(row))
                 if row.get("method_hash") is None:
                     row["method_hash"] = file_hash
                 row["file"] = rel

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from snapkv import pypi
+from snapkv.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +64,6 @@ EMBEDDED = {
         cache_mb=3000,
     ),
 }
-
-
-def cache_root() -> Path:
-    """`$SNAPKV_BENCH_CACHE`, else `~/.cache/snapkv-bench`."""
-    return Path(os.environ.get("SNAPKV_BENCH_CACHE", Path.home() / ".cache" / "snapkv-bench"))
 
 
 def model_dir(name: str) -> Path:

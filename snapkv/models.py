@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from snapkv import hub
-from snapkv.embedded import EMBEDDED, cache_root, fetch_embedded
+from snapkv.embedded import EMBEDDED, fetch_embedded
+from snapkv.errors import first_line
+from snapkv.paths import cache_root
 
 # Real shapes for random-weight speed/memory runs (configs as published by the model authors).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
@@ -175,7 +177,7 @@ def load_model(
                 src, dtype=torch_dtype, attn_implementation=attn, **placement, **extra
             )
         except OSError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             if not hub_id:
                 raise FileNotFoundError(f"model {name!r} could not be loaded: {first}") from e
             unavailable = hub.hub_unavailable()

@@ -14,13 +14,14 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from eval.runner import TASKS, build_task
+from eval.spec import RunSpec
+from eval.tasks import TASKS
 from eval.tasks.longbench import model_max_length
 from snapkv import METHODS, build_method
 from snapkv.models import DTYPES, RANDOM_SHAPES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
-MODEL_KEYS = {"name", "tokenizer", "dtype", "device", "attn_implementation", "context", "max_prompt_tokens", "chat_template"}  # fmt: skip
+MODEL_KEYS = {"key", "name", "tokenizer", "dtype", "device", "attn_implementation", "context", "max_prompt_tokens", "chat_template"}  # fmt: skip
 # conf/model file -> SnapKV's model2maxlen name (LongBench max prompt length must match the paper's).
 MODEL2MAXLEN_NAMES = {
     "mistral-7b-instruct-v0.2": "mistral-7B-instruct-v0.2",
@@ -47,8 +48,9 @@ def resolved(cfg) -> dict:
 def check_buildable(cfg) -> None:
     method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))
     assert method.name == cfg.method.name
-    task, shard, num_shards = build_task(cfg.task)
-    assert task.name == cfg.task.name and (shard, num_shards) == (0, 1)
+    spec = RunSpec.from_config(cfg)  # the runner's own validation, before anything loads
+    assert spec.task.name == cfg.task.name and (spec.shard, spec.num_shards) == (0, 1)
+    assert spec.method.name == cfg.method.name
 
 
 def test_groups_are_complete():
@@ -95,6 +97,10 @@ def test_model_configs(name):
         assert model["tokenizer"], "random-weight models need a tokenizer for text tasks"
     if name == "gemma3-270m":
         assert OmegaConf.is_missing(cfg.model, "name")  # a local path the user supplies
+        with pytest.raises(ValueError, match=r"model\.name is required"):  # said before anything loads
+            RunSpec.from_config(cfg)
+        cfg = compose_cfg([f"model={name}", "task=longbench", "model.name=/models/gemma-3-270m-q4_k_m.gguf"])
+        assert RunSpec.from_config(cfg).model.key == "gemma-3-270m-q4_k_m"  # short folder name
     else:
         assert model["name"]
     check_buildable(cfg)
@@ -151,7 +157,8 @@ def test_task_configs(name):
     cfg = compose_cfg([f"task={name}"])
     check_buildable(cfg)
     cfg = compose_cfg([f"task={name}", "task.num_shards=4", "task.shard=3"])
-    assert build_task(cfg.task)[1:] == (3, 4)
+    spec = RunSpec.from_config(cfg)
+    assert (spec.shard, spec.num_shards) == (3, 4)
 
 
 def sweep_points(params: dict) -> list[list[str]]:
@@ -188,5 +195,5 @@ def test_launchers(launcher):
 
 def test_report_callback_is_configured():
     cfg = compose_cfg(hydra=True)
-    assert cfg.hydra.callbacks.report._target_ == "eval.runner.ReportCallback"
+    assert cfg.hydra.callbacks.report._target_ == "eval.callbacks.ReportCallback"
     assert cfg.hydra.job.chdir is False

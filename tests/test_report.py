@@ -292,3 +292,76 @@ def test_plots_generic(tmp_path):
     assert p.read_bytes()[:8] == PNG_MAGIC
     with pytest.raises(ValueError):
         needle_heatmap(df.iloc[0:0], tmp_path / "e.png", "t", value="acc")
+
+
+def _needle_rows(**kw):
+    return [
+        base_row(
+            f"n-{length}-{depth}",
+            "needle",
+            "needle",
+            "snapkv",
+            SNAP,
+            1.0,
+            context_length=length,
+            depth_percent=depth,
+            **kw,
+        )  # fmt: skip
+        for length in (1000, 2000)
+        for depth in (0, 100)
+    ]
+
+
+def test_trained_context_flag_wins_over_the_rows(tmp_path, monkeypatch, capsys):
+    import eval.plots
+
+    seen = []
+
+    def fake_heatmap(df, path, title="", trained_context=None, value="score"):
+        seen.append(trained_context)
+        return path
+
+    monkeypatch.setattr(eval.plots, "needle_heatmap", fake_heatmap)
+    d = tmp_path / "r"
+    write(d, _needle_rows(trained_context=8000))
+    assert main([str(d)]) == 0
+    assert seen and set(seen) == {8000}  # default: the rows' own value
+    seen.clear()
+    assert main([str(d), "--trained-context", "2000"]) == 0
+    assert seen and set(seen) == {2000}  # it used to be overwritten by the rows' value
+
+
+def test_report_lists_code_versions_and_warns_when_they_differ(tmp_path, capsys):
+    d = tmp_path / "r"
+    write(d, _needle_rows(git_sha="a" * 40, git_dirty=False, git_diff_sha=None))
+    assert main([str(d), "--no-plots"]) == 0
+    report = (d / "report.md").read_text()
+    assert "## Code versions" in report and "| aaaaaaaaaaaa | clean | 0.1.0 | 4 |" in report
+    assert "more than one version" not in report
+    rows = [r for r in _needle_rows(git_sha="a" * 40, git_dirty=True, git_diff_sha="0123456789ab")]
+    for r in rows:
+        r["sample_id"] += "-dirty"
+    write(d, rows)
+    assert main([str(d), "--no-plots"]) == 0
+    report = (d / "report.md").read_text()
+    assert "| aaaaaaaaaaaa | dirty (diff 0123456789ab) | 0.1.0 | 4 |" in report
+    assert "**Warning: these rows come from more than one version of the code.**" in report
+
+
+def test_committed_results_still_report_the_same_tables(tmp_path, capsys):
+    """Old rows (the committed results/, written before the schema change) read and report as before."""
+    import shutil
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "results" / "needle_methods"
+    d = tmp_path / "needle_methods"
+    shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.png", "report.md", "summary.csv"))
+    assert main([str(d), "--no-plots"]) == 0
+    new = (d / "report.md").read_text()
+    old = (src / "report.md").read_text()
+    body = old.split("\n", 3)[3]  # after the header line naming the results dir
+    assert body.strip() in new  # every table as committed; only the code-versions section is new
+    assert "## Code versions" in new
+    old_summary = pd.read_csv(src / "summary.csv")
+    new_summary = pd.read_csv(d / "summary.csv")
+    pd.testing.assert_frame_equal(old_summary, new_summary)

@@ -9,6 +9,7 @@ touches the Hub; only the `slow` test loads the real default model (cached).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 import eval.runner as runner
 from eval.store import ROW_FIELDS, ResultStore, fields_missing, read_rows
@@ -122,7 +124,7 @@ def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
     assert runner.run(cfg) == results
 
     (path,) = result_files(results)
-    assert path.parent == results / "needle" / path.parent.name and path.name.startswith("snapkv-")
+    assert path.parent == results / "needle" / "tiny-llama" and path.name.startswith("snapkv-")
     rows = read_rows(path)
     assert len(rows) == N_CELLS
     assert {r["sample_id"] for r in rows} == {f"len{n}_depth{d:g}" for n in LENGTHS for d in DEPTHS}
@@ -130,11 +132,12 @@ def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
         assert fields_missing(row) == [], row["sample_id"]
         assert row["status"] == "ok" and row["error"] is None
         assert path.name == f"snapkv-{row['method_hash']}.jsonl"
-        assert row["model"] == tiny_dir and row["task"] == "needle" and row["dataset"] == "needle"
+        assert row["model"] == "tiny-llama" and row["model_path"] == tiny_dir  # short key, full path
+        assert row["task"] == "needle" and row["dataset"] == "needle"
         assert row["method_params"] == {"budget": 64, "window": 32, "kernel_size": 7, "pooling": "max", "gqa_reduce": "mean", "gqa_order": "reduce_first"}  # fmt: skip
         assert row["query_aware"] is True and row["dtype"] == "float32" and row["device"] == "cpu"
         assert row["attn_impl"] == "sdpa" and row["seed"] == 42
-        assert row["context_length"] in LENGTHS and row["depth_percent"] in DEPTHS and row["length"] is None
+        assert row["context_length"] in LENGTHS and row["depth_percent"] in DEPTHS and "length" not in row
         assert set(row["scores"]) == {"exact", "partial"} and 0.0 <= row["score"] <= 1.0
         assert isinstance(row["prediction"], str) and row["answers"] and row["answers"][0].isdigit()
         assert row["input_tokens"] == row["context_length"]  # the needle task sizes prompts exactly
@@ -143,6 +146,8 @@ def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
         assert row["kv_bytes"] <= row["kv_bytes_full"] and row["prefill_s"] > 0 and row["peak_mem_bytes"] > 0
         assert set(row["versions"]) == {"torch", "transformers", "snapkv_bench"}
         assert row["git_sha"] is None or re.fullmatch(r"[0-9a-f]{40}", row["git_sha"])
+        assert row["git_dirty"] in (None, True, False)
+        assert (row["git_diff_sha"] is not None) is bool(row["git_dirty"])
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", row["timestamp"])
         assert row["trained_context"] == 4096 and row["haystack"] == "noise"
 
@@ -208,7 +213,9 @@ def test_shards_cover_every_sample_once(tiny_dir, tmp_path):
     assert not set(ids[0]) & set(ids[1]) and len(ids[0]) + len(ids[1]) == N_CELLS
     merged = ResultStore.load_dir(results)
     assert len(merged) == N_CELLS and not merged["sample_id"].duplicated().any()
-    assert runner.write_report(results, quiet=True) == results / "report.md"
+    from eval.report import write_report
+
+    assert write_report(results).report_md == results / "report.md"
     import pandas as pd
 
     summary = pd.read_csv(results / "summary.csv")
@@ -302,7 +309,7 @@ def test_longbench_run(tiny_dir, tmp_path):
     for row in rows:
         assert fields_missing(row) == [] and row["status"] == "ok", row.get("error")
         assert row["task"] == "longbench" and row["dataset"] in datasets
-        assert isinstance(row["length"], int) and row["context_length"] is None
+        assert isinstance(row["length"], int) and "context_length" not in row
         assert 0.0 <= row["score"] <= 1.0 and row["scores"] == {}
         assert row["input_tokens"] <= 300 + 16  # middle-truncated (+ the chat template's tokens)
         assert row["compressed"] is (row["input_tokens"] > 64)
@@ -330,7 +337,7 @@ def run_cli_in_process(monkeypatch, tmp_path, *args: str) -> int:
         ["run.py", f"hydra.run.dir={tmp_path}/hydra", "hydra.output_subdir=null", *QUIET_HYDRA, *args],
     )
     with pytest.raises(SystemExit) as exc:
-        run_module.main()
+        run_module.cli()
     return exc.value.code
 
 
@@ -352,7 +359,24 @@ BAD_INPUT = {
     "model not found": (["model.name={tmp}/no-such-model"], "{tmp}/no-such-model"),
     "missing model path": (["model=gemma3-270m"], "model.name"),
     "bad shard": (["task.num_shards=2", "task.shard=2"], "shard=2"),
+    # Config errors that used to run every sample into an error row and exit 0:
+    "negative chunk size": (["prefill.chunk_size=-5"], "prefill.chunk_size=-5"),
+    "chunk size not a number": (["prefill.chunk_size=abc"], "prefill.chunk_size='abc'"),
+    "zero chunk size": (["prefill.chunk_size=0"], "prefill.chunk_size=0"),
+    # Unknown config group options: one line naming the value and the known ones (not Hydra's 12).
+    "unknown method group option": (["method=bogus"], "unknown method 'bogus'; known: adakv, full, h2o"),
+    "unknown model group option": (["model=bogus"], "unknown model 'bogus'; known: gemma3-270m"),
+    "unknown option in a sweep": (["-m", "method=full,bogus"], "unknown method 'bogus'"),
+    # results_dir checked before the model loads (it used to fail after the first sample).
+    "results_dir is a file": (["results_dir={tmp}/afile/sub"], "afile' is a file"),
+    "results_dir not writable": (["results_dir={readonly}/results"], "is not writable"),
+    "bad query_aware": (["query_aware=maybe"], "query_aware='maybe'"),
+    "bad dtype": (["model.dtype=float8"], "model.dtype='float8'"),
 }
+
+
+def _no_model_load(*args, **kwargs):
+    raise AssertionError("the model was loaded although the config is invalid")
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
@@ -361,18 +385,30 @@ def test_bad_input_is_one_line_and_exit_2(case, monkeypatch, tmp_path, capsys):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "hotpotqa.jsonl").write_text(json.dumps(_record("hotpotqa", 0)) + "\n{not json\n")
-    args = [a.format(tmp=tmp_path) for a in args]
+    (tmp_path / "afile").write_text("not a directory")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o555)
+    if os.geteuid() == 0:  # root writes into mode-555 directories; /sys refuses even root
+        readonly = Path("/sys")
+    args = [a.format(tmp=tmp_path, readonly=readonly) for a in args]
+    if case != "model not found":  # that case fails inside the loader, by design
+        monkeypatch.setattr(runner, "load_model", _no_model_load)
     code = run_cli_in_process(monkeypatch, tmp_path, f"results_dir={tmp_path}/results", *args)
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1 and err[0].startswith("error: "), err
-    assert expected.format(tmp=tmp_path) in err[0]
-    assert not (tmp_path / "results").exists()  # failed before anything was written
+    assert expected.format(tmp=tmp_path, readonly=readonly) in err[0]
+    assert not list((tmp_path / "results").rglob("*.jsonl"))  # no row written
+    if case != "model not found":  # failed before the results dir was even created
+        assert not (tmp_path / "results").exists()
 
 
 def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # Launcher workers (joblib, submitit) unpickle the job by module name: make them import THIS
+    # checkout, not whatever copy of the project is pip-installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     return subprocess.run(
         [sys.executable, str(ROOT / "run.py"), *args],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
@@ -383,8 +419,14 @@ def test_cli_errors_in_a_subprocess(tmp_path):
     proc = _cli(tmp_path, "method.budget=16", f"hydra.run.dir={tmp_path}/h")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["error: window must be < budget, got window=32, budget=16"]
-    # Hydra's own errors (unknown group option, typo in a key): non-zero, short, no traceback.
-    for args, needle in ((["method=nope"], "method/nope"), (["method.budgt=5"], "budgt")):
+    # An unknown group option: exit 2 and one line naming it and the known options.
+    proc = _cli(tmp_path, "method=nope")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown method 'nope'; known: adakv, full, h2o, pyramidkv, snapkv, streamingllm"
+    ]
+    # Hydra's own errors (a typo in a key): non-zero, short, no traceback.
+    for args, needle in ((["method.budgt=5"], "budgt"),):
         proc = _cli(tmp_path, *args)
         out = proc.stdout + proc.stderr
         assert proc.returncode != 0 and needle in out and "Traceback" not in out
@@ -437,8 +479,18 @@ def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_pa
         loads.append(args[0])
         return REAL_LOAD_MODEL(*args, **kwargs)
 
+    import eval.report
+
+    reports = []
+    real_build = eval.report.build_report
+
+    def counting_build(results_dir, **kwargs):
+        reports.append(results_dir)
+        return real_build(results_dir, **kwargs)
+
     monkeypatch.setattr(runner, "load_model", counting_load)
     monkeypatch.setattr(runner, "_LOADED", {})
+    monkeypatch.setattr(eval.report, "build_report", counting_build)
     results = tmp_path / "results"
     args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report"))]
     monkeypatch.setattr(
@@ -450,8 +502,7 @@ def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_pa
     run_module.main()
     assert loads == [tiny_dir]
     assert sorted(f.name.split("-")[0] for f in result_files(results)) == ["full", "snapkv", "streamingllm"]
-    out = capsys.readouterr()
-    assert out.out.count("# snapkv-bench report") == 1  # by ReportCallback, after the last job
+    assert reports == [str(results)]  # once, by ReportCallback, after the last job
     assert "streamingllm b=64" in (results / "report.md").read_text()
 
 
@@ -501,3 +552,151 @@ def test_debug_experiment_on_the_default_model(tmp_path):
     assert (results / "report.md").is_file() and list(results.glob("needle_*.png"))
     assert "report.md" in proc.stderr
     assert set(ROW_FIELDS) <= set(row)
+
+
+# ------------------------------------------------------------------------- fail early, fail loudly
+def test_a_run_whose_samples_all_failed_does_not_exit_0(tiny_dir, tmp_path, monkeypatch, capsys):
+    def failing(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(runner, "generate", failing)
+    results = tmp_path / "results"
+    with pytest.raises(runner.AllSamplesFailed, match=f"all {N_CELLS} samples failed"):
+        runner.run(make_cfg(tiny_dir, results))
+    rows = read_rows(result_files(results)[0])
+    assert len(rows) == N_CELLS and {r["status"] for r in rows} == {"error"}  # the rows are kept
+    code = run_cli_in_process(monkeypatch, tmp_path, *tiny_overrides(tiny_dir, results))
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error")]
+    assert code == 1 and len(err) == 1 and err[0].startswith(f"error: all {N_CELLS} samples failed"), err
+
+
+def test_a_sweep_with_a_bad_point_records_it_goes_on_and_reports(tiny_dir, tmp_path, monkeypatch):
+    """`-m budget=64,16,128`: 16 < window is invalid; 64 and 128 still run and the report is written."""
+    import run as run_module
+
+    results = tmp_path / "results"
+    args = [
+        a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report", "budget"))
+    ]
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["run.py", "-m", *QUIET_HYDRA, f"hydra.sweep.dir={tmp_path}/multirun", "budget=64,16,128",
+         "task.lengths=[150]", *args],
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        run_module.cli()
+    assert exc.value.code == 2
+    budgets = sorted(read_rows(f)[0]["method_params"]["budget"] for f in result_files(results))
+    assert budgets == [64, 128]
+    report = (results / "report.md").read_text()
+    assert "snapkv b=64" in report and "snapkv b=128" in report
+    (error,) = (tmp_path / "multirun").glob("*/error.txt")
+    assert "window=32, budget=16" in error.read_text()
+    from eval.callbacks import sweep_errors
+
+    cfg = OmegaConf.create(
+        {"hydra": {"sweep": {"dir": str(tmp_path / "multirun")}, "output_subdir": ".hydra"}}
+    )
+    ((point, message),) = sweep_errors(cfg)
+    assert "budget=16" in point and "window=32, budget=16" in message
+
+
+def test_a_second_identical_run_waits_and_never_duplicates_a_sample(tiny_dir, tmp_path, monkeypatch):
+    """Two identical runs into one results dir (a re-submitted job): the second waits for the first's
+    lock, then finds every sample done. Before the lock, both computed every sample (2 rows each)."""
+    import threading
+
+    from eval.spec import RunSpec
+
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results)
+    store = ResultStore(RunSpec.from_config(cfg).result_path)
+    counting = CountingGenerate()
+    monkeypatch.setattr(runner, "generate", counting)
+    with store.exclusive():  # "the first run" holds the file
+        second = threading.Thread(target=runner.run, args=(cfg,))
+        second.start()
+        second.join(timeout=5)
+        assert second.is_alive() and counting.calls == []  # waiting, computing nothing
+        ids = [f"len{n}_depth{d:g}" for n in LENGTHS for d in DEPTHS]
+        for sid in ids:  # the first run finishes every sample
+            store.append({"sample_id": sid, "status": "ok", "task": "needle"})
+    second.join(timeout=120)
+    assert not second.is_alive()
+    assert counting.calls == []  # all done by the first run: nothing recomputed
+    rows = read_rows(store.path)
+    assert sorted(r["sample_id"] for r in rows) == sorted(ids)
+
+
+def test_two_identical_processes_write_one_row_per_sample(tiny_dir, tmp_path):
+    results = tmp_path / "results"
+    args = [*tiny_overrides(tiny_dir, results), "task.lengths=[150,250,350]"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}/h{i}"],
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    for p in procs:
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+    (path,) = result_files(results)
+    ids = [r["sample_id"] for r in read_rows(path)]
+    assert len(ids) == 3 * len(DEPTHS) == len(set(ids))
+
+
+def test_all_samples_already_done_says_so(tiny_dir, tmp_path, caplog):
+    logging.getLogger("eval.runner").disabled = False  # an in-process Hydra run may have disabled it
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results, "task.lengths=[150]")
+    runner.run(cfg)
+    with caplog.at_level("INFO", logger="eval.runner"):
+        runner.run(cfg)
+    messages = [r.getMessage() for r in caplog.records if r.name == "eval.runner"]
+    assert any(f"all {len(DEPTHS)} samples already done" in m for m in messages), messages
+    assert not any("0 ok" in m for m in messages)
+
+
+def test_old_rows_in_the_old_model_folder_are_resumed(tiny_dir, tmp_path, monkeypatch):
+    """Rows written before the short model key (folder = the full path, no model_path field) count
+    as done, and the report merges them with the new rows under the short key."""
+    from eval.spec import RunSpec
+    from eval.store import result_path
+
+    results = tmp_path / "results"
+    cfg = make_cfg(tiny_dir, results, "task.lengths=[150]")
+    runner.run(cfg)
+    (new,) = result_files(results)
+    spec = RunSpec.from_config(cfg)
+    old = result_path(results, "needle", tiny_dir, "snapkv", spec.method_hash)  # the old layout
+    old.parent.mkdir(parents=True)
+    with open(old, "w") as f:
+        for row in read_rows(new)[:2]:  # two samples done by an old version
+            row = {k: v for k, v in row.items() if k not in ("model_path", "git_dirty", "git_diff_sha")}
+            f.write(json.dumps({**row, "model": tiny_dir, "length": None}) + "\n")
+    new.unlink()
+    counting = CountingGenerate()
+    monkeypatch.setattr(runner, "generate", counting)
+    runner.run(make_cfg(tiny_dir, results, "task.lengths=[150]", "report=true"))
+    assert len(counting.calls) == len(DEPTHS) - 2  # only the sample the old rows lack
+    merged = ResultStore.load_dir(results)
+    assert len(merged) == len(DEPTHS) and set(merged["model"]) == {"tiny-llama"}
+    assert set(merged["model_path"]) == {tiny_dir}
+    assert "| needle | tiny-llama |" in (results / "report.md").read_text()
+
+
+def test_the_run_log_holds_the_run(tiny_dir, tmp_path):
+    """Python logging, not prints: Hydra's {run dir}/run.log records the run (and stderr shows it)."""
+    results = tmp_path / "results"
+    args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith("task.lengths")]
+    proc = _cli(tmp_path, *args, "task.lengths=[150]", f"hydra.run.dir={tmp_path}/run")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    log = (tmp_path / "run" / "run.log").read_text()
+    assert f"{len(DEPTHS)} to run" in log and "done in" in log and "[INFO]" in log
+    assert "[snapkv-bench] done in" in proc.stderr

@@ -201,3 +201,44 @@ def test_shard_split():
 def test_shard_validation(s, n, bad):
     with pytest.raises(ValueError, match=bad):
         shard([1, 2], s, n)
+
+
+# ------------------------------------------------------------------------- old rows (committed results)
+REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(
+    "experiment, method",
+    [("needle_methods", "snapkv"), ("needle_methods", "full"), ("longbench_multinews", "snapkv")],
+)
+def test_committed_results_resume_under_the_new_schema(experiment, method, tmp_path):
+    """The committed rows (written before the schema change) are found by today's config: same
+    file path and hash, every sample done, and they load with their task columns."""
+    import shutil
+
+    from hydra import compose, initialize_config_dir
+
+    from eval.spec import RunSpec
+    from eval.store import model_key, normalize_row
+
+    src = REPO / "results" / experiment
+    shutil.copytree(src, tmp_path / experiment, ignore=shutil.ignore_patterns("*.png"))
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=[f"experiment={experiment}", f"method={method}",
+                                           f"results_dir={tmp_path / experiment}"])  # fmt: skip
+    spec = RunSpec.from_config(cfg)
+    assert spec.result_path.is_file(), f"{spec.result_path} (today's hash) is not a committed file"
+    old_rows = read_rows(spec.result_path)
+    assert "model_path" not in old_rows[0]  # really the old shape
+    assert ResultStore(spec.result_path).done_ids() == {r["sample_id"] for r in old_rows}
+    new = normalize_row(old_rows[0])
+    assert new["model"] == model_key(old_rows[0]["model"]) == old_rows[0]["model"]
+    assert new["model_path"] == old_rows[0]["model"]
+    df = ResultStore.load_dir(tmp_path / experiment)
+    assert df["model_path"].notna().all()
+    if spec.task.name == "needle":
+        assert (
+            df["context_length"].notna().all() and "length" not in df
+        )  # null columns of other tasks dropped
+    else:
+        assert df["length"].notna().all() and "depth_percent" not in df

@@ -1,17 +1,27 @@
-"""The one sample record every task produces, and the task protocol.
+"""The one sample record every task produces, and the task base class.
 
 A task is data + prompt + metric (lm-eval-harness style): it yields `Sample`s whose prompt is split
 into `context` (everything up to and including the long document) and `question` (the rest: the
 instruction/question and any answer prefix). The split lets the generator run both protocols:
 query-aware (context + question compressed together, SnapKV/LongBench) and query-agnostic (context
 compressed alone, question fed after compression, kvpress default).
+
+A task owns everything task-specific about its results (lm-eval's `process_results` /
+`aggregation`): the metadata columns of its rows (`row_metadata`), its metrics (`score`,
+`score_all`), the numeric types of its columns (`prepare_rows`), and its report tables and plots
+(`report_tables`, `report_plots`). The runner, the store and the report only call these hooks; the
+defaults below give any new task a per-dataset score table. Register a task with
+`eval.tasks.register_task`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pandas as pd
 
 
 @dataclass
@@ -26,7 +36,8 @@ class Sample:
     all_classes: list[str] | None = None
     # LongBench's `length` field (words), used for the LongBench-E buckets.
     length: int | None = None
-    # Task-specific fields copied into the result row (needle: context_length, depth_percent, needle).
+    # Task metadata copied into the result row by the default `Task.row_metadata`
+    # (needle: context_length, depth_percent, needle, ...).
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -34,13 +45,68 @@ class Sample:
         return self.context + self.question
 
 
-class Task(Protocol):
-    name: str
+@dataclass(frozen=True)
+class ReportOptions:
+    """What the report's caller decides for every task's tables and plots."""
 
-    def samples(self, tokenizer: Any) -> Iterator[Sample]:
-        """Yield the task's samples, prompts already sized for `tokenizer` (truncation, lengths)."""
-        ...
+    out: Path
+    trained_context: int | None = None  # overrides the rows' own value (needle heatmaps' dashed line)
+
+
+class Task:
+    """Base class of the tasks: subclass it (usually as a dataclass whose fields are the task's
+    config keys, `conf/task/<name>.yaml`) and implement `samples` and `score`.
+
+    Class attributes: `name` (registry key, `task.name`), `version` (bump when prompts or data
+    handling change; part of the results file's hash), `selection_keys` (config keys that only choose
+    WHICH samples run, left out of the hash so a grid can grow without recomputing stored samples),
+    `report_section` (heading of the report section holding `report_tables`).
+    """
+
+    name: ClassVar[str] = ""
+    version: ClassVar[int | None] = None
+    selection_keys: ClassVar[tuple[str, ...]] = ()
+    report_section: ClassVar[str] = "Scores"
+
+    # ---- running
+    def samples(self, tokenizer: Any) -> Iterable[Sample]:
+        """The task's samples, prompts already sized for `tokenizer` (truncation, lengths)."""
+        raise NotImplementedError
+
+    def num_samples(self) -> int | None:
+        """Called before the model loads: read the data so a missing/malformed file fails early.
+        The number of samples, or None when it is only known with the tokenizer."""
+        return None
 
     def score(self, sample: Sample, prediction: str) -> float:
-        """Score one prediction in [0, 1]."""
-        ...
+        """The main metric of one prediction, in [0, 1] (the row's `score`)."""
+        raise NotImplementedError
+
+    def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
+        """Every metric of one prediction, in [0, 1] (the row's `scores`); default: none besides `score`."""
+        return {}
+
+    def row_metadata(self, sample: Sample) -> dict[str, Any]:
+        """Task columns of the sample's row (default: `sample.extra`); generic columns win on a clash."""
+        return dict(sample.extra)
+
+    # ---- reporting (class methods: a report is built from stored rows, without the task's config)
+    @classmethod
+    def prepare_rows(cls, df: pd.DataFrame) -> pd.DataFrame:
+        """Derived / numeric task columns of this task's rows (a `eval.report.prepare`d frame)."""
+        return df
+
+    @classmethod
+    def report_tables(cls, df: pd.DataFrame) -> list[str]:
+        """Markdown tables for this task's rows (all models); default: one score table per model."""
+        from eval.tables import score_table
+
+        return [
+            score_table(part, f"{task} — {model}")
+            for (task, model), part in df.groupby(["task", "model"], sort=True)
+        ]
+
+    @classmethod
+    def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
+        """Plots of this task's ok rows written into `options.out`; default: none."""
+        return []

@@ -23,6 +23,7 @@ from hashlib import sha256
 from pathlib import Path
 
 from snapkv import pypi
+from snapkv.paths import cache_root
 
 NOISE_TEXT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -37,12 +38,6 @@ KNOWN_HAYSTACKS = ("paul_graham", "noise", "dir:PATH")
 
 # Separator placed between documents (essays / files) and between repetitions of the haystack.
 DOC_SEP = "\n\n"
-
-
-def cache_root() -> Path:
-    """The snapkv-bench cache root: ``$SNAPKV_BENCH_CACHE`` or ``~/.cache/snapkv-bench``."""
-    env = os.environ.get("SNAPKV_BENCH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "snapkv-bench"
 
 
 def paul_graham_dir() -> Path:

@@ -24,6 +24,7 @@ the Hub itself (`THUDM/LongBench`, file `data.zip`, downloaded once and extracte
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -33,7 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from eval.tasks.base import Sample
+import pandas as pd
+
+from eval.tables import column_order, md_table, score_table
+from eval.tasks.base import Sample, Task
 from eval.tasks.longbench_config import (
     DATASET2MAXLEN,
     DATASET2PROMPT,
@@ -41,6 +45,11 @@ from eval.tasks.longbench_config import (
     NO_CHAT_TEMPLATE,
     model_max_length,
 )
+from eval.tasks.registry import register_task
+from snapkv.errors import one_line
+from snapkv.paths import cache_root
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "DATASETS",
@@ -60,13 +69,11 @@ __all__ = [
 HUB_REPO_ID = "THUDM/LongBench"
 HUB_FILENAME = "data.zip"
 ENV_DATA_DIR = "LONGBENCH_DIR"
-ENV_CACHE_ROOT = "SNAPKV_BENCH_CACHE"
 
 
 def cache_dir() -> Path:
     """Where the Hub archive is extracted: `$SNAPKV_BENCH_CACHE/longbench` (default ~/.cache/snapkv-bench)."""
-    root = os.environ.get(ENV_CACHE_ROOT) or "~/.cache/snapkv-bench"
-    return Path(root).expanduser() / "longbench"
+    return cache_root() / "longbench"
 
 
 def _check_dataset(dataset: str) -> None:
@@ -128,7 +135,7 @@ def _download_and_extract(target: Path) -> None:
             local_files_only=bool(unavailable),
         )
     except Exception as err:  # no network, offline mode, auth, missing package: one actionable message
-        detail = (str(err).strip().splitlines() or [""])[0]
+        detail = one_line(err)
         why = (
             f"{unavailable} and no copy is in the local Hugging Face cache"
             if unavailable
@@ -212,8 +219,9 @@ def _default_datasets() -> list[str]:
     return list(DATASETS)
 
 
+@register_task
 @dataclass
-class LongBenchTask:
+class LongBenchTask(Task):
     """LongBench task: data + LongBench's prompts + middle truncation + LongBench's metrics.
 
     Args:
@@ -228,6 +236,7 @@ class LongBenchTask:
     name: ClassVar[str] = "longbench"
     # Bump when prompts, truncation or data handling change (result rows from different versions differ).
     version: ClassVar[int] = 1
+    selection_keys: ClassVar[tuple[str, ...]] = ("datasets", "limit", "data_dir")
 
     datasets: list[str] = field(default_factory=_default_datasets)
     data_dir: str | None = None
@@ -300,3 +309,78 @@ class LongBenchTask:
         from eval.metrics import score_sample  # lazy: metrics pulls in rouge
 
         return score_sample(sample.dataset, prediction, sample.answers, sample.all_classes)
+
+    def row_metadata(self, sample: Sample) -> dict[str, Any]:
+        """Row columns: `length` (the record's, words; LongBench-E buckets), prompt_tokens, truncated."""
+        return {**sample.extra, "length": sample.length}
+
+    # ---- report
+
+    @classmethod
+    def report_tables(cls, df: pd.DataFrame) -> list[str]:
+        """Per model: score per dataset (LongBench's order), Average, category means; and the
+        LongBench-E length buckets when the rows carry `length`."""
+        out = []
+        mapping = _categories()
+        for (task, model), part in df.groupby(["task", "model"], sort=True):
+            datasets = sorted(part["dataset"].unique())
+            categories = None
+            if mapping:  # LongBench's own dataset order (the mapping's order), unknown datasets last
+                order = {ds: i for i, ds in enumerate(mapping)}
+                datasets.sort(key=lambda ds: order.get(ds, order.get(ds[:-2], len(order))))
+                categories = {**mapping, **{ds: _category_of(ds, mapping) for ds in datasets}}
+            out.append(score_table(part, f"{task} — {model}", datasets, categories))
+            ok = part[part["ok"]]
+            if "length" in ok and pd.to_numeric(ok["length"], errors="coerce").notna().any():
+                out.append(longbench_e_table(ok, column_order(part), datasets))
+        return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Report helpers
+
+
+def _categories() -> dict[str, str] | None:
+    try:
+        from eval.metrics import DATASET2CATEGORY  # lazy: optional, owned by the metrics module
+    except Exception as e:  # noqa: BLE001 - any failure just drops the category rows
+        logger.warning("note: LongBench category rows omitted (%s: %s)", type(e).__name__, e)
+        return None
+    return dict(DATASET2CATEGORY)
+
+
+def _category_of(dataset: str, mapping: dict[str, str]) -> str | None:
+    if dataset in mapping:
+        return mapping[dataset]
+    if dataset.endswith("_e") and dataset[:-2] in mapping:  # LongBench-E names
+        return mapping[dataset[:-2]]
+    return None
+
+
+LONGBENCH_E_BUCKETS = ("0-4k", "4-8k", "8k+")
+
+
+def longbench_e_bucket(length: float) -> str:
+    """LongBench-E's buckets of the records' `length` field (eval.py's scorer_e: <4000, <8000, rest)."""
+    return (
+        LONGBENCH_E_BUCKETS[0]
+        if length < 4000
+        else LONGBENCH_E_BUCKETS[1]
+        if length < 8000
+        else LONGBENCH_E_BUCKETS[2]
+    )
+
+
+def longbench_e_table(ok: pd.DataFrame, cols: list[str], datasets: list[str]) -> str:
+    """Score x100 per dataset x LongBench-E length bucket (rows) and config (columns)."""
+    ok = ok.assign(length=pd.to_numeric(ok["length"], errors="coerce")).dropna(subset=["length"])
+    ok = ok.assign(bucket=ok["length"].map(longbench_e_bucket))
+    means = ok.groupby(["dataset", "bucket", "config_label"])["score"].mean().mul(100)
+    rows = []
+    for ds in datasets:
+        for bucket in LONGBENCH_E_BUCKETS:
+            if (ds, bucket) in means.index.droplevel(2):
+                rows.append([f"{ds} {bucket}"] + [means.get((ds, bucket, c), float("nan")) for c in cols])
+    return "LongBench-E length buckets (the records' `length`, words), score x100.\n\n" + md_table(
+        ["dataset / length"] + cols, rows
+    )

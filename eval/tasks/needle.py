@@ -27,10 +27,15 @@ import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, ClassVar
 
-from eval.tasks.base import Sample
+import pandas as pd
+
+from eval.tables import column_order, md_table, slug
+from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
+from eval.tasks.registry import register_task
 
 # --------------------------------------------------------------------------------------------------
 # Needles
@@ -228,8 +233,9 @@ def _fmt_depth(depth: float) -> str:
 # The task
 
 
+@register_task
 @dataclass
-class NeedleTask:
+class NeedleTask(Task):
     """Needle-in-a-Haystack over a ``lengths`` x ``depths`` grid.
 
     haystack: ``paul_graham`` (downloaded once via pip), ``noise`` (offline) or ``dir:PATH``.
@@ -237,7 +243,15 @@ class NeedleTask:
     Francisco sentence, metrics word_recall/exact). metric: main metric returned by `score`
     (default: the needle's first). number: fix the magic number (default: drawn per cell from
     (seed, length, depth)).
+
+    Row columns (`extra`): context_length, depth_percent (the grid cell), needle, actual_tokens,
+    actual_depth_percent, haystack. Report: accuracy (and partial credit) per config x context
+    length, mean over depths, and one heatmap per config.
     """
+
+    name: ClassVar[str] = "needle"
+    selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "depths")
+    report_section: ClassVar[str] = "Needle in a haystack"
 
     haystack: str = "paul_graham"
     lengths: list[int] = field(default_factory=lambda: [1000, 2000, 4000])
@@ -248,7 +262,6 @@ class NeedleTask:
     chat_template: bool = True
     seed: int = 42
     number: int | None = None
-    name: str = "needle"
 
     def __post_init__(self) -> None:
         if self.needle not in NEEDLES:
@@ -376,6 +389,20 @@ class NeedleTask:
         """The main metric (``metric``)."""
         return max((METRICS[self.metric](prediction, a) for a in sample.answers), default=0.0)
 
+    # ---- report
+
+    @classmethod
+    def prepare_rows(cls, df: pd.DataFrame) -> pd.DataFrame:
+        return _prepare_rows(df)
+
+    @classmethod
+    def report_tables(cls, df: pd.DataFrame) -> list[str]:
+        return _report_tables(df)
+
+    @classmethod
+    def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
+        return _report_plots(df, options)
+
 
 def _check_length(x: Any) -> int:
     try:
@@ -399,3 +426,84 @@ def _check_depth(x: Any) -> float:
 
 def _dedup(xs: list) -> list:
     return list(dict.fromkeys(xs))
+
+
+# --------------------------------------------------------------------------------------------------
+# Report (eval.report calls these class methods with the rows of this task)
+
+NEEDLE_VALUES = {
+    "score": "Needle accuracy x100 per context length (mean over depths).",
+    "partial": "Partial credit x100 (longest correct prefix of the number / its length), mean over depths.",
+}
+
+
+def needle_means(df: pd.DataFrame, value: str = "score") -> pd.DataFrame:
+    """`value` x100 per (task, model, config_label, context_length): mean over depths of per-depth means."""
+    ok = df[df["ok"] & df["context_length"].notna()]
+    per_depth = ok.groupby(
+        ["task", "model", "config_label", "context_length", "depth_percent"], dropna=False
+    )[value].mean()
+    return per_depth.groupby(level=[0, 1, 2, 3]).mean().mul(100).rename("score").reset_index()
+
+
+def _prepare_rows(df: pd.DataFrame) -> pd.DataFrame:
+    return df.assign(
+        **{c: pd.to_numeric(df[c], errors="coerce") for c in ("context_length", "depth_percent") if c in df}
+    )
+
+
+def _report_tables(df: pd.DataFrame) -> list[str]:
+    out = []
+    if "context_length" not in df or "depth_percent" not in df:
+        return out
+    for value, caption in NEEDLE_VALUES.items():
+        if value not in df or df[value].isna().all():
+            continue
+        means = needle_means(df, value)
+        for (task, model), part in df.groupby(["task", "model"], sort=True):
+            sub = means[(means["task"] == task) & (means["model"] == model)]
+            table = sub.pivot_table(
+                index="config_label", columns="context_length", values="score", aggfunc="mean"
+            )
+            lengths = sorted(table.columns)
+            labels = column_order(part)
+            table = table.reindex(index=labels, columns=lengths)
+            headers = (
+                ["method"] + [str(int(v)) if float(v).is_integer() else str(v) for v in lengths] + ["avg"]
+            )
+            rows = [[lab] + [table.at[lab, c] for c in lengths] + [table.loc[lab].mean()] for lab in labels]
+            out.append(f"### {task} — {model}\n\n{caption}\n\n" + md_table(headers, rows))
+    return out
+
+
+def _report_plots(df: pd.DataFrame, options: ReportOptions) -> list[Path]:
+    """One heatmap (depth x context length) per (task, model, config), and its partial-credit twin.
+    The dashed trained-context line: `options.trained_context` if given, else the rows' value."""
+    from eval.plots import needle_heatmap
+
+    written: list[Path] = []
+    if "context_length" not in df or "depth_percent" not in df:
+        return written
+    needle = df[df["context_length"].notna() & df["depth_percent"].notna()]
+    several_tasks = needle["task"].nunique() > 1
+    for (task, model, label), g in needle.groupby(["task", "model", "config_label"], sort=True):
+        tc = options.trained_context
+        rows_tc = pd.to_numeric(g["trained_context"], errors="coerce") if "trained_context" in g else None
+        if tc is None and rows_tc is not None and rows_tc.notna().any():
+            tc = int(rows_tc.dropna().iloc[0])
+        name = f"needle_{slug(task) + '_' if several_tasks else ''}{slug(model)}_{slug(label)}.png"
+        title = f"{model}\n{label}" + (f" ({task})" if several_tasks else "")
+        written.append(needle_heatmap(g, options.out / name, title=title, trained_context=tc))
+        # Partial credit (longest correct prefix of the number) beside exact containment: on small
+        # models a compressed cache often keeps only the first digits, which exact match hides.
+        if g["partial"].notna().any():
+            written.append(
+                needle_heatmap(
+                    g,
+                    options.out / name.replace(".png", "_partial.png"),
+                    title=f"{title} (partial credit)",
+                    trained_context=tc,
+                    value="partial",
+                )
+            )
+    return written

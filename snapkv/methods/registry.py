@@ -8,6 +8,18 @@ METHODS: dict[str, type] = {}
 
 
 def register(cls: type) -> type:
+    """Class decorator: register a `Method` subclass under its `name` (ValueError for a class that is
+    not a Method, or a name another class already has)."""
+    from snapkv.methods.base import Method
+
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise ValueError(f"cannot register {cls!r}: it is not a subclass of snapkv.methods.base.Method")
+    old = METHODS.get(cls.name)
+    if old is not None and old is not cls:
+        raise ValueError(
+            f"method name {cls.name!r} is already registered by {old.__module__}.{old.__qualname__}; "
+            f"cannot register {cls.__module__}.{cls.__qualname__} under it"
+        )
     METHODS[cls.name] = cls
     return cls
 

@@ -1,0 +1,80 @@
+"""Provenance recorded in every result row: library versions, the harness commit and whether the
+checkout had uncommitted changes (with a hash of them), and the time."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+from datetime import datetime, timezone
+from functools import cache
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@cache
+def versions() -> dict[str, str | None]:
+    import torch
+    import transformers
+
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "snapkv_bench": _own_version(),
+    }
+
+
+def _own_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("snapkv-bench")
+    except PackageNotFoundError:  # running from a checkout that is not pip-installed
+        pyproject = REPO_ROOT / "pyproject.toml"
+        m = (
+            re.search(r'^version\s*=\s*"([^"]+)"', pyproject.read_text(), re.M)
+            if pyproject.is_file()
+            else None
+        )
+        return m.group(1) if m else None
+
+
+def _git(*args: str) -> bytes | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+@cache
+def git_state() -> dict[str, str | bool | None]:
+    """`{"git_sha", "git_dirty", "git_diff_sha"}` of the harness checkout (all None outside git).
+
+    git_dirty: tracked files differ from HEAD, or untracked files that git does not ignore exist.
+    git_diff_sha: 12 hex digits of the sha256 of `git diff HEAD --binary` plus each untracked file's
+    path and content, so two rows with the same sha and diff hash ran the same code; None when clean.
+    Computed once per process.
+    """
+    sha = (_git("rev-parse", "HEAD") or b"").decode().strip()
+    if not re.fullmatch(r"[0-9a-f]{40}", sha):
+        return {"git_sha": None, "git_dirty": None, "git_diff_sha": None}
+    diff = _git("diff", "HEAD", "--binary")
+    untracked = _git("ls-files", "--others", "--exclude-standard", "-z")
+    if diff is None or untracked is None:
+        return {"git_sha": sha, "git_dirty": None, "git_diff_sha": None}
+    h = hashlib.sha256(diff)
+    names = sorted(n for n in untracked.split(b"\0") if n)
+    for name in names:
+        h.update(b"\0untracked\0" + name + b"\0")
+        try:
+            h.update((REPO_ROOT / name.decode()).read_bytes())
+        except OSError:
+            pass
+    dirty = bool(diff) or bool(names)
+    return {"git_sha": sha, "git_dirty": dirty, "git_diff_sha": h.hexdigest()[:12] if dirty else None}
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

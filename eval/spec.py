@@ -1,0 +1,216 @@
+"""The run spec: one typed, validated description of a run, built from the Hydra config before
+anything loads. `RunSpec.from_config(cfg)` raises ValueError naming the bad value for any config
+error (the CLI turns it into one line and exit code 2); the runner only ever sees a `RunSpec`.
+
+`method_hash` covers everything in the config that changes a row: the method and its parameters,
+`query_aware`, the model's dtype, attention implementation and chat-template switch, the prefill
+chunk size (same tokens kept, different memory/timings), and the task's config except its
+`selection_keys` (keys that only choose which samples run). The device is left out, so a run can
+resume on another machine; the model is in the file's path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from eval.store import config_hash, model_key, result_path, safe_name
+from eval.tasks import Task, build_task, task_class
+from snapkv import build_method
+from snapkv.methods import Method
+
+# Task-node keys the runner consumes (job sharding) rather than the task.
+RUN_KEYS = ("name", "shard", "num_shards")
+
+
+def _container(node: Any) -> Any:
+    return (
+        OmegaConf.to_container(node, resolve=True, throw_on_missing=True)
+        if OmegaConf.is_config(node)
+        else node
+    )
+
+
+def _int(key: str, value: Any, minimum: int | None = None, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        what = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise ValueError(f"{key} must be {what}{' or null' if allow_none else ''}, got {key}={value!r}")
+    return value
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {key}={value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The `model` node: what to load and how (`snapkv.models.load_model`)."""
+
+    name: str  # embedded name, local dir, .gguf file, Hub id or random:<shape>
+    key: str  # short name: results folder and the rows' `model`
+    tokenizer: str | None
+    dtype: str
+    device: str
+    attn_implementation: str
+    context: int | None  # trained context length
+    chat_template: bool
+
+    @classmethod
+    def from_config(cls, node: Any) -> ModelSpec:
+        if OmegaConf.is_config(node) and OmegaConf.is_missing(node, "name"):
+            raise ValueError("model.name is required (???): set model.name=<local path or Hub id>")
+        m = dict(_container(node))
+        name = m.get("name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"model.name must be a non-empty string, got model.name={name!r}")
+        from snapkv.models import DTYPES
+
+        if m.get("dtype") not in DTYPES:
+            raise ValueError(
+                f"model.dtype must be one of {sorted(DTYPES)}, got model.dtype={m.get('dtype')!r}"
+            )
+        attn = m.get("attn_implementation")
+        if attn not in ("sdpa", "eager", "flash_attention_2"):
+            raise ValueError(
+                "model.attn_implementation must be sdpa, eager or flash_attention_2, "
+                f"got model.attn_implementation={attn!r}"
+            )
+        device = str(m.get("device", "cpu"))
+        if device not in ("cpu", "auto") and not device.startswith("cuda"):
+            raise ValueError(f"model.device must be cpu, cuda, cuda:N or auto, got model.device={device!r}")
+        key = m.get("key") or model_key(name)
+        if not isinstance(key, str):
+            raise ValueError(f"model.key must be a string or null, got model.key={key!r}")
+        return cls(
+            name=name,
+            key=key,
+            tokenizer=m.get("tokenizer"),
+            dtype=m["dtype"],
+            device=device,
+            attn_implementation=attn,
+            context=_int("model.context", m.get("context"), 1, allow_none=True),
+            chat_template=_bool("model.chat_template", m.get("chat_template", True)),
+        )
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything one run needs, validated; built by `from_config` before any model loads."""
+
+    task: Task
+    task_config: dict[str, Any]  # the task node minus RUN_KEYS (as configured; hashed minus selection keys)
+    method: Method
+    model: ModelSpec
+    results_dir: Path
+    query_aware: bool = True
+    seed: int = 42
+    chunk_size: int | None = None
+    shard: int = 0
+    num_shards: int = 1
+    progress: bool = True
+    report: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig | dict) -> RunSpec:
+        """Validate `cfg` (conf/config.yaml composed); ValueError naming the first bad value."""
+        cfg = OmegaConf.create(_container(cfg)) if not OmegaConf.is_config(cfg) else cfg
+        task_node = dict(_container(cfg.task))
+        name = task_node.get("name")
+        task_class(name)  # unknown task: ValueError listing the known ones
+        shard_i = _int("task.shard", task_node.get("shard", 0))
+        num_shards = _int("task.num_shards", task_node.get("num_shards", 1))
+        if num_shards < 1 or not 0 <= shard_i < num_shards:
+            raise ValueError(
+                f"task.shard must satisfy 0 <= shard < num_shards, got shard={shard_i}, num_shards={num_shards}"
+            )
+        task_config = {k: v for k, v in task_node.items() if k not in RUN_KEYS}
+        task = build_task(name, **task_config)
+        method = build_method(**_container(cfg.method))
+        prefill = cfg.get("prefill") or {}
+        results_dir = cfg.get("results_dir")
+        if not isinstance(results_dir, str) or not results_dir.strip():
+            raise ValueError(f"results_dir must be a path, got results_dir={results_dir!r}")
+        return cls(
+            task=task,
+            task_config=task_config,
+            method=method,
+            model=ModelSpec.from_config(cfg.model),
+            results_dir=Path(results_dir).expanduser(),
+            query_aware=_bool("query_aware", cfg.get("query_aware", True)),
+            seed=_int("seed", cfg.get("seed", 42)),
+            chunk_size=_int("prefill.chunk_size", prefill.get("chunk_size"), 1, allow_none=True),
+            shard=shard_i,
+            num_shards=num_shards,
+            progress=_bool("progress", cfg.get("progress", True)),
+            report=_bool("report", cfg.get("report", True)),
+        )
+
+    # ---- derived
+    @property
+    def method_hash(self) -> str:
+        """Config hash of everything that changes one sample's output (see the module docstring)."""
+        task_params = {k: v for k, v in self.task_config.items() if k not in self.task.selection_keys}
+        return config_hash(
+            {
+                "method": self.method.name,
+                "method_params": self.method.params(),
+                "query_aware": self.query_aware,
+                "task": {"name": self.task.name, "version": self.task.version, **task_params},
+                "model": {
+                    "dtype": self.model.dtype,
+                    "attn_implementation": self.model.attn_implementation,
+                    "chat_template": self.model.chat_template,
+                },
+                "prefill_chunk_size": self.chunk_size,
+            }
+        )
+
+    @property
+    def result_path(self) -> Path:
+        return result_path(
+            self.results_dir, self.task.name, self.model.key, self.method.name, self.method_hash,
+            self.shard, self.num_shards,
+        )  # fmt: skip
+
+    @property
+    def legacy_result_paths(self) -> list[Path]:
+        """Where older versions wrote this config's rows (the folder was the full model name)."""
+        if safe_name(self.model.name) == safe_name(self.model.key):
+            return []
+        return [
+            result_path(
+                self.results_dir, self.task.name, self.model.name, self.method.name, self.method_hash,
+                self.shard, self.num_shards,
+            )
+        ]  # fmt: skip
+
+    def check_results_dir(self) -> None:
+        """ValueError when results_dir (or the first of its parents that exists) is a file, or when
+        a file cannot be created in it (tried for real: root ignores permission bits). Folders
+        created for the probe are removed again, so a run that fails later leaves nothing behind."""
+        d = self.results_dir
+        existing = next(p for p in (d, *d.parents) if p.exists())
+        if not existing.is_dir():
+            raise ValueError(f"results_dir={str(d)!r} is not usable: {str(existing)!r} is a file")
+        created = [p for p in (d, *d.parents) if not p.exists()]
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=d, prefix=".write-probe-"):
+                pass
+        except OSError as e:
+            raise ValueError(
+                f"results_dir={str(d)!r} is not writable: {e.strerror or e} ({type(e).__name__})"
+            ) from None
+        finally:
+            for p in created:  # deepest first
+                with contextlib.suppress(OSError):
+                    p.rmdir()

@@ -1,0 +1,92 @@
+"""Markdown tables and names shared by the generic report and the tasks' own report tables."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import pandas as pd
+
+
+def cell(v: Any, digits: int = 2) -> str:
+    """A table cell: `—` for missing values, floats with `digits` decimals."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def md_table(headers: list[str], rows: list[list[Any]], text_columns: int = 1) -> str:
+    """Markdown table; the first `text_columns` columns are left-aligned, the rest right-aligned."""
+
+    def esc(s: str) -> str:
+        return s.replace("|", "\\|")
+
+    lines = ["| " + " | ".join(esc(str(h)) for h in headers) + " |"]
+    lines.append("|" + "|".join("---" if i < text_columns else "---:" for i in range(len(headers))) + "|")
+    for row in rows:
+        lines.append("| " + " | ".join(esc(cell(v)) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def column_order(df: pd.DataFrame, col: str = "config_label") -> list[str]:
+    """Method config columns: full first, then by method, budget, label."""
+    keys = (
+        df[[col, "method", "budget"]]
+        .drop_duplicates(col)
+        .assign(_full=lambda d: d["method"] != "full", _b=lambda d: d["budget"].fillna(float("inf")))
+        .sort_values(["_full", "method", "_b", col])
+    )
+    return keys[col].tolist()
+
+
+def slug(text: str) -> str:
+    """File-name-safe version of a label / model id."""
+    text = str(text).replace("/", "__")
+    text = re.sub(r"\s+", "_", text.strip())
+    return re.sub(r"[^A-Za-z0-9._=,+-]", "_", text) or "_"
+
+
+def score_table(
+    part: pd.DataFrame,
+    title: str,
+    datasets: list[str] | None = None,
+    categories: dict[str, str | None] | None = None,
+) -> str:
+    """Rows = dataset, columns = config label, values = mean score x100 over the ok rows of `part`.
+
+    `datasets`: row order (default: sorted). A "**Average**" row (mean over datasets) when there is
+    more than one dataset, then one row per category of `categories` (dataset -> category, in the
+    mapping's order; None: no category). A mean over only some datasets is marked with †.
+    """
+    cols = column_order(part)
+    datasets = datasets if datasets is not None else sorted(part["dataset"].unique())
+    ok = part[part["ok"]]
+    means = ok.groupby(["dataset", "config_label"])["score"].mean().mul(100).unstack()
+    means = means.reindex(index=datasets, columns=cols)
+    rows: list[list[Any]] = [[ds] + [means.at[ds, c] for c in cols] for ds in means.index]
+    incomplete = False
+
+    def macro(sub: pd.DataFrame, c: str) -> Any:
+        # Mean over datasets; marked with † when the config lacks some of them (not comparable).
+        nonlocal incomplete
+        values = sub[c]
+        if values.isna().all() or values.notna().all():
+            return values.mean()
+        incomplete = True
+        return f"{values.mean():.2f}†"
+
+    if len(means.index) > 1:
+        rows.append(["**Average**"] + [macro(means, c) for c in cols])
+    if categories:
+        cats = pd.Series({ds: categories.get(ds) for ds in means.index}, dtype=object)
+        for cat in dict.fromkeys(v for v in categories.values() if v is not None):
+            members = cats[cats == cat].index
+            if len(members):
+                rows.append([f"*{cat}*"] + [macro(means.loc[members], c) for c in cols])
+    note = "\n\n† mean over only the datasets this config has scores for." if incomplete else ""
+    return (
+        f"### {title}\n\nScore x100 (mean over ok samples).\n\n" + md_table(["dataset"] + cols, rows) + note
+    )

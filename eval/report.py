@@ -453,6 +453,10 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
         parts += ["", "## Scores", ""] + ["\n\n".join(score_tables(df[~needle]))]
     if needle.any():
         parts += ["", "## Needle in a haystack", ""] + ["\n\n".join(needle_tables(df[needle]))]
+    from eval.tasks.ruler_report import ruler_markdown  # RULER's own section (task x length)
+
+    if ruler := ruler_markdown(df, _column_order):
+        parts += ["", ruler]
     parts += [
         "",
         "## Cost",
@@ -499,6 +503,9 @@ def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None)
                 )
             )
 
+    from eval.tasks.ruler_report import ruler_heatmaps
+
+    written += ruler_heatmaps(df, out)
     for task, g in ok.groupby("task", sort=True):
         if g["budget"].dropna().nunique() < 2:
             continue

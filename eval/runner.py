@@ -39,17 +39,18 @@ from eval.store import ROW_FIELDS, ResultStore, config_hash, result_path, shard
 from eval.tasks.base import Sample
 from eval.tasks.longbench import LongBenchTask
 from eval.tasks.needle import NeedleTask
+from eval.tasks.ruler import RulerTask
 from snapkv import GenerationResult, build_method, generate
 from snapkv.models import EMBEDDED, fetch_embedded, load_model
 
 # Task name (`task.name` in conf/task/*.yaml) -> class; the rest of the task node is its arguments.
-TASKS: dict[str, type] = {"needle": NeedleTask, "longbench": LongBenchTask}
+TASKS: dict[str, type] = {"needle": NeedleTask, "longbench": LongBenchTask, "ruler": RulerTask}
 
 # Task-node keys the runner consumes (job sharding) rather than the task.
 RUN_KEYS = ("name", "shard", "num_shards")
 # Task keys that only choose WHICH samples run, not what one sample outputs: left out of the config
 # hash, so a grid or a dataset list can grow without recomputing the samples already stored.
-SELECTION_KEYS = ("lengths", "depths", "datasets", "limit", "data_dir")
+SELECTION_KEYS = ("lengths", "depths", "datasets", "limit", "data_dir", "tasks", "samples")
 # GenerationResult fields copied into the row: the schema's measurement columns, plus a few extras.
 RESULT_FIELDS = tuple(f.name for f in dataclasses.fields(GenerationResult) if f.name in ROW_FIELDS) + (
     "new_tokens",

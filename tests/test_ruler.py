@@ -180,6 +180,15 @@ def test_generated_task(task, tok, data):
         assert actual <= budget
         if fam.name != "qa":  # QA: the tiny corpus has fewer documents than the length holds
             assert budget - actual <= 64, (budget, actual)  # within one haystack unit here
+            # the largest haystack that fits: one more unit (word, sentence, ...) overflows
+            t = make_task(data, tasks=[task])
+            t._templated = True
+            make, _, hi = t._maker(tok, task, LENGTH, s.extra["ruler_index"])
+            n = s.extra["haystack_units"]
+            assert prompt_tokens(tok, *render(tok, make(n), True)) == actual
+            assert (hi is not None and n == hi) or prompt_tokens(
+                tok, *render(tok, make(n + 1), True)
+            ) > budget
         assert s.extra["ruler_task"] == task and s.extra["ruler_length"] == LENGTH
         assert s.max_new_tokens == fam.tokens_to_generate
         assert s.chat_template is False  # rendered by the task: the answer prefix ends the prompt

@@ -302,6 +302,8 @@ def test_pregenerated_files_run_as_is(layout, tok, tmp_path):
         _write(tmp_path / "niah_single_1.jsonl", records)
     t = RulerTask(data_dir=str(tmp_path), lengths=[4096], samples=2, chat_template=False)
     assert t.num_samples() == 2
+    both = RulerTask(data_dir=str(tmp_path), lengths=[4096, 8192], samples=5)
+    assert both.num_samples() == (3 + 1 if layout == "ruler" else 3)  # flat: lengths from the records
     samples = list(t.samples(tok))
     assert [s.prompt for s in samples] == [r["input"] for r in records[:2]]  # RULER's input, unchanged
     assert [s.answers for s in samples] == [r["outputs"] for r in records[:2]]
@@ -328,7 +330,7 @@ def test_pregenerated_layout_lengths_and_errors(tok, tmp_path):
     _write(tmp_path / "8192" / "data" / "vt" / "validation.jsonl", [_record(0)])
     found = find_pregenerated(tmp_path)
     assert {t: sorted(v) for t, v in found.items()} == {"niah_single_1": [4096], "vt": [8192]}
-    with pytest.raises(ValueError, match="none of lengths"):
+    with pytest.raises(ValueError, match=r"vt.*no file for length\(s\) \[4096\]; it has lengths \[8192\]"):
         _ = RulerTask(data_dir=str(tmp_path), lengths=[4096]).plan
     with pytest.raises(ValueError, match="no file in data_dir"):
         _ = RulerTask(data_dir=str(tmp_path), tasks=["cwe"], lengths=[4096]).plan

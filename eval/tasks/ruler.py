@@ -340,6 +340,8 @@ class RulerTask:
         pre = self._pregenerated
         if pre:
             tasks = self.tasks or list(pre)
+            for t in tasks:
+                family_of(t)  # a file named after no RULER task: ValueError naming it
             missing = [t for t in tasks if t not in pre]
             if missing:
                 raise ValueError(
@@ -348,14 +350,17 @@ class RulerTask:
                 )
             plan = []
             for t in tasks:
-                for length, path in pre[t].items():
-                    if length is None or length in self.lengths:
-                        plan.append((t, length, path))
-                if not any(length is None or length in self.lengths for length in pre[t]):
+                files = pre[t]
+                if None in files:  # flat layout: the records carry their lengths
+                    plan.append((t, None, files[None]))
+                    continue
+                absent = [x for x in self.lengths if x not in files]
+                if absent:
                     raise ValueError(
-                        f"RULER task {t!r}: data_dir has lengths {sorted(k for k in pre[t] if k)}, "
-                        f"none of lengths={self.lengths}"
+                        f"RULER task {t!r}: data_dir={self.data_dir!r} has no file for length(s) "
+                        f"{absent}; it has lengths {sorted(files)}"
                     )
+                plan += [(t, x, files[x]) for x in self.lengths]
             return sorted(plan, key=lambda x: (x[1] or 0, tasks.index(x[0])))
         unknown = [t for t in self.tasks or [] if t not in TASKS]
         if unknown:

@@ -488,3 +488,28 @@ def test_report_suite_average_and_dagger():
     assert "| full | 75.00 | 25.00 | 50.00 |" in md  # suite averages per length, then their mean
     assert "| snapkv b=128 | 20.00† |" in md  # vt missing at 4096
     assert "| **Average** | 75.00 | 25.00 | 50.00 |" in md
+
+
+def test_haystack_setting(tok, data):
+    assert RulerTask()._niah_haystack("niah_single_1") == ("repeat", None)  # RULER: noise
+    assert RulerTask()._niah_haystack("niah_single_2") == ("essay", "paul_graham")
+    assert RulerTask()._niah_haystack("niah_multikey_2") == ("needle", None)
+    assert RulerTask(haystack="noise")._niah_haystack("niah_multivalue") == ("repeat", None)
+    assert RulerTask(haystack="noise")._niah_haystack("niah_multikey_3") == ("needle", None)  # its task
+    essays = f"dir:{data['essays']}"
+    assert RulerTask(haystack=essays)._niah_haystack("niah_single_1") == ("essay", essays)
+    (s,) = RulerTask(tasks=["niah_single_2"], lengths=[LENGTH], samples=1, haystack="noise").samples(tok)
+    lines = s.context.split("afterwards.\n", 1)[1].split("\n")  # RULER's repeat haystack: one per line
+    needles = [x for x in lines if x.startswith("One of the special magic numbers for ")]
+    assert len(needles) == 1 and set(lines) - set(needles) == {hs.NOISE_TEXT}
+    assert s.extra["haystack"] == "noise"
+
+
+@pytest.mark.parametrize("task", SYNTHETIC)
+def test_query_agnostic_split_context_then_question(task, tok, data):
+    """`context` ends with the haystack; `question` is the template's question, then the answer prefix."""
+    (s,) = make_task(data, tasks=[task], samples=1, chat_template=False).samples(tok)
+    fam = family_of(task)
+    suffix = fam.question_suffix.split("{", 1)[0]
+    assert s.question.startswith((suffix, suffix.replace(" are all", " is")))
+    assert fam.question_markers[0].split()[0] not in s.context.rsplit("\n", 2)[-1]

@@ -235,7 +235,7 @@ def vt_text(
     fam = FAMILIES["variable_tracking"]
     template = " ".join(fam.template.split()) if collapse else fam.template
     value = chains[0][0].split("=")[-1].strip()
-    num_v = (min(10, num_hops) if is_icl else num_hops) + 1
+    num_v = num_hops + 1  # RULER: the requested hops, even where the example caps them at 10
     head, tail, ap = _split(template, fam.answer_prefix, context=context, query=value, num_v=num_v)
     return head, tail, ap, chain_vars[0]
 

@@ -443,7 +443,7 @@ class RulerTask:
         """variable_tracking.py's in-context example: one VT sample (3-letter names) of at most 500
         tokens with its answer, generated once per seed; its text ends with two newlines."""
         cache = self.__dict__.setdefault("_icl_cache", {})
-        key = (id(tokenizer), args["num_chains"], args["num_hops"])
+        key = (id(tokenizer), self._templated, args["num_chains"], args["num_hops"])
         if key not in cache:
             ttg = FAMILIES["variable_tracking"].tokens_to_generate
             best = None

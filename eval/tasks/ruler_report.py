@@ -1,0 +1,149 @@
+"""RULER's report: score per task x length, the suite average per length, and a task x length heatmap
+per (model, method config), built from the result rows (`ruler_task`, `ruler_length`, `score`).
+
+Suite average: for each length, the mean over tasks of the per-task means (RULER's "Avg."); marked
+with † when a config lacks some task at that length (not comparable). Scores x100.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from eval.tasks.ruler_config import TASKS
+
+
+def is_ruler(df: pd.DataFrame) -> pd.Series:
+    """Rows of RULER samples (they carry `ruler_task` / `ruler_length`)."""
+    if "ruler_task" not in df or "ruler_length" not in df:
+        return pd.Series(False, index=df.index)
+    return df["ruler_task"].notna() & pd.to_numeric(df["ruler_length"], errors="coerce").notna()
+
+
+def _task_order(tasks) -> list[str]:
+    order = {t: i for i, t in enumerate(TASKS)}
+    return sorted(set(tasks), key=lambda t: (order.get(t, len(order)), t))
+
+
+def ruler_means(df: pd.DataFrame) -> pd.DataFrame:
+    """Mean score x100 per (model, config_label, ruler_task, ruler_length) over ok rows, with n."""
+    ok = df[df["ok"] & is_ruler(df)].assign(
+        ruler_length=lambda d: pd.to_numeric(d["ruler_length"]).astype(int)
+    )
+    keys = ["model", "config_label", "ruler_task", "ruler_length"]
+    out = ok.groupby(keys)["score"].agg(["mean", "size"]).reset_index()
+    return out.assign(score=out["mean"] * 100).rename(columns={"size": "n"}).drop(columns="mean")
+
+
+def suite_average(means: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, config_label, ruler_length): the mean over tasks and whether every task that
+    any config has at that (model, length) is present."""
+    tasks_at = means.groupby(["model", "ruler_length"])["ruler_task"].agg(lambda s: set(s))
+    rows = []
+    for (model, label, length), g in means.groupby(["model", "config_label", "ruler_length"]):
+        complete = set(g["ruler_task"]) >= tasks_at[(model, length)]
+        rows.append((model, label, length, g["score"].mean(), complete))
+    return pd.DataFrame(rows, columns=["model", "config_label", "ruler_length", "score", "complete"])
+
+
+def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
+    """The report's "RULER" tables (none without RULER rows): per model, the suite average (config x
+    length) and per config the task x length table. ``column_order(part)``: config labels in order."""
+    from eval.tables import md_table
+
+    rows_df = df[is_ruler(df)]
+    if rows_df.empty:
+        return []
+    means = ruler_means(rows_df)
+    if means.empty:
+        return []
+    avg = suite_average(means)
+    out = []
+    for model, part in rows_df.groupby("model", sort=True):
+        labels = [c for c in column_order(part) if c in set(means["config_label"])]
+        lengths = sorted(means.loc[means["model"] == model, "ruler_length"].unique())
+        a = avg[avg["model"] == model]
+        table, dagger = [], False
+        for label in labels:
+            cells = []
+            for length in lengths:
+                hit = a[(a["config_label"] == label) & (a["ruler_length"] == length)]
+                if hit.empty:
+                    cells.append(float("nan"))
+                elif bool(hit["complete"].iloc[0]):
+                    cells.append(float(hit["score"].iloc[0]))
+                else:
+                    dagger = True
+                    cells.append(f"{hit['score'].iloc[0]:.2f}†")
+            numeric = [c for c in cells if isinstance(c, float) and not np.isnan(c)]
+            table.append([label] + cells + [np.mean(numeric) if len(numeric) == len(cells) else float("nan")])
+        note = "\n\n† mean over only the tasks this config has at that length." if dagger else ""
+        out.append(
+            f"### ruler — {model}: suite average\n\nMean over tasks of the task score x100 "
+            "(string_match_all; QA string_match_part), per length.\n\n"
+            + md_table(["method"] + [str(x) for x in lengths] + ["avg"], table)
+            + note
+        )
+        m = means[means["model"] == model]
+        for label in labels:
+            sub = m[m["config_label"] == label]
+            grid = sub.pivot_table(index="ruler_task", columns="ruler_length", values="score", aggfunc="mean")
+            grid = grid.reindex(index=_task_order(sub["ruler_task"]), columns=lengths)
+            n = int(sub["n"].sum())
+            rows = [[t] + [grid.at[t, c] for c in lengths] + [grid.loc[t].mean()] for t in grid.index]
+            rows.append(["**Average**"] + [grid[c].mean() for c in lengths] + [grid.mean(axis=1).mean()])
+            out.append(
+                f"### ruler — {model} — {label}\n\nScore x100 per task and length ({n} ok samples).\n\n"
+                + md_table(["task"] + [str(x) for x in lengths] + ["avg"], rows)
+            )
+    return out
+
+
+def ruler_heatmap(sub: pd.DataFrame, path: Path, title: str) -> Path:
+    """Task (rows, RULER order, then the suite average) x length (columns) heatmap of score x100."""
+    from matplotlib.figure import Figure
+
+    from eval.plots import NEEDLE_CMAP, _save
+
+    grid = sub.pivot_table(index="ruler_task", columns="ruler_length", values="score", aggfunc="mean")
+    grid = grid.reindex(index=_task_order(sub["ruler_task"]), columns=sorted(grid.columns))
+    grid.loc["average"] = grid.mean(axis=0)
+    values = np.ma.masked_invalid(grid.to_numpy(dtype=float))
+    fig = Figure(figsize=(max(5.0, 0.9 * grid.shape[1] + 3.5), max(4.0, 0.38 * grid.shape[0] + 1.6)))
+    ax = fig.subplots()
+    im = ax.imshow(
+        values,
+        cmap=NEEDLE_CMAP.with_extremes(bad="#D9D9D9"),
+        vmin=0,
+        vmax=100,
+        aspect="auto",
+        interpolation="nearest",
+    )
+    for i in range(grid.shape[0]):
+        for j in range(grid.shape[1]):
+            if values[i, j] is not np.ma.masked:
+                ax.text(j, i, f"{values[i, j]:.0f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(grid.shape[1]), [str(int(c)) for c in grid.columns])
+    ax.set_yticks(range(grid.shape[0]), list(grid.index))
+    ax.axhline(grid.shape[0] - 1.5, color="black", linewidth=1)
+    ax.set_xlabel("Length (tokens, prompt + generation)")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax).set_label("score x100")
+    return _save(fig, path)
+
+
+def ruler_heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
+    """`ruler_<model>_<label>.png` per (model, method config) with RULER rows."""
+    from eval.tables import slug
+
+    rows_df = df[is_ruler(df)]
+    if rows_df.empty:
+        return []
+    means = ruler_means(rows_df)
+    written = []
+    for (model, label), sub in means.groupby(["model", "config_label"], sort=True):
+        path = out / f"ruler_{slug(model)}_{slug(label)}.png"
+        written.append(ruler_heatmap(sub, path, f"RULER — {model}\n{label}"))
+    return written

@@ -1,0 +1,519 @@
+"""RULER task: every generated task (determinism by seed, token lengths, answers in the prompt as
+RULER places them, the metric on gold and wrong answers), chat-template placement of the answer
+prefix, RULER's pre-generated files in both layouts, the config, the report, and a run end to end on
+a tiny random model.
+
+Offline: a byte-level BPE tokenizer trained in code (ChatML-like template), a text haystack written to
+tmp_path (the Paul Graham essays are never fetched), tiny SQuAD / HotpotQA files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+
+from eval.tasks import haystack as hs
+from eval.tasks.ruler import RulerTask, find_pregenerated, prompt_tokens, render, split_input
+from eval.tasks.ruler_config import (
+    FAMILIES,
+    TASKS,
+    family_of,
+    string_match_all,
+    string_match_part,
+)
+from eval.tasks.ruler_generate import _zeta, common_words, cwe_words
+
+ROOT = Path(__file__).resolve().parents[1]
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SYNTHETIC = [t for t in TASKS if not t.startswith("qa")]
+LENGTH = 1024
+PROSE = " ".join(
+    f"Essay line {w} talks about {x} and ideas. It is short. People like {x} when it rains."
+    for w in ("one", "two", "three", "four", "five", "six", "seven")
+    for x in ("gardens", "startups", "rivers", "books", "cities", "music")
+)
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+def _train_tokenizer(bos: bool):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000,
+        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = [hs.NOISE_TEXT] * 10 + [PROSE] + [f.template + f.answer_prefix for f in FAMILIES.values()]
+    corpus += [" ".join(cwe_words(0))]  # real tokenizers hold most of these words in one or two tokens
+    tok.train_from_iterator(corpus, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>" if bos else None, eos_token="<|im_end|>"
+    )
+    out.chat_template = ("<s>" if bos else "") + CHATML
+    return out
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _train_tokenizer(bos=False)
+
+
+@pytest.fixture(scope="module")
+def bos_tok():
+    return _train_tokenizer(bos=True)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    """A text haystack dir and a data dir with tiny SQuAD (v2, one impossible question) / HotpotQA files."""
+    root = tmp_path_factory.mktemp("ruler")
+    (root / "essays").mkdir()
+    (root / "essays" / "a.txt").write_text(PROSE, encoding="utf-8")
+    qa = root / "qa"
+    qa.mkdir()
+    articles = []
+    for a in range(3):
+        paragraphs = []
+        for p in range(2):
+            ctx = f"Paragraph {a}-{p}: the river town grew Vel{a}{p} apples. It rained a lot there."
+            qas = [
+                {"question": f"What did town {a}-{p} grow?", "answers": [{"text": f"Vel{a}{p} apples"}],
+                 "is_impossible": False},
+                {"question": "Who ate them?", "answers": [], "is_impossible": True},
+            ]  # fmt: skip
+            paragraphs.append({"context": ctx, "qas": qas})
+        articles.append({"title": f"T{a}", "paragraphs": paragraphs})
+    (qa / "squad.json").write_text(json.dumps({"data": articles}), encoding="utf-8")
+    hotpot = [
+        {
+            "question": f"Which city is home to team {i}?",
+            "answer": f"City{i}",
+            "context": [
+                [f"Team {i}", [f"Team {i} plays in City{i}. ", "It was founded long ago."]],
+                [f"Other {i}", ["Nothing to see here."]],
+            ],
+        }  # fmt: skip
+        for i in range(4)
+    ]
+    (qa / "hotpotqa.json").write_text(json.dumps(hotpot), encoding="utf-8")
+    return {"essays": root / "essays", "qa": qa}
+
+
+def make_task(data, **kw) -> RulerTask:
+    kw.setdefault("lengths", [LENGTH])
+    kw.setdefault("samples", 2)
+    kw.setdefault("haystack", f"dir:{data['essays']}")
+    kw.setdefault("data_dir", str(data["qa"]))
+    return RulerTask(**kw)
+
+
+# ---------------------------------------------------------------------------------- generated tasks
+def _budget(task: str, length: int) -> int:
+    fam = family_of(task)
+    return length if fam.name == "freq_words_extraction" else length - fam.tokens_to_generate
+
+
+def _answers_as_ruler_places_them(task: str, sample) -> None:
+    """Each answer in the prompt exactly as often as RULER's generator puts it there."""
+    fam, ctx = family_of(task).name, sample.context
+    if fam == "niah":
+        for a in sample.answers:
+            assert ctx.count(a) == 1, (a, ctx.count(a))
+        assert len(sample.answers) == TASKS[task].args["num_needle_v"] * TASKS[task].args["num_needle_q"]
+    elif fam == "variable_tracking":
+        # VAR v0 = 12345 / VAR v1 = VAR v0 / ... / VAR v4 = VAR v3: each name twice, the last once
+        assert [len(re.findall(rf"\b{v}\b", ctx)) for v in sample.answers] == [2, 2, 2, 2, 1]
+        value = re.search(rf"VAR {sample.answers[0]} = (\d+)", ctx).group(1)
+        assert f"assigned the value {value}" in sample.question
+    elif fam == "common_words_extraction":
+        main = ctx.rsplit("Memorize the ones that appear most often.\n", 1)[1]
+        items = re.findall(r"\d+\. (\S+)", main)
+        counts = {w: items.count(w) for w in set(items)}
+        reps = 6 if LENGTH < 4096 else 30  # RULER: 6 / 1 repeats below 4096 tokens
+        assert all(counts[w] == reps for w in sample.answers) and len(sample.answers) == 10
+        assert all(c == 1 for w, c in counts.items() if w not in sample.answers)
+    elif fam == "freq_words_extraction":
+        coded = ctx.rsplit("coded words. ", 1)[1].split()
+        n = sample.extra["haystack_units"]
+        for k, w in enumerate(sample.answers, start=2):
+            assert coded.count(w) == int(n * k**-2.0 / _zeta(2.0))
+        others = {w: coded.count(w) for w in set(coded) - {"...", *sample.answers}}
+        assert max(others.values(), default=0) < coded.count(sample.answers[-1])
+    else:  # qa: the gold document(s) once each (the answer is only in them here)
+        assert [ctx.count(a) for a in sample.answers] == [1] * len(sample.answers)
+        assert ctx.count("Document 1:\n") == 1
+
+
+@pytest.mark.parametrize("task", list(TASKS))
+def test_generated_task(task, tok, data):
+    samples = list(make_task(data, tasks=[task]).samples(tok))
+    assert [s.sample_id for s in samples] == [f"{task}-{LENGTH}-0", f"{task}-{LENGTH}-1"]
+    again = list(make_task(data, tasks=[task]).samples(tok))
+    assert [(s.context, s.question, s.answers) for s in samples] == [
+        (s.context, s.question, s.answers) for s in again
+    ], "same seed, same samples"
+    other = list(make_task(data, tasks=[task], seed=7).samples(tok))
+    assert [s.prompt for s in other] != [s.prompt for s in samples], "another seed, other samples"
+    assert samples[0].prompt != samples[1].prompt
+
+    budget = _budget(task, LENGTH)
+    fam = family_of(task)
+    for s in samples:
+        actual = s.extra["actual_tokens"]
+        assert actual == prompt_tokens(tok, s.context, s.question)
+        assert s.length == actual + fam.tokens_to_generate
+        assert actual <= budget
+        if fam.name != "qa":  # QA: the tiny corpus has fewer documents than the length holds
+            assert budget - actual <= 64, (budget, actual)  # within one haystack unit here
+            # the largest haystack that fits: one more unit (word, sentence, ...) overflows
+            t = make_task(data, tasks=[task])
+            t._templated = True
+            make, _, hi = t._maker(tok, task, LENGTH, s.extra["ruler_index"])
+            n = s.extra["haystack_units"]
+            assert prompt_tokens(tok, *render(tok, make(n), True)) == actual
+            assert (hi is not None and n == hi) or prompt_tokens(
+                tok, *render(tok, make(n + 1), True)
+            ) > budget
+        assert s.extra["ruler_task"] == task and s.extra["ruler_length"] == LENGTH
+        assert s.max_new_tokens == fam.tokens_to_generate
+        assert s.chat_template is False  # rendered by the task: the answer prefix ends the prompt
+        end = fam.answer_prefix.rsplit("}", 1)[-1]  # the prefix's text after its last placeholder
+        assert s.question.endswith((end, end.replace(" are", " is"))), s.question[-80:]
+        _answers_as_ruler_places_them(task, s)
+
+        t = make_task(data, tasks=[task])
+        gold = " ".join(s.answers) if fam.metric == "all" else s.answers[0]
+        assert t.score(s, gold) == 1.0
+        assert t.score(s, "  I do not know.\x00") == 0.0
+        assert t.score_all(s, gold) == {
+            "string_match_all" if fam.metric == "all" else "string_match_part": 1.0
+        }
+
+
+def test_length_is_the_largest_haystack_that_fits(tok, data):
+    """Bisection: one more haystack unit would overflow the budget (niah_single_1: noise paragraphs)."""
+    t = make_task(data, tasks=["niah_single_1"], samples=1)
+    (s,) = t.samples(tok)
+    t._templated = True
+    make, _, _ = t._maker(tok, "niah_single_1", LENGTH, 0)
+    n = s.extra["haystack_units"]
+    over = prompt_tokens(tok, *render(tok, make(n + 1), True))
+    assert over > _budget("niah_single_1", LENGTH) >= s.extra["actual_tokens"]
+
+
+def test_lengths_scale_and_too_short_is_an_error(tok, data):
+    t = make_task(data, tasks=["niah_single_1", "vt"], lengths=[900, 1800], samples=1)
+    got = {(s.dataset, s.extra["ruler_length"]): s.extra["actual_tokens"] for s in t.samples(tok)}
+    for (task, length), actual in got.items():
+        assert _budget(task, length) - 64 <= actual <= _budget(task, length)
+    with pytest.raises(ValueError, match="too small for niah_single_1"):
+        list(make_task(data, tasks=["niah_single_1"], lengths=[150]).samples(tok))
+
+
+def test_cwe_repeats_at_4096_and_above():
+    import random
+
+    p = common_words(TASKS["cwe"].args, random.Random(0), 50, seed=1, length=4096)
+    items = re.findall(r"\d+\. (\S+)", p.head)
+    assert all(items.count(w) == 30 for w in p.outputs)
+    assert sorted({items.count(w) for w in set(items) - set(p.outputs)}) == [3]
+    # the one-shot example: 40 words, 10 common ones x10, 30 x3, then its answers after the prefix
+    example_items = re.findall(r"\d+\. (\S+)", p.shots[0][0])
+    assert len(example_items) == 10 * 10 + 30 * 3
+    assert p.shots[0][1].startswith(p.answer_prefix + "1. ")
+
+
+# ------------------------------------------------------------------------------------ chat template
+def test_answer_prefix_follows_the_assistant_marker_and_bos_appears_once(bos_tok, data):
+    (s,) = make_task(data, tasks=["niah_single_1"], samples=1).samples(bos_tok)
+    ap = " The special magic number for "
+    assert ap in s.question and s.question.index("<|im_start|>assistant\n") < s.question.index(ap)
+    assert s.question.endswith("mentioned in the provided text is")
+    assert not s.context.startswith("<s>")  # the tokenizer adds it
+    from snapkv.generation import encode_prompt
+
+    head, tail = encode_prompt(bos_tok, s.context, s.question, chat_template=False)
+    ids = head + tail
+    assert ids.count(bos_tok.bos_token_id) == 1 and ids[0] == bos_tok.bos_token_id
+
+
+def test_without_chat_template_the_prompt_is_rulers_base_text(tok, data):
+    (s,) = make_task(data, tasks=["niah_single_1"], samples=1, chat_template=False).samples(tok)
+    assert s.prompt.startswith("A special magic number is hidden within the following text.")
+    assert s.question.startswith("\nWhat is the special magic number for ")
+    assert re.search(r"\? The special magic number for [\w-]+ mentioned in the provided text is$", s.question)
+    assert "<|im_start|>" not in s.prompt
+
+
+def test_vt_in_context_example_comes_first_with_names_redrawn_per_sample(tok, data):
+    samples = list(make_task(data, tasks=["vt"], samples=2, chat_template=False).samples(tok))
+    names = []
+    for s in samples:
+        first = s.prompt.split("Memorize and track the chain(s)")[1]
+        # RULER: the example's input (its prefix ends with a space), " ", its answers, "\n\n" + "\n\n"
+        m = re.search(r"they are:  ((?:[A-Z]{3} ){4}[A-Z]{3})\n\n\n\n$", first)
+        assert m, first[-80:]
+        names.append(m.group(1).split())
+        assert all(f"VAR {v} = " in first for v in names[-1])
+        assert s.prompt.endswith("they are: ") and "5 variables" in s.question
+    assert names[0] != names[1]  # RULER's randomize_icl: new names for every sample
+
+
+# --------------------------------------------------------------------------------- pre-generated files
+def _record(i: int, task: str = "niah_single_1") -> dict:
+    body = (
+        "A special magic number is hidden within the following text. Make sure to memorize it. "
+        f"I will quiz you about the number afterwards.\nThe grass is green. One of the special magic "
+        f"numbers for key-{i} is: {1000000 + i}.\nWhat is the special magic number for key-{i} mentioned "
+        "in the provided text?"
+    )
+    prefix = f" The special magic number for key-{i} mentioned in the provided text is"
+    return {"index": i, "input": body + prefix, "outputs": [str(1000000 + i)], "length": 3000 + i}
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("layout", ["ruler", "flat"])
+def test_pregenerated_files_run_as_is(layout, tok, tmp_path):
+    records = [_record(i) for i in range(3)]
+    if layout == "ruler":
+        _write(tmp_path / "4096" / "data" / "niah_single_1" / "validation.jsonl", records)
+        _write(tmp_path / "8192" / "data" / "niah_single_1" / "validation.jsonl", records[:1])
+    else:
+        _write(tmp_path / "niah_single_1.jsonl", records)
+    t = RulerTask(data_dir=str(tmp_path), lengths=[4096], samples=2, chat_template=False)
+    assert t.num_samples() == 2
+    both = RulerTask(data_dir=str(tmp_path), lengths=[4096, 8192], samples=5)
+    assert both.num_samples() == (3 + 1 if layout == "ruler" else 3)  # flat: lengths from the records
+    samples = list(t.samples(tok))
+    assert [s.prompt for s in samples] == [r["input"] for r in records[:2]]  # RULER's input, unchanged
+    assert [s.answers for s in samples] == [r["outputs"] for r in records[:2]]
+    assert all(s.question.endswith("mentioned in the provided text is") for s in samples)
+    assert all(s.question.startswith("\nWhat is the special magic number") for s in samples)
+    assert [s.extra["ruler_length"] for s in samples] == [4096, 4096]
+    assert [s.length for s in samples] == [3000, 3001]  # the records' own length field
+    assert all(re.fullmatch(r"niah_single_1-4096-\d-[0-9a-f]{8}", s.sample_id) for s in samples)
+    assert t.score(samples[0], "It is 1000000.") == 1.0 and t.score(samples[0], "1000001") == 0.0
+
+    # with a chat template the answer prefix moves after the assistant marker, the rest is the user turn
+    (s, *_) = RulerTask(data_dir=str(tmp_path), lengths=[4096], samples=1).samples(tok)
+    prefix = " The special magic number for key-0 mentioned in the provided text is"
+    assert records[0]["input"].endswith(prefix)
+    assert s.question.endswith("?<|im_end|>\n<|im_start|>assistant\n" + prefix)
+    assert (
+        s.prompt.replace("<|im_start|>user\n", "").replace("<|im_end|>\n<|im_start|>assistant\n", "")
+        == (records[0]["input"])
+    )
+
+
+def test_pregenerated_layout_lengths_and_errors(tok, tmp_path):
+    _write(tmp_path / "4096" / "data" / "niah_single_1" / "validation.jsonl", [_record(0)])
+    _write(tmp_path / "8192" / "data" / "vt" / "validation.jsonl", [_record(0)])
+    found = find_pregenerated(tmp_path)
+    assert {t: sorted(v) for t, v in found.items()} == {"niah_single_1": [4096], "vt": [8192]}
+    with pytest.raises(ValueError, match=r"vt.*no file for length\(s\) \[4096\]; it has lengths \[8192\]"):
+        _ = RulerTask(data_dir=str(tmp_path), lengths=[4096]).plan
+    with pytest.raises(ValueError, match="no file in data_dir"):
+        _ = RulerTask(data_dir=str(tmp_path), tasks=["cwe"], lengths=[4096]).plan
+    bad = tmp_path / "bad"
+    _write(
+        bad / "niah_single_1.jsonl", [{"index": 0, "input": "no prefix here", "outputs": ["1"], "length": 9}]
+    )
+    with pytest.raises(ValueError, match="answer prefix"):
+        list(RulerTask(data_dir=str(bad)).samples(tok))
+    _write(bad / "niah_single_1.jsonl", [{"index": 0, "outputs": ["1"]}])
+    with pytest.raises(ValueError, match="niah_single_1.jsonl:1: not a RULER record"):
+        RulerTask(data_dir=str(bad)).num_samples()
+
+
+def test_split_input_uses_a_records_answer_prefix():
+    fam = FAMILIES["qa"]
+    p = split_input("Docs...\n\nAnswer the question based on the given documents. Q?", fam, " Answer:")
+    assert (p.head, p.tail, p.answer_prefix) == (
+        "Docs...",
+        "\n\nAnswer the question based on the given documents. Q?",
+        " Answer:",
+    )
+
+
+# ---------------------------------------------------------------------------------- metrics, config
+def test_rulers_metrics():
+    assert string_match_all("Answer: ABC and def", ["abc", "DEF", "x"]) == pytest.approx(2 / 3)
+    assert string_match_part("It is Paris.", ["paris", "Lyon"]) == 1.0
+    assert string_match_part("It is Rome.", ["paris", "Lyon"]) == 0.0
+
+
+def test_qa_left_out_without_sources_with_one_line(caplog, tok):
+    with caplog.at_level(logging.WARNING, logger="eval.tasks.ruler"):
+        t = RulerTask(lengths=[LENGTH], samples=1, haystack="noise")
+        tasks = {task for task, _, _ in t.plan}
+    assert tasks == set(SYNTHETIC)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "qa_1, qa_2 left out" in lines[0]
+    with pytest.raises(ValueError, match="qa_1.*squad.json"):
+        _ = RulerTask(tasks=["qa_1"]).plan
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"samples": 0}, "samples must be a positive integer"),
+        ({"lengths": [0]}, "lengths must be positive"),
+        ({"tasks": ["niah_single_9x"]}, None),
+        ({"tasks": ["bogus"]}, "unknown RULER task"),
+        ({"haystack": "hay"}, "unknown haystack"),
+    ],
+)
+def test_bad_arguments(kw, match):
+    if match is None:  # a RULER variant name is accepted (its family is niah)
+        RulerTask(**kw)
+        return
+    with pytest.raises(ValueError, match=match):
+        RulerTask(**kw)
+
+
+def test_config_composes_and_builds():
+    from hydra import compose, initialize_config_dir
+
+    from eval.spec import RunSpec
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "config",
+            overrides=["task=ruler", "task.lengths=[1024,2048]", "task.samples=3", "task.tasks=[vt,cwe]"],
+        )
+    spec = RunSpec.from_config(cfg)
+    task = spec.task
+    assert isinstance(task, RulerTask) and (spec.shard, spec.num_shards) == (0, 1)
+    assert (task.tasks, task.lengths, task.n_samples, task.seed) == (["vt", "cwe"], [1024, 2048], 3, cfg.seed)
+    assert task.haystack is None and task.data_dir is None and task.chat_template is True
+
+
+# ---------------------------------------------------------------------------------- end to end, report
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tok) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    out = tmp_path_factory.mktemp("models") / "tiny-llama-ruler"
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return str(out)
+
+
+def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    import eval.runner as runner
+    from eval.store import ResultStore
+
+    results = tmp_path / "runs"
+    overrides = [
+        f"model.name={tiny_dir}",
+        "budget=64",
+        f"results_dir={results}",
+        "progress=false",
+        "report=false",
+        "task=ruler",
+        "task.tasks=[niah_single_1,niah_multikey_3,vt,fwe,qa_2]",
+        "task.lengths=[1024]",
+        "task.samples=1",
+        f"task.data_dir={data['qa']}",
+    ]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=overrides)
+    runner.run(cfg)
+    df = ResultStore.load_dir(results)
+    assert sorted(df["ruler_task"]) == sorted(["niah_single_1", "niah_multikey_3", "vt", "fwe", "qa_2"])
+    assert set(df["status"]) == {"ok"}, df["error"].tolist()
+    assert set(df["ruler_length"]) == {1024} and set(df["task"]) == {"ruler"}
+    assert (df["input_tokens"] == df["actual_tokens"]).all()  # the measured length is what ran
+    assert set(df["dataset"]) == set(df["ruler_task"])
+
+    from eval.report import build_report
+
+    assert build_report(results).plots
+    report = (results / "report.md").read_text()
+    assert "## RULER" in report and "suite average" in report and "| niah_single_1 |" in report
+    assert list(results.glob("ruler_*.png"))
+
+
+def test_report_suite_average_and_dagger():
+    import pandas as pd
+
+    from eval.report import prepare
+    from eval.tables import column_order
+    from eval.tasks.ruler_report import ruler_tables
+
+    def row(task, length, score, method="full", params=None):
+        return {
+            "sample_id": f"{task}-{length}", "task": "ruler", "dataset": task, "model": "m",
+            "method": method, "method_params": params or {}, "query_aware": True, "status": "ok",
+            "score": score, "scores": {}, "method_hash": method, "ruler_task": task,
+            "ruler_length": length, "context_length": None, "depth_percent": None,
+        }  # fmt: skip
+
+    rows = [
+        row("niah_single_1", 4096, 1.0),
+        row("vt", 4096, 0.5),
+        row("niah_single_1", 8192, 0.0),
+        row("vt", 8192, 0.5),
+    ]
+    rows += [row("niah_single_1", 4096, 0.2, "snapkv", {"budget": 128})]
+    from eval.store import ROW_FIELDS
+
+    df = prepare(pd.DataFrame([{**dict.fromkeys(ROW_FIELDS), **r} for r in rows]))
+    md = "\n\n".join(ruler_tables(df, column_order))
+    assert "| full | 75.00 | 25.00 | 50.00 |" in md  # suite averages per length, then their mean
+    assert "| snapkv b=128 | 20.00† |" in md  # vt missing at 4096
+    assert "| **Average** | 75.00 | 25.00 | 50.00 |" in md
+
+
+def test_haystack_setting(tok, data):
+    assert RulerTask()._niah_haystack("niah_single_1") == ("repeat", None)  # RULER: noise
+    assert RulerTask()._niah_haystack("niah_single_2") == ("essay", "paul_graham")
+    assert RulerTask()._niah_haystack("niah_multikey_2") == ("needle", None)
+    assert RulerTask(haystack="noise")._niah_haystack("niah_multivalue") == ("repeat", None)
+    assert RulerTask(haystack="noise")._niah_haystack("niah_multikey_3") == ("needle", None)  # its task
+    essays = f"dir:{data['essays']}"
+    assert RulerTask(haystack=essays)._niah_haystack("niah_single_1") == ("essay", essays)
+    (s,) = RulerTask(tasks=["niah_single_2"], lengths=[LENGTH], samples=1, haystack="noise").samples(tok)
+    lines = s.context.split("afterwards.\n", 1)[1].split("\n")  # RULER's repeat haystack: one per line
+    needles = [x for x in lines if x.startswith("One of the special magic numbers for ")]
+    assert len(needles) == 1 and set(lines) - set(needles) == {hs.NOISE_TEXT}
+    assert s.extra["haystack"] == "noise"
+
+
+@pytest.mark.parametrize("task", SYNTHETIC)
+def test_query_agnostic_split_context_then_question(task, tok, data):
+    """`context` ends with the haystack; `question` is the template's question, then the answer prefix."""
+    (s,) = make_task(data, tasks=[task], samples=1, chat_template=False).samples(tok)
+    fam = family_of(task)
+    suffix = fam.question_suffix.split("{", 1)[0]
+    assert s.question.startswith((suffix, suffix.replace(" are all", " is")))
+    assert fam.question_markers[0].split()[0] not in s.context.rsplit("\n", 2)[-1]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -35,10 +36,12 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "prefill_s", "ttft_s", "tpot_s",
-           "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status", "error", "noisy",
-           "wall_s", "own_cpu_s", "other_cpu_s", "other_cores", "load_start", "load_end",
+           "prefill_cpu_s", "tpot_cpu_s", "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status",
+           "error", "noisy", "wall_s", "own_cpu_s", "other_cpu_s", "other_cores", "prefill_other_cores",
+           "decode_other_cores", "load_start", "load_end",
            "torch_threads", "cpu_count", *(k.lower() for k in THREAD_ENV),
            "model", "dtype", "device", "attn_impl", "method_params"]  # fmt: skip
+CLOCKS = ("cpu", "wall")
 # Top-level shortcuts for the model config's keys (`dtype=bfloat16` -> `model.dtype=bfloat16`).
 MODEL_ALIASES = ("dtype", "device", "attn_implementation")
 
@@ -175,6 +178,10 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(
                 f"{key} must be a non-empty list of positive integers, got {key}={list(cfg[key])}"
             )
+    if cfg.clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS}, got clock={cfg.clock!r}")
+    if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
+        raise ValueError(f"threads must be a positive integer or null, got threads={cfg.threads!r}")
     if not isinstance(cfg.noise_threshold, int | float) or cfg.noise_threshold < 0:
         raise ValueError(f"noise_threshold must be >= 0, got noise_threshold={cfg.noise_threshold!r}")
     plan(cfg)
@@ -221,13 +228,15 @@ def spec_of(cfg: DictConfig, c: Config) -> dict[str, Any]:
     )
 
 
-def run_subprocess(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Measure one configuration in a fresh `python -m eval.bench_measure` process."""
+def run_subprocess(spec: dict[str, Any], timeout_s: float, threads: int | None = None) -> dict[str, Any]:
+    """Measure one configuration in a fresh `python -m eval.bench_measure` process (`threads`: its
+    OMP_NUM_THREADS, set before torch loads; None: inherited)."""
     cmd = [sys.executable, "-m", "eval.bench_measure", json.dumps(spec)]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     base = dict(method=spec["method"], batch_size=spec["batch_size"], input_tokens=spec["input_tokens"],
                 model=spec["model"]["name"], dtype=spec["model"]["dtype"], device=spec["model"]["device"])  # fmt: skip
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
     except subprocess.TimeoutExpired:
         return dict(base, status="error", error=f"timeout after {timeout_s}s")
     for line in proc.stdout.splitlines():
@@ -246,41 +255,55 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model = vocab = None
+    if not use_sub and cfg.threads:
+        import torch
+
+        torch.set_num_threads(cfg.threads)
     rows: list[dict[str, Any]] = []
-    with open(out, "w", newline="") as f:
+    for r in range(cfg.rounds):
+        round_rows: list[dict[str, Any]] = []
+        for order, c in enumerate(rotated(configs, r)):
+            t = time.perf_counter()
+            spec = spec_of(cfg, c)
+            if use_sub:
+                row = run_subprocess(spec, cfg.timeout_s, cfg.threads)
+            else:
+                if model is None:
+                    model, vocab = bench_measure.load(spec["model"], cfg.seed)
+                row = bench_measure.measure(model, vocab, spec)
+            row.update({"round": r, "order": order})
+            round_rows.append(row)
+            _print_row(row, time.perf_counter() - t)
+            _write_csv(out, rows + round_rows)  # every row as it comes (`noisy` once its round is done)
+        noisy = any((x.get("other_cores") or 0.0) > cfg.noise_threshold for x in round_rows)
+        for row in round_rows:
+            row["noisy"] = noisy
+        rows += round_rows
+        _write_csv(out, rows)
+        print(f"round {r + 1}/{cfg.rounds}: {'NOISY' if noisy else 'quiet'} (max other cores "
+              f"{max((x.get('other_cores') or 0.0) for x in round_rows):.2f})", flush=True)  # fmt: skip
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
-        for r in range(cfg.rounds):
-            round_rows = []
-            for order, c in enumerate(rotated(configs, r)):
-                t = time.perf_counter()
-                spec = spec_of(cfg, c)
-                if use_sub:
-                    row = run_subprocess(spec, cfg.timeout_s)
-                else:
-                    if model is None:
-                        model, vocab = bench_measure.load(spec["model"], cfg.seed)
-                    row = bench_measure.measure(model, vocab, spec)
-                row.update({"round": r, "order": order})
-                round_rows.append(row)
-                _print_row(row, time.perf_counter() - t)
-            noisy = any((x.get("other_cores") or 0.0) > cfg.noise_threshold for x in round_rows)
-            for row in round_rows:
-                row["noisy"] = noisy
-                writer.writerow(row)
-            f.flush()
-            rows += round_rows
-            print(f"round {r + 1}/{cfg.rounds}: {'NOISY' if noisy else 'quiet'} (max other cores "
-                  f"{max((x.get('other_cores') or 0.0) for x in round_rows):.2f})", flush=True)  # fmt: skip
-    return rows
+        writer.writerows(rows)
+    tmp.replace(path)
 
 
 def _print_row(row: dict[str, Any], took: float) -> None:
     tpot = f"{row['tpot_s'] * 1e3:.1f} ms" if row.get("tpot_s") else "-"
     pre = f"{row['prefill_s']:.2f} s" if row.get("prefill_s") else "-"
+    if row.get("prefill_cpu_s") is not None:
+        pre += f" (cpu {row['prefill_cpu_s']:.2f})"
+    if row.get("tpot_cpu_s") is not None:
+        tpot += f" (cpu {row['tpot_cpu_s'] * 1e3:.1f})"
     other = f"{row['other_cores']:.2f}" if row.get("other_cores") is not None else "-"
     print(f"  {row['method']:>13} batch={row['batch_size']} len={row['input_tokens']:>7}: {row['status']:<5} "
-          f"prefill {pre:>9}  TPOT {tpot:>9}  peak {row.get('peak_mem_bytes') or 0:>13,} B  "
+          f"prefill {pre:>20}  TPOT {tpot:>22}  peak {row.get('peak_mem_bytes') or 0:>13,} B  "
           f"other cores {other}  ({took:.0f}s){'  ' + str(row.get('error')) if row.get('error') else ''}",
           flush=True)  # fmt: skip
 

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import Any
 
-from eval.bench_noise import CpuNoise, thread_settings
+from eval.bench_noise import CpuNoise, PhaseProbe, thread_settings
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,12 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
         **thread_settings(),
     )
     try:
-        with CpuNoise() as noise:
+        with CpuNoise() as noise, PhaseProbe(model) as phases:
             _, res = generate_ids(
                 model, ids, None, method, max_new_tokens=spec["decode_tokens"], stop_ids=set(),
                 chunk_size=spec["chunk_size"],
             )  # fmt: skip
+        row.update(**phases.fields())
         row.update(
             prefill_s=res.prefill_s,
             ttft_s=res.ttft_s,

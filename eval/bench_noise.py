@@ -78,6 +78,58 @@ class CpuNoise:
         }
 
 
+class PhaseProbe:
+    """Context manager: per-forward CPU time and noise of a model, split into prefill (forwards of
+    more than one token per row) and decode (one token) with forward hooks.
+
+    Fields: `prefill_cpu_s` (this process's CPU over the prefill forwards, all threads),
+    `tpot_cpu_s` (median CPU per decode forward), `prefill_other_cores` / `decode_other_cores`
+    (cores other processes kept busy during those forwards). With one thread a forward's CPU time is
+    its work: other processes that take the core away lengthen the wall time, not this.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.calls: list[tuple[int, float, float, float]] = []  # (tokens, wall, own cpu, other cpu)
+
+    def _pre(self, module, args, kwargs) -> None:
+        self._start = (time.perf_counter(), time.process_time(), _busy_s())
+
+    def _post(self, module, args, kwargs, output) -> None:
+        t0, c0, b0 = self._start
+        wall, own = time.perf_counter() - t0, time.process_time() - c0
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tokens = ids.shape[-1] if ids is not None else 0
+        self.calls.append((tokens, wall, own, max(0.0, _busy_s() - b0 - own)))
+
+    def __enter__(self) -> PhaseProbe:
+        self._handles = [
+            self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
+            self.model.register_forward_hook(self._post, with_kwargs=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def fields(self) -> dict[str, float | None]:
+        pre = [c for c in self.calls if c[0] > 1]
+        dec = [c for c in self.calls if c[0] == 1]
+
+        def cores(calls) -> float | None:
+            wall = sum(c[1] for c in calls)
+            return sum(c[3] for c in calls) / wall if wall > 0 else None
+
+        tpot = spread(c[2] for c in dec)
+        return {
+            "prefill_cpu_s": sum(c[2] for c in pre) if pre else None,
+            "tpot_cpu_s": tpot.median if tpot else None,
+            "prefill_other_cores": cores(pre),
+            "decode_other_cores": cores(dec),
+        }
+
+
 def thread_settings() -> dict[str, str | int]:
     """Thread settings that change CPU timings: torch's intra-op threads and the OpenMP/MKL
     environment (empty string: unset)."""

@@ -63,8 +63,12 @@ def _float(v: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def round_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """Each target's ratio per round, from the configurations of that same round only."""
+CPU_COLUMNS = {"prefill_s": "prefill_cpu_s", "tpot_s": "tpot_cpu_s"}
+
+
+def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, dict[int, float]]:
+    """Each target's ratio per round, from the configurations of that same round only; `clock`
+    "cpu" uses the CPU-time columns (prefill_cpu_s, tpot_cpu_s) instead of the wall-clock ones."""
     ok = _ok(rows)
     if not ok:
         return {t.key: {} for t in TARGETS}
@@ -79,18 +83,21 @@ def round_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, dict[int, float]]:
         per: dict[int, float] = {}
         for rnd in sorted({int(r["round"]) for r in ok}):
             a, b = (cell.get((rnd, m, at[w])) for m, w, _ in (t.num, t.den))
-            x = _float(a.get(t.num[2])) if a else None
-            y = _float(b.get(t.den[2])) if b else None
+            num, den = (
+                (CPU_COLUMNS[t.num[2]], CPU_COLUMNS[t.den[2]]) if clock == "cpu" else (t.num[2], t.den[2])
+            )
+            x = _float(a.get(num)) if a else None
+            y = _float(b.get(den)) if b else None
             if x is not None and y:
                 per[rnd] = x / y
         out[t.key] = per
     return out
 
 
-def ratio_spreads(rows: Sequence[dict[str, Any]]) -> dict[str, Spread | None]:
+def ratio_spreads(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, Spread | None]:
     """Each target's median and IQR over the kept rounds."""
     kept, _ = kept_rounds(rows)
-    return {k: spread(v for r, v in per.items() if r in kept) for k, per in round_ratios(rows).items()}
+    return {k: spread(v for r, v in per.items() if r in kept) for k, per in round_ratios(rows, clock).items()}
 
 
 def verdict(t: Target, s: Spread | None) -> str:
@@ -114,7 +121,15 @@ def config_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     for (method, batch, length), g in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         ok = _ok(g)
         rec: dict[str, Any] = dict(method=method, batch_size=batch, input_tokens=length, n=len(g), ok=len(ok))
-        for col in ("prefill_s", "tpot_s", "peak_mem_bytes", "kv_bytes", "other_cores"):
+        for col in (
+            "prefill_s",
+            "tpot_s",
+            "prefill_cpu_s",
+            "tpot_cpu_s",
+            "peak_mem_bytes",
+            "kv_bytes",
+            "other_cores",
+        ):
             rec[col] = spread(_float(r.get(col)) for r in ok)
         table.append(rec)
     return table
@@ -137,12 +152,13 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         f"per configuration: median over {len(kept)} kept of {len(rounds)} rounds "
         "(±: IQR / median; other cores: CPU other processes used meanwhile)",
         f"{'method':>13} {'batch':>5} {'length':>7} {'ok':>4} {'prefill s':>14} {'TPOT ms':>14} "
-        f"{'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
+        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
     ]
     for rec in config_table(rows):
         lines.append(
             f"{rec['method']:>13} {rec['batch_size']:>5} {rec['input_tokens']:>7} {rec['ok']:>2}/{rec['n']:<1} "
             f"{_fmt(rec['prefill_s']):>14} {_fmt(rec['tpot_s'], 1e3, 1):>14} "
+            f"{_fmt(rec['prefill_cpu_s']):>14} {_fmt(rec['tpot_cpu_s'], 1e3, 1):>14} "
             f"{_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
             f"{_fmt(rec['other_cores'], 1, 2, False):>11}"
         )
@@ -175,20 +191,20 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         lines.append(
             f"  {t.label.format(**fields)}: {shown}  target {t.direction} {t.bound}  {verdict(t, spreads[t.key])}"
         )
-    lines.append(last_line(rows))
+    lines.append(last_line(rows, cfg.clock))
     return "\n".join(lines)
 
 
-def last_line(rows: Sequence[dict[str, Any]]) -> str:
-    """One line: every target ratio as median [Q1,Q3] and its verdict, plus the rounds used."""
+def last_line(rows: Sequence[dict[str, Any]], clock: str = "wall") -> str:
+    """One line: every target ratio as median [Q1,Q3] and its verdict, plus the clock and rounds used."""
     kept, rounds = kept_rounds(rows)
-    spreads = ratio_spreads(rows)
+    spreads = ratio_spreads(rows, clock)
     parts = []
     for t in TARGETS:
         s = spreads[t.key]
         value = "n/a" if s is None else f"{s.median:.3f} [{s.q1:.3f},{s.q3:.3f}]"
         parts.append(f"{t.key} {value} {t.direction}{t.bound} {verdict(t, s).split(' ')[0]}")
-    return "RATIOS " + " | ".join(parts) + f" | rounds {len(kept)}/{len(rounds)}"
+    return f"RATIOS ({clock}) " + " | ".join(parts) + f" | rounds {len(kept)}/{len(rounds)}"
 
 
 def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:

@@ -36,8 +36,9 @@ def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
                 "load_start", "load_end", "torch_threads", "omp_num_threads", "mkl_num_threads",
                 "omp_wait_policy", "method_params"]:  # fmt: skip
         assert col in rows[0]
-    assert {r["omp_wait_policy"] for r in rows} == {"ACTIVE"} and all(int(r["torch_threads"]) for r in rows)
+    assert {r["omp_wait_policy"] for r in rows} == {"ACTIVE"} and {r["torch_threads"] for r in rows} == {"1"}
     assert all(float(r["other_cores"]) >= 0 for r in rows)
+    assert all(float(r["prefill_cpu_s"]) > 0 and float(r["tpot_cpu_s"]) > 0 for r in rows)
     by = {(r["method"], int(r["input_tokens"])): r for r in rows if r["round"] == "0"}
     # exact KV bytes: 2 layers x 2 kv heads x 16 head_dim x 2 (K,V) x 4 bytes per kept token
     assert int(by[("snapkv", 256)]["kv_bytes"]) == 48 * 2 * 2 * 16 * 2 * 4
@@ -49,7 +50,9 @@ def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
     assert "prefill+score h2o / prefill full at 256" in proc.stdout
     assert re.search(r"rounds kept: [012] of 2 under the noise threshold", proc.stdout)
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("RATIOS ") and last.count("[") == 4 and re.search(r"rounds [12]/2$", last), last
+    assert last.startswith("RATIOS (cpu) ") and last.count("[") == 4 and re.search(r"rounds [12]/2$", last), (
+        last
+    )
 
 
 def test_bench_speed_fresh_process_per_configuration_in_rotated_rounds(tmp_path):
@@ -65,6 +68,26 @@ def test_bench_speed_fresh_process_per_configuration_in_rotated_rounds(tmp_path)
         ("1", "1", "full"),
     ]
     assert {r["status"] for r in rows} == {"ok"} and all(int(r["peak_mem_bytes"]) > 0 for r in rows)
+    # threads=1 (the default) reaches the fresh worker as OMP_NUM_THREADS before torch loads
+    assert {(r["omp_num_threads"], r["torch_threads"]) for r in rows} == {("1", "1")}
+
+
+def test_phase_probe_splits_prefill_and_decode_forwards():
+    from conftest import random_ids, tiny_model
+
+    from eval.bench_noise import PhaseProbe
+    from snapkv import build_method, generate_ids
+
+    model = tiny_model("llama")
+    with PhaseProbe(model) as probe:
+        generate_ids(model, random_ids(40), None, build_method("snapkv", budget=16, window=4),
+                     max_new_tokens=5, stop_ids=set(), chunk_size=16)  # fmt: skip
+    assert [c[0] for c in probe.calls] == [16, 16, 8, 1, 1, 1, 1]  # three prefill chunks, 4 decode steps
+    f = probe.fields()
+    assert f["prefill_cpu_s"] == pytest.approx(sum(c[2] for c in probe.calls[:3]))
+    assert f["tpot_cpu_s"] == pytest.approx(sum(sorted(c[2] for c in probe.calls[3:])[1:3]) / 2)
+    assert f["prefill_other_cores"] >= 0 and f["decode_other_cores"] >= 0
+    assert not model._forward_hooks and not model._forward_pre_hooks  # removed
 
 
 def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
@@ -131,6 +154,10 @@ def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
     assert per["prefill snapkv/full(L)"][0] == pytest.approx(1.02)
     assert per["prefill snapkv/full(L)"][4] == pytest.approx(1.53)
     s = ratio_spreads(rows)
+    assert ratio_spreads(rows, "cpu")["prefill snapkv/full(L)"] is None  # no CPU columns in these rows
+    for x in rows:
+        x["prefill_cpu_s"], x["tpot_cpu_s"] = 2 * x["prefill_s"], 3 * x["tpot_s"]
+    assert ratio_spreads(rows, "cpu")["prefill h2o/full(L)"].median == pytest.approx(1.1)
     assert s["prefill snapkv/full(L)"].median == pytest.approx(1.02)
     assert s["prefill snapkv/full(L)"].q3 == pytest.approx(1.02)  # 4 of 5 rounds at 1.02
     assert s["tpot full(L)/snapkv(L)"].median == pytest.approx(20 / 20.4)

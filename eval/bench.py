@@ -178,8 +178,10 @@ def validate(cfg: DictConfig) -> None:
             raise ValueError(
                 f"{key} must be a non-empty list of positive integers, got {key}={list(cfg[key])}"
             )
+    if cfg.clock == "auto":
+        cfg.clock = "cpu" if cfg.model.device == "cpu" else "wall"
     if cfg.clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {CLOCKS}, got clock={cfg.clock!r}")
+        raise ValueError(f"clock must be one of {CLOCKS} or auto, got clock={cfg.clock!r}")
     if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
         raise ValueError(f"threads must be a positive integer or null, got threads={cfg.threads!r}")
     if not isinstance(cfg.noise_threshold, int | float) or cfg.noise_threshold < 0:
@@ -255,7 +257,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     out = Path(cfg.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     model = vocab = None
-    if not use_sub and cfg.threads:
+    if not use_sub and cfg.threads and cfg.model.device == "cpu":
         import torch
 
         torch.set_num_threads(cfg.threads)

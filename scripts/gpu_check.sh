@@ -22,7 +22,7 @@ export PYTHONUNBUFFERED=1
 [ "$DEVICE" = cuda ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
-common=(model="$MODEL" dtype="$DTYPE" device="$DEVICE" attn_implementation=sdpa subprocess=false)
+common=(model="$MODEL" dtype="$DTYPE" device="$DEVICE" attn_implementation=sdpa subprocess=false rounds=1)
 echo "== A: TPOT vs input length =="
 python scripts/bench_speed.py "${common[@]}" "lengths=$LENGTHS" "batch_sizes=$BATCHES" \
   'methods=[full,snapkv]' budget=2048 window=32 decode_tokens="$DECODE" out="$OUTDIR/gpu_tpot.csv"

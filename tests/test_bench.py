@@ -253,3 +253,10 @@ def test_gpu_check_script_runs_at_toy_size_on_cpu(tmp_path):
     assert "gpu_tpot.csv" in proc.stdout and "gpu_capacity.csv" in proc.stdout
     rows = list(csv.DictReader((tmp_path / "gpu_tpot.csv").open()))
     assert len(rows) == 8 and all(r["status"] == "ok" for r in rows)
+
+
+def test_h2o_floor_measurement_runs_at_toy_size():
+    from eval.bench_floor import main
+
+    line = main(64, heads=4, kv=2, d=16)
+    assert line.startswith("L=64: sdpa") and line.count("x") >= 3

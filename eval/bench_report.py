@@ -180,9 +180,10 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
             for k in ("torch_threads", "cpu_count", *(e.lower() for e in THREAD_ENV))
         )
     )
-    spreads = ratio_spreads(rows)
+    spreads = ratio_spreads(rows, cfg.clock)
     lines.append(
-        f"\nratios (per round, median [Q1, Q3] over {len(kept)} rounds; a target is MET when the IQR is on its side):"
+        f"\nratios of {cfg.clock} times (per round, median [Q1, Q3] over {len(kept)} rounds; a target is MET "
+        "when the IQR is on its side):"
     )
     fields = dict(long=lengths[-1], short=lengths[0], budget=cfg.budget)
     for t in TARGETS:

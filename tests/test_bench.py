@@ -49,7 +49,11 @@ def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
     assert "TPOT snapkv(256, b=48) / TPOT full(64)" in proc.stdout
     assert "prefill+score h2o / prefill full at 256" in proc.stdout
     assert re.search(r"rounds kept: [012] of 2 under the noise threshold", proc.stdout)
+    assert "ratios of cpu times" in proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
+    # the table's ratios and the last line use the same clock
+    table = re.search(r"TPOT snapkv\(256, b=48\) / TPOT full\(64\): ([0-9.]+)", proc.stdout).group(1)
+    assert last.startswith(f"RATIOS (cpu) tpot snapkv(L)/full(S) {table} ")
     assert last.startswith("RATIOS (cpu) ") and last.count("[") == 4 and re.search(r"rounds [12]/2$", last), (
         last
     )

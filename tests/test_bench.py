@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -18,45 +21,230 @@ def _run(args, env=None, timeout=600):
     return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
 
 
-def test_bench_speed_rows_plots_and_ratios(tmp_path):
+TOY = ["model=random:llama-tiny", "budget=48", "window=8", "decode_tokens=4", "rounds=2"]
+
+
+def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
     out = tmp_path / "bench.csv"
-    proc = _run([sys.executable, "scripts/bench_speed.py", "model=random:llama-tiny", "lengths=[64,256]",
-                 "methods=[full,snapkv,h2o]", "budget=48", "window=8", "decode_tokens=4", f"out={out}"])  # fmt: skip
+    proc = _run([sys.executable, "scripts/bench_speed.py", *TOY, "methods=[full,snapkv,h2o]", "subprocess=false",
+                 "configs=[full@64,full@256,snapkv@256,h2o@256]", f"out={out}"])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader(out.open()))
-    assert len(rows) == 6 and {r["status"] for r in rows} == {"ok"}
-    for col in ["method", "budget", "batch_size", "input_tokens", "prefill_s", "ttft_s", "tpot_s",
-                "peak_mem_bytes", "kv_bytes", "status"]:  # fmt: skip
+    assert len(rows) == 8 and {r["status"] for r in rows} == {"ok"}  # 4 configurations x 2 rounds
+    for col in ["round", "order", "method", "budget", "batch_size", "input_tokens", "prefill_s", "ttft_s",
+                "tpot_s", "peak_mem_bytes", "kv_bytes", "status", "noisy", "other_cpu_s", "other_cores",
+                "load_start", "load_end", "torch_threads", "omp_num_threads", "mkl_num_threads",
+                "omp_wait_policy", "method_params"]:  # fmt: skip
         assert col in rows[0]
-    by = {(r["method"], int(r["input_tokens"])): r for r in rows}
+    assert {r["omp_wait_policy"] for r in rows} == {"ACTIVE"} and {r["torch_threads"] for r in rows} == {"1"}
+    assert all(float(r["other_cores"]) >= 0 for r in rows)
+    assert all(float(r["prefill_cpu_s"]) > 0 and float(r["tpot_cpu_s"]) > 0 for r in rows)
+    by = {(r["method"], int(r["input_tokens"])): r for r in rows if r["round"] == "0"}
     # exact KV bytes: 2 layers x 2 kv heads x 16 head_dim x 2 (K,V) x 4 bytes per kept token
     assert int(by[("snapkv", 256)]["kv_bytes"]) == 48 * 2 * 2 * 16 * 2 * 4
     assert int(by[("full", 256)]["kv_bytes"]) == 256 * 2 * 2 * 16 * 2 * 4
+    assert json.loads(by[("snapkv", 256)]["method_params"])["window"] == 8
     for stem in ["tpot", "peak_mem", "longest"]:
         assert (tmp_path / f"bench_{stem}.png").read_bytes()[:4] == b"\x89PNG"
     assert "TPOT snapkv(256, b=48) / TPOT full(64)" in proc.stdout
     assert "prefill+score h2o / prefill full at 256" in proc.stdout
+    assert re.search(r"rounds kept: [012] of 2 under the noise threshold", proc.stdout)
+    assert "ratios of cpu times" in proc.stdout
+    last = proc.stdout.strip().splitlines()[-1]
+    # the table's ratios and the last line use the same clock
+    table = re.search(r"TPOT snapkv\(256, b=48\) / TPOT full\(64\): ([0-9.]+)", proc.stdout).group(1)
+    assert last.startswith(f"RATIOS (cpu) tpot snapkv(L)/full(S) {table} ")
+    assert last.startswith("RATIOS (cpu) ") and last.count("[") == 4 and re.search(r"rounds [12]/2$", last), (
+        last
+    )
 
 
-def test_bench_speed_bad_input_is_one_line(tmp_path):
+def test_bench_speed_fresh_process_per_configuration_in_rotated_rounds(tmp_path):
+    out = tmp_path / "bench.csv"
+    proc = _run([sys.executable, "scripts/bench_speed.py", *TOY, "configs=[full@64,snapkv@64]", "plots=false",
+                 f"out={out}"])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["round"], r["order"], r["method"]) for r in rows] == [
+        ("0", "0", "full"),
+        ("0", "1", "snapkv"),
+        ("1", "0", "snapkv"),
+        ("1", "1", "full"),
+    ]
+    assert {r["status"] for r in rows} == {"ok"} and all(int(r["peak_mem_bytes"]) > 0 for r in rows)
+    # threads=1 (the default) reaches the fresh worker as OMP_NUM_THREADS before torch loads
+    assert {(r["omp_num_threads"], r["torch_threads"]) for r in rows} == {("1", "1")}
+
+
+def test_phase_probe_splits_prefill_and_decode_forwards():
+    from conftest import random_ids, tiny_model
+
+    from eval.bench_noise import PhaseProbe
+    from snapkv import build_method, generate_ids
+
+    model = tiny_model("llama")
+    with PhaseProbe(model) as probe:
+        generate_ids(model, random_ids(40), None, build_method("snapkv", budget=16, window=4),
+                     max_new_tokens=5, stop_ids=set(), chunk_size=16)  # fmt: skip
+    assert [c[0] for c in probe.calls] == [16, 16, 8, 1, 1, 1, 1]  # three prefill chunks, 4 decode steps
+    f = probe.fields()
+    assert f["prefill_cpu_s"] == pytest.approx(sum(c[2] for c in probe.calls[:3]))
+    assert f["tpot_cpu_s"] == pytest.approx(sum(sorted(c[2] for c in probe.calls[3:])[1:3]) / 2)
+    assert f["prefill_other_cores"] >= 0 and f["decode_other_cores"] >= 0
+    assert not model._forward_hooks and not model._forward_pre_hooks  # removed
+
+
+def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
+    from eval.bench import main
+
     proc = _run([sys.executable, "scripts/bench_speed.py", "methods=[full,pyramid]", f"out={tmp_path}/b.csv"])
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "pyramid" in proc.stderr
-    assert "Traceback" not in proc.stderr
-    proc = _run([sys.executable, "scripts/bench_speed.py", "lenghts=[5]"])
-    assert proc.returncode == 2 and "lenghts" in proc.stderr
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and err.splitlines() == [err] and "pyramid" in err and "Traceback" not in err
+    for args, bad in [
+        (["lenghts=[5]"], "lenghts"),
+        (["snapkv.window=abc"], "abc"),
+        (["snapkv.windw=4"], "windw"),
+        (["model=bogus-model"], "bogus-model"),
+        (["model=random:nope"], "nope"),
+        (["rounds=0"], "rounds"),
+        (["noise_threshold=-1"], "noise_threshold"),
+        (["configs=[full@512,snapkv]"], "snapkv"),
+        (["configs=[streamingllm@512]"], "streamingllm"),
+        (["budget"], "budget"),
+    ]:
+        assert main([*args, f"out={tmp_path}/b.csv"]) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert err.splitlines() == [err] and err.startswith("error: ") and bad in err, (args, err)
+    assert not (tmp_path / "b.csv").exists()  # nothing ran
+
+
+def test_every_method_parameter_passes_through_from_conf_method():
+    from eval.bench import compose, plan
+
+    cfg = compose(["methods=[snapkv,h2o,streamingllm]", "budget=96", "snapkv.pooling=avg", "snapkv.window=16",
+                   "h2o.recent=8", "h2o.normalize=true", "n_sink=2", "configs=[snapkv@512,h2o@512]"])  # fmt: skip
+    assert cfg.method_params["snapkv"] == {"budget": 96, "window": 16, "kernel_size": 7, "pooling": "avg",
+                                           "gqa_reduce": "mean"}  # fmt: skip
+    assert cfg.method_params["h2o"]["recent"] == 8 and cfg.method_params["h2o"]["normalize"] is True
+    assert cfg.method_params["h2o"]["block_size"] == 256  # conf/method/h2o.yaml's, not re-declared here
+    assert cfg.method_params["streamingllm"]["n_sink"] == 2
+    assert [(c.method, c.input_tokens) for c in plan(cfg)] == [("snapkv", 512), ("h2o", 512)]
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.model.dtype == "float32"  # conf/model/
+    cfg = compose(["model=random:llama-tiny", "dtype=bfloat16", "device=cpu"])
+    assert (cfg.model.name, cfg.model.dtype) == ("random:llama-tiny", "bfloat16")
+
+
+def _rows(times: dict[tuple[str, int], float], rounds: int, scale=lambda r: 1.0, noisy=lambda r: False):
+    rows = []
+    for r in range(rounds):
+        for (method, length), t in times.items():
+            rows.append(dict(round=r, method=method, input_tokens=length, batch_size=1, status="ok",
+                             prefill_s=t * scale(r), tpot_s=t * scale(r) / 100, noisy=noisy(r),
+                             other_cores=2.0 if noisy(r) else 0.0))  # fmt: skip
+    return rows
+
+
+def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
+    from eval.bench_report import kept_rounds, ratio_spreads, round_ratios
+
+    times = {("full", 512): 1.0, ("full", 8192): 20.0, ("snapkv", 8192): 20.4, ("h2o", 8192): 22.0}
+    # Round r runs everything (1 + r) times slower: pooled medians across rounds would be wrong,
+    # per-round ratios are unaffected.
+    rows = _rows(times, 5, scale=lambda r: 1 + r)
+    rows = [x for x in rows if not (x["round"] == 4 and x["method"] == "snapkv")] + [
+        dict(rows[0], round=4, method="snapkv", input_tokens=8192, prefill_s=5 * 20.4 * 1.5, tpot_s=5 * 0.204)
+    ]  # one round where snapkv alone was hit by load
+    per = round_ratios(rows)
+    assert per["prefill snapkv/full(L)"][0] == pytest.approx(1.02)
+    assert per["prefill snapkv/full(L)"][4] == pytest.approx(1.53)
+    s = ratio_spreads(rows)
+    assert ratio_spreads(rows, "cpu")["prefill snapkv/full(L)"] is None  # no CPU columns in these rows
+    for x in rows:
+        x["prefill_cpu_s"], x["tpot_cpu_s"] = 2 * x["prefill_s"], 3 * x["tpot_s"]
+    assert ratio_spreads(rows, "cpu")["prefill h2o/full(L)"].median == pytest.approx(1.1)
+    assert s["prefill snapkv/full(L)"].median == pytest.approx(1.02)
+    assert s["prefill snapkv/full(L)"].q3 == pytest.approx(1.02)  # 4 of 5 rounds at 1.02
+    assert s["tpot full(L)/snapkv(L)"].median == pytest.approx(20 / 20.4)
+    assert s["prefill h2o/full(L)"].median == pytest.approx(1.1) and s["prefill h2o/full(L)"].n == 5
+    # a noisy round is left out; with every round noisy, all are used
+    rows = _rows(times, 4, noisy=lambda r: r == 2)
+    assert (
+        kept_rounds(rows) == ([0, 1, 3], [0, 1, 2, 3]) and ratio_spreads(rows)["prefill h2o/full(L)"].n == 3
+    )
+    rows = _rows(times, 3, noisy=lambda r: True)
+    assert kept_rounds(rows) == ([0, 1, 2], [0, 1, 2])
+
+
+def test_verdict_needs_the_whole_iqr_on_the_target_side():
+    from eval.bench_noise import Spread
+    from eval.bench_report import TARGETS, verdict
+
+    le, ge = TARGETS[0], TARGETS[1]  # <= 1.05, >= 2.0
+    assert verdict(le, Spread(1.00, 0.99, 1.04, 5)) == "MET"
+    assert verdict(le, Spread(1.00, 0.99, 1.06, 5)).startswith("MEDIAN ONLY")
+    assert verdict(le, Spread(1.10, 1.06, 1.12, 5)) == "NOT MET"
+    assert verdict(ge, Spread(2.1, 2.01, 2.2, 5)) == "MET" and verdict(ge, Spread(2.1, 1.9, 2.2, 5)) != "MET"
+    assert verdict(le, None) == "n/a"
+
+
+def test_rotation_gives_every_configuration_every_slot():
+    from eval.bench import rotated
+
+    cs = list("abcd")
+    orders = [rotated(cs, r) for r in range(4)]
+    assert orders[0] == cs and orders[1] == list("bcda")
+    assert all(sorted(o[i] for o in orders) == cs for i in range(4))
+
+
+def test_cpu_noise_subtracts_own_cpu_from_machine_busy(monkeypatch):
+    from eval import bench_noise
+
+    busy, own, clock = iter([100.0, 103.5]), iter([10.0, 11.5]), iter([50.0, 52.0])
+    monkeypatch.setattr(bench_noise, "_busy_s", lambda: next(busy))
+    monkeypatch.setattr(bench_noise, "_own_cpu_s", lambda proc: next(own))
+    monkeypatch.setattr(bench_noise.time, "perf_counter", lambda: next(clock))
+    with bench_noise.CpuNoise() as n:
+        pass
+    # 3.5 s of machine busy time in 2 s, 1.5 s of it ours: others kept 1 core busy
+    assert (n.wall_s, n.own_cpu_s, n.other_cpu_s, n.other_cores) == (2.0, 1.5, 2.0, 1.0)
+
+
+def test_cpu_noise_sees_a_busy_process():
+    from eval.bench_noise import CpuNoise
+
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        with CpuNoise() as n:
+            time.sleep(1.0)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert n.own_cpu_s < 0.2  # sleeping
+    assert n.other_cores > 0.5  # the hog (plus whatever else runs) used most of a core
+
+
+def test_timing_summary_gives_medians_with_noise_figures():
+    import pandas as pd
+
+    from eval.bench_noise import timing_summary
+
+    df = pd.DataFrame(dict(config_label=["a"] * 4 + ["b"] * 2, status=["ok"] * 5 + ["error"],
+                           prefill_s=[1.0, 2.0, 3.0, 4.0, 5.0, None], tpot_s=[0.1] * 5 + [None]))  # fmt: skip
+    t = timing_summary(df).set_index("config_label")
+    assert t.loc["a", "prefill_s_median"] == 2.5 and t.loc["a", "prefill_s_iqr_pct"] == pytest.approx(60.0)
+    assert t.loc["a", "tpot_s_iqr_pct"] == 0.0 and t.loc["b", "n"] == 1 and "ttft_s_median" not in t
 
 
 def test_oom_in_a_worker_becomes_a_row(monkeypatch):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import bench_speed
+    from eval import bench
 
     def fake_run(cmd, **kw):
         return subprocess.CompletedProcess(cmd, -9, "", "")
 
-    monkeypatch.setattr(bench_speed.subprocess, "run", fake_run)
-    cfg = bench_speed.OmegaConf.create(bench_speed.DEFAULTS)
-    row = bench_speed.run_subprocess(cfg, "full", 1 << 20, 1)
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    spec = bench.spec_of(bench.compose([]), bench.Config("full", (), 1 << 20, 1))
+    row = bench.run_subprocess(spec, 10)
     assert row["status"] == "oom" and row["input_tokens"] == 1 << 20
 
 
@@ -69,3 +257,10 @@ def test_gpu_check_script_runs_at_toy_size_on_cpu(tmp_path):
     assert "gpu_tpot.csv" in proc.stdout and "gpu_capacity.csv" in proc.stdout
     rows = list(csv.DictReader((tmp_path / "gpu_tpot.csv").open()))
     assert len(rows) == 8 and all(r["status"] == "ok" for r in rows)
+
+
+def test_h2o_floor_measurement_runs_at_toy_size():
+    from eval.bench_floor import main
+
+    line = main(64, heads=4, kv=2, d=16)
+    assert line.startswith("L=64: sdpa") and line.count("x") >= 3

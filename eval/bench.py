@@ -1,0 +1,334 @@
+"""Speed and memory benchmark in interleaved rounds: prefill (+compression), TTFT, TPOT and peak
+memory per method, input length and batch size, configured from conf/bench.yaml.
+
+    python scripts/bench_speed.py [key=value ...]      # a thin entry point for `main()`
+
+A run is R rounds; each round runs every configuration once, in an order rotated by one per round,
+so a burst of background load lands on different configurations in different rounds. Every ratio is
+computed per round from configurations of that round, then summarised as median and IQR over the
+rounds (`eval.bench_report`). Every configuration also records the CPU other processes used while it
+ran (`eval.bench_noise`), the load average and the thread settings; rounds above `noise_threshold`
+are flagged and left out of the summary. On CPU every configuration runs in a fresh process (peak
+RSS only resets per process); on CUDA in-process with the allocator peak reset per configuration.
+Raw per-round rows go to the CSV `out`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from eval import bench_measure
+from eval.bench_noise import THREAD_ENV
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "prefill_s", "ttft_s", "tpot_s",
+           "prefill_cpu_s", "tpot_cpu_s", "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status",
+           "error", "noisy", "wall_s", "own_cpu_s", "other_cpu_s", "other_cores", "prefill_other_cores",
+           "decode_other_cores", "load_start", "load_end",
+           "torch_threads", "cpu_count", *(k.lower() for k in THREAD_ENV),
+           "model", "dtype", "device", "attn_impl", "method_params"]  # fmt: skip
+CLOCKS = ("cpu", "wall")
+# Top-level shortcuts for the model config's keys (`dtype=bfloat16` -> `model.dtype=bfloat16`).
+MODEL_ALIASES = ("dtype", "device", "attn_implementation")
+
+
+@dataclass(frozen=True)
+class Config:
+    """One benchmark configuration: a method (with all its parameters) at one input length and batch."""
+
+    method: str
+    params: tuple[tuple[str, Any], ...]
+    input_tokens: int
+    batch_size: int
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        return self.method, self.input_tokens, self.batch_size
+
+
+def _model_options() -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+
+
+def _check_model_name(name: str) -> None:
+    """A `model=` value that is not a conf/model name must be something load_model takes."""
+    from snapkv.models import EMBEDDED, RANDOM_SHAPES
+
+    if name.startswith("random:"):
+        if name.split(":", 1)[1] not in RANDOM_SHAPES:
+            raise ValueError(
+                f"unknown random model shape {name!r}; known: {', '.join(sorted(RANDOM_SHAPES))}"
+            )
+        return
+    if name in EMBEDDED or Path(name).expanduser().exists():
+        return
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return  # a Hub id
+    raise ValueError(
+        f"unknown model {name!r}; known: {', '.join(_model_options())} (conf/model), random:<shape>, a path, a Hub id"
+    )
+
+
+def _method_node(name: str) -> dict[str, Any]:
+    from snapkv import METHODS
+
+    path = CONF_DIR / "method" / f"{name}.yaml"
+    if name not in METHODS or not path.exists():
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}")
+    return OmegaConf.to_container(OmegaConf.load(path))
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str]], dict[str, str]]:
+    """(Hydra overrides for conf/bench.yaml, per-method `{method: {param: value}}`, every-method
+    `{param: value}`) from `key=value` arguments (see conf/bench.yaml)."""
+    from snapkv import METHODS
+
+    bench_keys = set(OmegaConf.load(CONF_DIR / "bench.yaml")) - {"defaults"}
+    hydra_args: list[str] = []
+    per_method: dict[str, dict[str, str]] = {}
+    every: dict[str, str] = {}
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        if not eq:
+            raise ValueError(f"expected key=value, got {arg!r}")
+        head, _, rest = key.partition(".")
+        if key == "model" and value not in _model_options():
+            _check_model_name(value)
+            hydra_args.append(f"model.name={value}")  # any name snapkv.models.load_model takes
+        elif key in MODEL_ALIASES:
+            hydra_args.append(f"model.{key}={value}")
+        elif head in METHODS and rest:
+            per_method.setdefault(head, {})[rest] = value
+        elif key in bench_keys or head == "model":
+            hydra_args.append(arg)
+        elif any(key in cls.__dataclass_fields__ for cls in METHODS.values()):
+            every[key] = value
+        else:
+            known = sorted(bench_keys | set(MODEL_ALIASES))
+            raise ValueError(f"unknown option {key!r}; known: {', '.join(known)}, <method>.<param>, <param>")
+    return hydra_args, per_method, every
+
+
+def compose(argv: list[str]) -> DictConfig:
+    """conf/bench.yaml composed with conf/model/* and the command line; `cfg.method_params` holds each
+    listed method's full parameters (conf/method/<name>.yaml + overrides), validated by building it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from snapkv import build_method
+
+    hydra_args, per_method, every = split_overrides(argv)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose(config_name="bench", overrides=hydra_args)
+    OmegaConf.set_struct(cfg, False)
+    unknown = sorted(set(per_method) - set(cfg.methods))
+    if unknown:
+        raise ValueError(
+            f"parameters given for method(s) {unknown} that are not in methods={list(cfg.methods)}"
+        )
+    params = {}
+    for name in cfg.methods:
+        node = OmegaConf.create({"budget": cfg.budget, "m": _method_node(name)})
+        node.m.update({k: v for k, v in every.items() if k in build_method_fields(name)})
+        node.m.update(per_method.get(name, {}))
+        values = OmegaConf.to_container(node, resolve=True)["m"]
+        values = {k: _parse(v) for k, v in values.items()}
+        values.pop("name")
+        params[name] = build_method(name, **values).params()  # raises ValueError on a bad value
+    cfg.method_params = params
+    validate(cfg)
+    return cfg
+
+
+def build_method_fields(name: str) -> set[str]:
+    from snapkv import METHODS
+
+    return set(METHODS[name].__dataclass_fields__)
+
+
+def _parse(value: Any) -> Any:
+    """A command-line string as YAML would read it (`16` -> 16, `null` -> None, `avg` -> 'avg')."""
+    import yaml
+
+    return yaml.safe_load(value) if isinstance(value, str) and value else value
+
+
+def validate(cfg: DictConfig) -> None:
+    """Bad values raise ValueError naming them, before anything loads."""
+    for key in ("rounds", "decode_tokens"):
+        if not isinstance(cfg[key], int) or cfg[key] < 1:
+            raise ValueError(f"{key} must be a positive integer, got {key}={cfg[key]!r}")
+    for key in ("lengths", "batch_sizes"):
+        bad = [v for v in cfg[key] if not isinstance(v, int) or v < 1]
+        if bad or not cfg[key]:
+            raise ValueError(
+                f"{key} must be a non-empty list of positive integers, got {key}={list(cfg[key])}"
+            )
+    if cfg.clock == "auto":
+        cfg.clock = "cpu" if cfg.model.device == "cpu" else "wall"
+    if cfg.clock not in CLOCKS:
+        raise ValueError(f"clock must be one of {CLOCKS} or auto, got clock={cfg.clock!r}")
+    if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
+        raise ValueError(f"threads must be a positive integer or null, got threads={cfg.threads!r}")
+    if not isinstance(cfg.noise_threshold, int | float) or cfg.noise_threshold < 0:
+        raise ValueError(f"noise_threshold must be >= 0, got noise_threshold={cfg.noise_threshold!r}")
+    plan(cfg)
+
+
+def plan(cfg: DictConfig) -> list[Config]:
+    """The configurations of one round, in the first round's order."""
+    pairs = []
+    if cfg.configs is None:
+        pairs = [(m, n) for n in cfg.lengths for m in cfg.methods]
+    else:
+        for item in cfg.configs:
+            name, at, length = str(item).partition("@")
+            if not at or not length.isdigit() or int(length) < 1:
+                raise ValueError(f"configs entries are 'method@length', got {item!r}")
+            if name not in cfg.method_params:
+                raise ValueError(
+                    f"configs entry {item!r}: method {name!r} is not in methods={list(cfg.methods)}"
+                )
+            pairs.append((name, int(length)))
+    return [
+        Config(m, tuple(sorted(cfg.method_params[m].items())), n, b)
+        for b in cfg.batch_sizes
+        for m, n in pairs
+    ]
+
+
+def rotated(configs: list[Config], r: int) -> list[Config]:
+    """Round r's order: the plan rotated left by r."""
+    k = r % len(configs) if configs else 0
+    return configs[k:] + configs[:k]
+
+
+def spec_of(cfg: DictConfig, c: Config) -> dict[str, Any]:
+    return dict(
+        method=c.method,
+        params=dict(c.params),
+        input_tokens=c.input_tokens,
+        batch_size=c.batch_size,
+        decode_tokens=cfg.decode_tokens,
+        chunk_size=cfg.chunk_size,
+        seed=cfg.seed,
+        model=OmegaConf.to_container(cfg.model, resolve=True),
+    )
+
+
+def run_subprocess(spec: dict[str, Any], timeout_s: float, threads: int | None = None) -> dict[str, Any]:
+    """Measure one configuration in a fresh `python -m eval.bench_measure` process (`threads`: its
+    OMP_NUM_THREADS, set before torch loads; None: inherited)."""
+    cmd = [sys.executable, "-m", "eval.bench_measure", json.dumps(spec)]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
+    base = dict(method=spec["method"], batch_size=spec["batch_size"], input_tokens=spec["input_tokens"],
+                model=spec["model"]["name"], dtype=spec["model"]["dtype"], device=spec["model"]["device"])  # fmt: skip
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired:
+        return dict(base, status="error", error=f"timeout after {timeout_s}s")
+    for line in proc.stdout.splitlines():
+        if line.startswith("ROW "):
+            return json.loads(line[4:])
+    if proc.returncode in (-9, 137):  # killed by the kernel's OOM killer
+        return dict(base, status="oom", error="killed (out of memory)")
+    last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(base, status="error", error=last)
+
+
+def run(cfg: DictConfig) -> list[dict[str, Any]]:
+    """All rounds; writes every row to `cfg.out` as it comes and returns the rows (`noisy` set)."""
+    configs = plan(cfg)
+    use_sub = cfg.subprocess if cfg.subprocess is not None else cfg.model.device == "cpu"
+    out = Path(cfg.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    model = vocab = None
+    if not use_sub and cfg.threads and cfg.model.device == "cpu":
+        import torch
+
+        torch.set_num_threads(cfg.threads)
+    rows: list[dict[str, Any]] = []
+    for r in range(cfg.rounds):
+        round_rows: list[dict[str, Any]] = []
+        for order, c in enumerate(rotated(configs, r)):
+            t = time.perf_counter()
+            spec = spec_of(cfg, c)
+            if use_sub:
+                row = run_subprocess(spec, cfg.timeout_s, cfg.threads)
+            else:
+                if model is None:
+                    model, vocab = bench_measure.load(spec["model"], cfg.seed)
+                row = bench_measure.measure(model, vocab, spec)
+            row.update({"round": r, "order": order})
+            round_rows.append(row)
+            _print_row(row, time.perf_counter() - t)
+            _write_csv(out, rows + round_rows)  # every row as it comes (`noisy` once its round is done)
+        noisy = any((x.get("other_cores") or 0.0) > cfg.noise_threshold for x in round_rows)
+        for row in round_rows:
+            row["noisy"] = noisy
+        rows += round_rows
+        _write_csv(out, rows)
+        print(f"round {r + 1}/{cfg.rounds}: {'NOISY' if noisy else 'quiet'} (max other cores "
+              f"{max((x.get('other_cores') or 0.0) for x in round_rows):.2f})", flush=True)  # fmt: skip
+    return rows
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    tmp.replace(path)
+
+
+def _print_row(row: dict[str, Any], took: float) -> None:
+    tpot = f"{row['tpot_s'] * 1e3:.1f} ms" if row.get("tpot_s") else "-"
+    pre = f"{row['prefill_s']:.2f} s" if row.get("prefill_s") else "-"
+    if row.get("prefill_cpu_s") is not None:
+        pre += f" (cpu {row['prefill_cpu_s']:.2f})"
+    if row.get("tpot_cpu_s") is not None:
+        tpot += f" (cpu {row['tpot_cpu_s'] * 1e3:.1f})"
+    other = f"{row['other_cores']:.2f}" if row.get("other_cores") is not None else "-"
+    print(f"  {row['method']:>13} batch={row['batch_size']} len={row['input_tokens']:>7}: {row['status']:<5} "
+          f"prefill {pre:>20}  TPOT {tpot:>22}  peak {row.get('peak_mem_bytes') or 0:>13,} B  "
+          f"other cores {other}  ({took:.0f}s){'  ' + str(row.get('error')) if row.get('error') else ''}",
+          flush=True)  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    """The benchmark CLI: exit 2 with one line naming a bad value (before any model loads), else 0,
+    whether or not the targets are met (the numbers are the result)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from eval import bench_report
+
+    try:
+        cfg = compose(argv)
+    except (ValueError, HydraException, OmegaConfBaseException) as err:
+        print(f"error: {(str(err).strip().splitlines() or [type(err).__name__])[0]}", file=sys.stderr)
+        return 2
+    rows = run(cfg)
+    out = Path(cfg.out)
+    print(f"\nwrote {out}")
+    if cfg.plots and rows:
+        for p in bench_report.plot(rows, out):
+            print(f"wrote {p}")
+    print()
+    print(bench_report.summary_text(rows, cfg))
+    return 0

@@ -1,0 +1,99 @@
+"""One benchmark configuration, measured in this process; also the worker entry point
+(`python -m eval.bench_measure SPEC_JSON`) that `eval.bench` starts once per configuration on CPU,
+so that peak RSS starts from a fresh process.
+
+Inputs are random token ids (speed does not depend on content); EOS is disabled so every run
+decodes `decode_tokens`. An out-of-memory configuration becomes a row with status=oom.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+from eval.bench_noise import CpuNoise, PhaseProbe, thread_settings
+
+log = logging.getLogger(__name__)
+
+
+def load(model_cfg: dict[str, Any], seed: int):
+    """(model, vocab size) from a conf/model node."""
+    from snapkv.models import load_model
+
+    model, _, _ = load_model(
+        model_cfg["name"], model_cfg["dtype"], model_cfg["device"], model_cfg["attn_implementation"], seed
+    )
+    return model, model.config.get_text_config(decoder=True).vocab_size
+
+
+def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one configuration `spec` (method, params, input_tokens, batch_size, decode_tokens,
+    chunk_size, seed, model) on a loaded model; returns the result row (timings, memory, KV bytes,
+    noise, thread settings)."""
+    import torch
+
+    from snapkv import build_method, generate_ids
+
+    method = build_method(spec["method"], **spec["params"])
+    length, batch = spec["input_tokens"], spec["batch_size"]
+    gen = torch.Generator().manual_seed(spec["seed"] + length)
+    ids = torch.randint(100, vocab, (batch, length), generator=gen)
+    row: dict[str, Any] = dict(
+        method=spec["method"],
+        budget=method.params().get("budget"),
+        batch_size=batch,
+        input_tokens=length,
+        method_params=json.dumps(method.params(), sort_keys=True),
+        model=spec["model"]["name"],
+        dtype=spec["model"]["dtype"],
+        device=str(model.device),
+        **thread_settings(),
+    )
+    try:
+        with CpuNoise() as noise, PhaseProbe(model) as phases:
+            _, res = generate_ids(
+                model, ids, None, method, max_new_tokens=spec["decode_tokens"], stop_ids=set(),
+                chunk_size=spec["chunk_size"],
+            )  # fmt: skip
+        row.update(**phases.fields())
+        row.update(
+            prefill_s=res.prefill_s,
+            ttft_s=res.ttft_s,
+            tpot_s=res.tpot_s,
+            peak_mem_bytes=res.peak_mem_bytes,
+            kv_bytes=res.kv_bytes,
+            kv_bytes_full=res.kv_bytes_full,
+            kv_tokens=res.kv_tokens,
+            attn_impl=res.attn_impl,
+            status="ok",
+            error=None,
+            **noise.fields(),
+        )
+    except torch.OutOfMemoryError as e:
+        row.update(status="oom", error=_first_line(e))
+    except RuntimeError as e:
+        if "out of memory" not in str(e).lower():
+            raise
+        row.update(status="oom", error=_first_line(e))
+    finally:
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return row
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def worker(spec: dict[str, Any]) -> None:
+    """Load the model, measure `spec`, print the row as one `ROW {json}` line on stdout."""
+    model, vocab = load(spec["model"], spec["seed"])
+    print("ROW " + json.dumps(measure(model, vocab, spec)), flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    worker(json.loads(sys.argv[1]))

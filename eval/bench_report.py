@@ -1,0 +1,255 @@
+"""What the benchmark prints and plots: per-configuration medians with their noise figures, the
+speed-target ratios computed per round and summarised as median and IQR over the kept rounds, and
+the one line that holds all four ratios (the script's last line)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eval.bench_noise import THREAD_ENV, Spread, spread
+
+
+@dataclass(frozen=True)
+class Target:
+    """A speed target: `num / den` (each a (method, "short" | "long", column)) `direction` `bound`."""
+
+    key: str
+    label: str
+    num: tuple[str, str, str]
+    den: tuple[str, str, str]
+    direction: str
+    bound: float
+
+
+# The CPU speed targets (SmolLM2-135M fp32, 2 cores): `short` / `long` = the shortest / longest
+# input length of the run, batch = the smallest batch size.
+TARGETS = (
+    Target("tpot snapkv(L)/full(S)", "TPOT snapkv({long}, b={budget}) / TPOT full({short})",
+           ("snapkv", "long", "tpot_s"), ("full", "short", "tpot_s"), "<=", 1.05),
+    Target("tpot full(L)/snapkv(L)", "TPOT full({long}) / TPOT snapkv({long}, b={budget})",
+           ("full", "long", "tpot_s"), ("snapkv", "long", "tpot_s"), ">=", 2.0),
+    Target("prefill snapkv/full(L)", "prefill+compress snapkv / prefill full at {long}",
+           ("snapkv", "long", "prefill_s"), ("full", "long", "prefill_s"), "<=", 1.02),
+    Target("prefill h2o/full(L)", "prefill+score h2o / prefill full at {long}",
+           ("h2o", "long", "prefill_s"), ("full", "long", "prefill_s"), "<=", 1.15),
+)  # fmt: skip
+
+
+def _ok(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in rows if r.get("status") == "ok"]
+
+
+def kept_rounds(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    """(rounds used by the summary, all rounds): the rounds not flagged noisy, or all of them when
+    every round is."""
+    rounds = sorted({int(r["round"]) for r in rows})
+    quiet = sorted({int(r["round"]) for r in rows if not _truthy(r.get("noisy"))})
+    return (quiet or rounds), rounds
+
+
+def _truthy(v: Any) -> bool:
+    return v is True or str(v).lower() == "true"
+
+
+def _float(v: Any) -> float | None:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return None
+    return x if math.isfinite(x) else None
+
+
+CPU_COLUMNS = {"prefill_s": "prefill_cpu_s", "tpot_s": "tpot_cpu_s"}
+
+
+def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, dict[int, float]]:
+    """Each target's ratio per round, from the configurations of that same round only; `clock`
+    "cpu" uses the CPU-time columns (prefill_cpu_s, tpot_cpu_s) instead of the wall-clock ones."""
+    ok = _ok(rows)
+    if not ok:
+        return {t.key: {} for t in TARGETS}
+    lengths = sorted({int(r["input_tokens"]) for r in ok})
+    batch = min(int(r["batch_size"]) for r in ok)
+    at = {"short": lengths[0], "long": lengths[-1]}
+    cell = {
+        (int(r["round"]), r["method"], int(r["input_tokens"])): r for r in ok if int(r["batch_size"]) == batch
+    }
+    out: dict[str, dict[int, float]] = {}
+    for t in TARGETS:
+        per: dict[int, float] = {}
+        for rnd in sorted({int(r["round"]) for r in ok}):
+            a, b = (cell.get((rnd, m, at[w])) for m, w, _ in (t.num, t.den))
+            num, den = (
+                (CPU_COLUMNS[t.num[2]], CPU_COLUMNS[t.den[2]]) if clock == "cpu" else (t.num[2], t.den[2])
+            )
+            x = _float(a.get(num)) if a else None
+            y = _float(b.get(den)) if b else None
+            if x is not None and y:
+                per[rnd] = x / y
+        out[t.key] = per
+    return out
+
+
+def ratio_spreads(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, Spread | None]:
+    """Each target's median and IQR over the kept rounds."""
+    kept, _ = kept_rounds(rows)
+    return {k: spread(v for r, v in per.items() if r in kept) for k, per in round_ratios(rows, clock).items()}
+
+
+def verdict(t: Target, s: Spread | None) -> str:
+    if s is None:
+        return "n/a"
+    if s.meets(t.bound, t.direction):
+        return "MET"
+    median_ok = s.median <= t.bound if t.direction == "<=" else s.median >= t.bound
+    return "MEDIAN ONLY (IQR crosses)" if median_ok else "NOT MET"
+
+
+def config_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per configuration: medians over the kept rounds with the IQR/median noise figure and the
+    median CPU other processes used meanwhile."""
+    kept, _ = kept_rounds(rows)
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        if int(r["round"]) in kept:
+            groups.setdefault((r["method"], int(r["batch_size"]), int(r["input_tokens"])), []).append(r)
+    table = []
+    for (method, batch, length), g in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        ok = _ok(g)
+        rec: dict[str, Any] = dict(method=method, batch_size=batch, input_tokens=length, n=len(g), ok=len(ok))
+        for col in (
+            "prefill_s",
+            "tpot_s",
+            "prefill_cpu_s",
+            "tpot_cpu_s",
+            "peak_mem_bytes",
+            "kv_bytes",
+            "other_cores",
+        ):
+            rec[col] = spread(_float(r.get(col)) for r in ok)
+        table.append(rec)
+    return table
+
+
+def _fmt(s: Spread | None, scale: float = 1.0, digits: int = 2, noise: bool = True) -> str:
+    if s is None:
+        return "-"
+    text = f"{s.median * scale:.{digits}f}"
+    return f"{text} ±{100 * s.rel_iqr:.0f}%" if noise and not math.isnan(s.rel_iqr) else text
+
+
+def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
+    """The printed summary; its last line holds all four ratios with their IQRs."""
+    kept, rounds = kept_rounds(rows)
+    quiet = [r for r in rounds if not any(_truthy(x.get("noisy")) for x in rows if int(x["round"]) == r)]
+    ok = _ok(rows)
+    lengths = sorted({int(r["input_tokens"]) for r in ok}) or [0]
+    lines = [
+        f"per configuration: median over {len(kept)} kept of {len(rounds)} rounds "
+        "(±: IQR / median; other cores: CPU other processes used meanwhile)",
+        f"{'method':>13} {'batch':>5} {'length':>7} {'ok':>4} {'prefill s':>14} {'TPOT ms':>14} "
+        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
+    ]
+    for rec in config_table(rows):
+        lines.append(
+            f"{rec['method']:>13} {rec['batch_size']:>5} {rec['input_tokens']:>7} {rec['ok']:>2}/{rec['n']:<1} "
+            f"{_fmt(rec['prefill_s']):>14} {_fmt(rec['tpot_s'], 1e3, 1):>14} "
+            f"{_fmt(rec['prefill_cpu_s']):>14} {_fmt(rec['tpot_cpu_s'], 1e3, 1):>14} "
+            f"{_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
+            f"{_fmt(rec['other_cores'], 1, 2, False):>11}"
+        )
+    max_other = {
+        r: max((_float(x.get("other_cores")) or 0.0) for x in rows if int(x["round"]) == r) for r in rounds
+    }
+    lines.append(
+        f"rounds kept: {len(quiet)} of {len(rounds)} under the noise threshold "
+        f"({cfg.noise_threshold} other cores)"
+        + ("" if quiet else "; NONE was, so the summary uses all rounds")
+        + "; max other cores per round: "
+        + ", ".join(f"{max_other[r]:.2f}" for r in rounds)
+    )
+    first = ok[0] if ok else {}
+    lines.append(
+        "threads: "
+        + ", ".join(
+            f"{k}={first.get(k, '')!s}"
+            for k in ("torch_threads", "cpu_count", *(e.lower() for e in THREAD_ENV))
+        )
+    )
+    spreads = ratio_spreads(rows, cfg.clock)
+    lines.append(
+        f"\nratios of {cfg.clock} times (per round, median [Q1, Q3] over {len(kept)} rounds; a target is MET "
+        "when the IQR is on its side):"
+    )
+    fields = dict(long=lengths[-1], short=lengths[0], budget=cfg.budget)
+    for t in TARGETS:
+        s = spreads[t.key]
+        shown = "n/a (configuration not run)" if s is None else f"{s.median:.3f} [{s.q1:.3f}, {s.q3:.3f}]"
+        lines.append(
+            f"  {t.label.format(**fields)}: {shown}  target {t.direction} {t.bound}  {verdict(t, spreads[t.key])}"
+        )
+    lines.append(last_line(rows, cfg.clock))
+    return "\n".join(lines)
+
+
+def last_line(rows: Sequence[dict[str, Any]], clock: str = "wall") -> str:
+    """One line: every target ratio as median [Q1,Q3] and its verdict, plus the clock and rounds used."""
+    kept, rounds = kept_rounds(rows)
+    spreads = ratio_spreads(rows, clock)
+    parts = []
+    for t in TARGETS:
+        s = spreads[t.key]
+        value = "n/a" if s is None else f"{s.median:.3f} [{s.q1:.3f},{s.q3:.3f}]"
+        parts.append(f"{t.key} {value} {t.direction}{t.bound} {verdict(t, s).split(' ')[0]}")
+    return f"RATIOS ({clock}) " + " | ".join(parts) + f" | rounds {len(kept)}/{len(rounds)}"
+
+
+def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
+    """TPOT and peak memory vs input length (medians over the kept rounds), and the longest input
+    each method ran: `<out stem>_{tpot,peak_mem,longest}.png` beside the CSV."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = config_table(rows)
+    paths = []
+    series = sorted({(t["method"], t["batch_size"]) for t in table})
+    first = rows[0]
+    for key, ylabel, scale, stem in [("tpot_s", "decode ms / token (TPOT)", 1e3, "tpot"),
+                                     ("peak_mem_bytes", "peak memory (GiB)", 1 / 2**30, "peak_mem")]:  # fmt: skip
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for method, batch in series:
+            pts = sorted((t["input_tokens"], t[key].median * scale) for t in table
+                         if t["method"] == method and t["batch_size"] == batch and t[key] is not None)  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"{method} (batch {batch})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("input tokens")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        ax.set_title(f"{first['model']} ({first['dtype']}, {first['device']}; median of rounds)", fontsize=9)
+        fig.tight_layout()
+        path = out.with_name(f"{out.stem}_{stem}.png")
+        fig.savefig(path, dpi=150)
+        plt.close(fig)
+        paths.append(path)
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    methods = sorted({r["method"] for r in rows})
+    longest = [
+        max([t["input_tokens"] for t in table if t["method"] == m and t["ok"]] or [0]) for m in methods
+    ]
+    ax.barh(methods, longest, color="#4C72B0")
+    for i, v in enumerate(longest):
+        ax.text(v, i, f" {v:,}", va="center", fontsize=8)
+    ax.set_xlabel("longest input that ran (tokens)")
+    fig.tight_layout()
+    path = out.with_name(f"{out.stem}_longest.png")
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return paths + [path]

@@ -10,13 +10,27 @@ window 32, kernel 7, max-pool, budget 1024/2048/4096; needle to 380K: window 16,
 GQA: the original code repeats K/V to every query head before caching. Here each query head scores,
 the scores are pooled per query head and reduced over the group (`gqa_reduce`), and the cache stays
 at KV-head granularity.
+
+`span` (OUR variant, not in the paper; default None = the paper): after pooling and the group
+reduction, every prefix position's score becomes the max of the scores of the `span` positions
+ending at it, `s'[i] = max(s[max(0, i - span + 1)], ..., s[i])` (prefix only; the window stays
+protected). A voted position thereby lends its score to the `span - 1` positions after it, so a
+vote for the start of a multi-token item (the first digit of a number that is tokenized one digit
+per token) keeps the item's tail; max-pooling with kernel k only keeps k // 2 neighbours on each
+side. Why forward and not symmetric: the votes of a window that asks for an item land on its
+first tokens (measured on SmolLM2, `results/digits/`), so widening backwards spends budget on the
+text before the item. The rule sees only the scores (no token ids, no tokenizer, no positions of a
+needle); the base class's top-k keeps exactly `budget` entries, so the budget is never exceeded:
+a longer span buys whole runs for fewer voted positions.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from snapkv.methods.base import GQA_REDUCTIONS, Method, pool, reduce_group, window_attention
 from snapkv.methods.registry import register
@@ -32,6 +46,7 @@ class SnapKV(Method):
     kernel_size: int = 7
     pooling: str = "max"  # max | avg | none
     gqa_reduce: str = "mean"  # mean | max | sum
+    span: int | None = None  # OUR variant: spread each score over the next span-1 positions (None: paper)
 
     def validate(self) -> None:
         super().validate()
@@ -48,6 +63,9 @@ class SnapKV(Method):
                 f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={self.gqa_reduce!r}"
             )
 
+        if self.span is not None and (not isinstance(self.span, int) or self.span <= 0):
+            raise ValueError(f"span must be None or a positive integer, got span={self.span!r}")
+
     def protected(self) -> tuple[int, int]:
         return 0, self.window
 
@@ -60,5 +78,15 @@ class SnapKV(Method):
         votes = window_attention(query, key, self.window, module.scaling)  # [b, kv, g, L]
         prefix = pool(votes[..., : -self.window], self.kernel_size, self.pooling)
         scores = torch.zeros(votes.shape[:2] + votes.shape[3:], device=votes.device)
-        scores[..., : -self.window] = reduce_group(prefix, self.gqa_reduce)
+        scores[..., : -self.window] = spread_forward(reduce_group(prefix, self.gqa_reduce), self.span)
         return scores  # the window's own entries are protected
+
+
+def spread_forward(scores: torch.Tensor, span: int | None) -> torch.Tensor:
+    """`out[..., i] = max(scores[..., max(0, i - span + 1) : i + 1])` along the last axis: a causal
+    (trailing) running max over `span` positions; `span` None or 1 returns `scores` itself."""
+    if span is None or span == 1:
+        return scores
+    shape = scores.shape
+    x = F.pad(scores.reshape(-1, 1, shape[-1]), (span - 1, 0), value=-math.inf)
+    return F.max_pool1d(x, span, stride=1).reshape(shape)

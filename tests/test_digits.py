@@ -123,3 +123,40 @@ def test_conf_snapkv_has_span_off():
 
     node = OmegaConf.load("conf/method/snapkv.yaml")
     assert "span" in node and node.span is None
+
+
+def test_kept_fractions_count_what_each_head_kept():
+    from eval.kept_positions import kept_fractions
+
+    model = tiny_model("llama", layers=2)
+    ids = random_ids(80)
+    frac = kept_fractions(model, ids, build_method("snapkv", budget=30, window=8, span=4))
+    assert frac.shape == (2, 80)
+    assert torch.allclose(frac.sum(-1), torch.full((2,), 30.0))  # every KV head keeps exactly 30
+    assert torch.equal(frac[:, -8:], torch.ones(2, 8))  # the window, always
+    uncompressed = kept_fractions(model, ids, build_method("snapkv", budget=100, window=8))
+    assert torch.equal(uncompressed, torch.ones(2, 80))
+
+
+def test_digits_ablation_figure_bars_are_the_means():
+    import pandas as pd
+
+    from eval.digits_plots import digits_ablation_figure
+
+    p7, p7s, full = dict(budget=512, kernel_size=7), dict(budget=512, kernel_size=7, span=8), {"budget": None}
+    rows = pd.DataFrame(
+        {
+            "method_params": [p7, p7, p7s, p7s, full, full],
+            "context_length": [1000] * 6,
+            "score": [0.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+            "partial": [0.5, 1.0, 1.0, 0.75, 1.0, 1.0],
+        }
+    )
+    fig = digits_ablation_figure(rows, "t")
+    exact, partial = ([b.get_height() for b in ax.patches] for ax in fig.axes)
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == [
+        "full cache",
+        "k=7 (paper)",
+        "k=7 span=8 (ours)",
+    ]
+    assert exact == [100.0, 50.0, 100.0] and partial == [100.0, 75.0, 87.5]

@@ -17,12 +17,12 @@ ending at it, `s'[i] = max(s[max(0, i - span + 1)], ..., s[i])` (prefix only; th
 protected). A voted position thereby lends its score to the `span - 1` positions after it, so a
 vote for the start of a multi-token item (the first digit of a number that is tokenized one digit
 per token) keeps the item's tail; max-pooling with kernel k only keeps k // 2 neighbours on each
-side. Why forward and not symmetric: the window's votes land on the text that
-introduces an item and on its first tokens; on SmolLM2's needle (`results/digits/`, no pooling)
-the first digit is kept by 39% of the KV heads (layer mean), digits 5-7 by 11-18%; so widening
-backwards spends budget on text before the item. The rule sees only the scores (no token ids, no tokenizer, no positions of a
-needle); the base class's top-k keeps exactly `budget` entries, so the budget is never exceeded:
-a longer span buys whole runs for fewer voted positions.
+side. Why forward and not symmetric: the window's votes land on the text that introduces an
+item and on its first tokens; on SmolLM2's needle (`results/digits/`, no pooling) the first digit
+is kept by 39% of the KV heads (mean over layers), digits 5-7 by 11-18%, so widening backwards
+spends budget on text before the item. The rule sees only the scores (no token ids, no tokenizer,
+no position of a needle); the base class's top-k keeps exactly `budget` entries, so the budget is
+never exceeded: a longer span buys whole runs for fewer voted positions.
 """
 
 from __future__ import annotations

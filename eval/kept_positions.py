@@ -147,7 +147,12 @@ def compute(cfg: Any, model: Any, tokenizer: Any) -> tuple[pd.DataFrame, dict]:
 
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    args = OmegaConf.from_dotlist(argv)
+    unknown = sorted(set(args) - set(DEFAULTS))
+    if unknown:
+        print(f"error: unknown key {unknown[0]!r}; known: {', '.join(DEFAULTS)}", file=sys.stderr)
+        return 2
+    cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), args)
     from snapkv.models import load_model
 
     model, tokenizer, _ = load_model(cfg.model)

@@ -160,3 +160,10 @@ def test_digits_ablation_figure_bars_are_the_means():
         "k=7 span=8 (ours)",
     ]
     assert exact == [100.0, 50.0, 100.0] and partial == [100.0, 75.0, 87.5]
+
+
+def test_kept_positions_cli_rejects_an_unknown_key_before_loading(capsys):
+    from eval.kept_positions import main
+
+    assert main(["lenght=2000"]) == 2
+    assert "'lenght'" in capsys.readouterr().err

@@ -9,6 +9,8 @@ At whatever scale was run, from the results store and the benchmark CSVs:
   drawn next to each CSV and in the figures folder);
 - pooling ablation (max vs avg vs none): needle score vs budget, one line per pooling;
 - budget x window sweep: needle score vs budget, one line per observation window;
+- digits as single tokens: SnapKV's kept positions around the needle (results/digits/kept_positions.*)
+  and the kernel / span ablation next to the full cache (results/digits/ rows);
 - the observation analysis figures (re-plotted from results/observation/*.csv).
 Inputs that are absent are skipped with a note; the experiments that make them are named.
 """
@@ -123,6 +125,36 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
     return written
 
 
+def digits(root: Path, out: Path) -> list[Path]:
+    """The digits figures (`eval.digits_plots`) from results/digits/."""
+    import json
+
+    from eval.digits_plots import digits_ablation_figure, kept_positions_figure
+
+    sub, written = root / "digits", []
+    if (sub / "kept_positions.csv").is_file():
+        meta = json.loads((sub / "kept_positions.json").read_text(encoding="utf-8"))
+        fig = kept_positions_figure(pd.read_csv(sub / "kept_positions.csv"), meta)
+        written.append(out / "digits_kept_positions.png")
+        fig.savefig(written[-1], dpi=150)
+    else:
+        print("digits: no kept positions (python -m eval.kept_positions)")
+    df = load(sub)
+    d = df[(df["task"] == "needle") & df["ok"] & (df["method"] == "snapkv")] if not df.empty else df
+    if d.empty:
+        print("digits: no ablation rows (python run.py -m experiment=digits_ablation)")
+        return written
+    everything = load(root)
+    full = everything[(everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full")]
+    full = full[full["sample_id"].isin(set(d["sample_id"])) & (full["model"] == d["model"].iloc[0])]
+    if set(full["sample_id"]) == set(d["sample_id"]):  # the full cache only on the same samples
+        d = pd.concat([d, full.drop_duplicates("sample_id")])
+    fig = digits_ablation_figure(d, f"SnapKV kernel / span ablation, budget 512 ({d['model'].iloc[0]})")
+    written.append(out / "digits_ablation.png")
+    fig.savefig(written[-1], dpi=150)
+    return written
+
+
 def observation(root: Path, out: Path) -> list[Path]:
     obs = root / "observation"
     if not (obs.is_dir() and any(obs.glob("*.csv"))):
@@ -146,6 +178,7 @@ def main(argv: list[str]) -> int:
         written += table1(df, out)
         written += sweep_figure(root, out, "pooling", "pooling_ablation")
         written += sweep_figure(root, out, "window", "sweep_window_budget")
+        written += digits(root, out)
     written += latency(root, out)
     written += observation(root, out)
     print("\n".join(f"wrote {p}" for p in written))

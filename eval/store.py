@@ -72,7 +72,10 @@ docstring). Nothing here knows a particular task.
 Old rows (written before `model_path` existed: the committed `results/` and earlier runs) are read
 as they are, through `normalize_row`: `model_path` = their `model`, `model` = its short key, and the
 columns the old fixed schema wrote as null for other tasks (e.g. `depth_percent: null` on LongBench
-rows) dropped. Their files resume too: the runner also reads the old folder of a local-path model.
+rows) dropped, and `method_params` completed by the method's `upgrade_params` with the values of
+switches added since (SnapKV's `gqa_order: pool_first`, ...), so a report labels them with what
+really ran. Their files resume too when today's config hashes the same (the runner also reads the
+old folder of a local-path model); a config whose defaults changed since gets a new file.
 
 `load_dir` adds a `file` column (path of the source file relative to `results_dir`), and skips with a
 warning any `*.jsonl` whose first row is an object without `sample_id` (not a results file, e.g.
@@ -205,6 +208,13 @@ def normalize_row(row: dict) -> dict:
     row["model_path"] = row.get("model")
     if row["model_path"] is not None:
         row["model"] = model_key(row["model_path"])
+    # Switches added since the row was written: the method names what really ran (its own
+    # `legacy_params`), so old and new rows never share a label in a report.
+    from snapkv.methods.registry import METHODS
+
+    cls = METHODS.get(row.get("method"))
+    if cls is not None and isinstance(row.get("method_params"), dict):
+        row["method_params"] = cls.upgrade_params(row["method_params"])
     return row
 
 

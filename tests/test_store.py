@@ -212,8 +212,10 @@ REPO = __import__("pathlib").Path(__file__).resolve().parents[1]
     [("needle_methods", "snapkv"), ("needle_methods", "full"), ("longbench_multinews", "snapkv")],
 )
 def test_committed_results_resume_under_the_new_schema(experiment, method, tmp_path):
-    """The committed rows (written before the schema change) are found by today's config: same
-    file path and hash, every sample done, and they load with their task columns."""
+    """The committed rows (written before the schema change) load with their task columns and
+    with what really ran; `full` (unchanged since) is found by today's config: same file path and
+    hash, every sample done. SnapKV's default GQA order changed since (pool_first -> reduce_first):
+    today's default must NOT reuse those rows, and `method.gqa_order=pool_first` names what they ran."""
     import shutil
 
     from hydra import compose, initialize_config_dir
@@ -227,6 +229,17 @@ def test_committed_results_resume_under_the_new_schema(experiment, method, tmp_p
         cfg = compose("config", overrides=[f"experiment={experiment}", f"method={method}",
                                            f"results_dir={tmp_path / experiment}"])  # fmt: skip
     spec = RunSpec.from_config(cfg)
+    if method == "snapkv":
+        assert not spec.result_path.exists(), "old pool-first rows must not resume under reduce_first"
+        old_files = sorted(spec.result_path.parent.glob("snapkv-*.jsonl"))
+        assert old_files, "no committed snapkv rows"
+        old_rows = read_rows(old_files[0])
+        assert "gqa_order" not in old_rows[0]["method_params"]
+        assert normalize_row(old_rows[0])["method_params"]["gqa_order"] == "pool_first"
+        df = ResultStore.load_dir(tmp_path / experiment)
+        snap = df[df["method"] == "snapkv"]
+        assert {p["gqa_order"] for p in snap["method_params"]} == {"pool_first"}
+        return
     assert spec.result_path.is_file(), f"{spec.result_path} (today's hash) is not a committed file"
     old_rows = read_rows(spec.result_path)
     assert "model_path" not in old_rows[0]  # really the old shape
@@ -242,3 +255,22 @@ def test_committed_results_resume_under_the_new_schema(experiment, method, tmp_p
         )  # null columns of other tasks dropped
     else:
         assert df["length"].notna().all() and "depth_percent" not in df
+
+
+def test_old_rows_name_the_switches_added_since():
+    """Rows without a switch get the value that reproduces what ran before it existed."""
+    from eval.store import normalize_row
+
+    def old(method, params):
+        return normalize_row({"sample_id": "s", "model": "m", "method": method, "method_params": params})
+
+    assert old("snapkv", {"budget": 64})["method_params"] == {"budget": 64, "gqa_order": "pool_first"}
+    assert old("pyramidkv", {})["method_params"] == {"gqa_order": "pool_first", "short_prompt": "clip"}
+    ada = old("adakv", {"normalize": True})["method_params"]
+    assert ada == {"normalize": "sum", "gqa_order": "pool_first", "allocation": "exact"}
+    assert old("adakv", {"normalize": False})["method_params"]["normalize"] is False
+    assert old("h2o", {"budget": 64})["method_params"] == {"budget": 64}  # nothing changed there
+    # Today's rows (with model_path) and explicit values are left as they are.
+    new = {"sample_id": "s", "model": "m", "model_path": "m", "method": "snapkv", "method_params": {}}
+    assert normalize_row(new)["method_params"] == {}
+    assert old("snapkv", {"gqa_order": "reduce_first"})["method_params"] == {"gqa_order": "reduce_first"}

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -109,6 +110,16 @@ class AdaKV(PyramidKV):
     allocation: str = "adakv"  # adakv: int floor, per-head round | exact: ceil floor, exact total
     normalize: bool | str = False  # True: AdaKV's top-P mass ratio | "sum": divide by the sum
     layout: str = "varlen"  # varlen | padded
+
+    # Rows written before these switches existed: pool-then-reduce, the exact allocation (ceil floor,
+    # largest remainder) and `normalize=True` meaning "divide by the head's sum" (today's "sum").
+    legacy_params: ClassVar[dict[str, Any]] = {"gqa_order": "pool_first", "allocation": "exact"}
+
+    @classmethod
+    def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        if "allocation" not in params and params.get("normalize") is True:
+            params = {**params, "normalize": "sum"}
+        return super().upgrade_params(params)
 
     @property
     def pyramid(self) -> bool:

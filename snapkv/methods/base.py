@@ -32,10 +32,21 @@ class Method:
     # Whether the method also evicts while decoding (H2O's original, StreamingLLM's rolling cache).
     evicts_during_decode: ClassVar[bool] = False
 
+    # Values that reproduce what this method computed before a switch was added, for rows written
+    # before it existed (`upgrade_params`): e.g. SnapKV's `gqa_order` defaulted to the behaviour
+    # now called `pool_first`. A new switch whose default changes results adds its old value here.
+    legacy_params: ClassVar[dict[str, Any]] = {}
+
     budget: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
+
+    @classmethod
+    def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """The parameters of a row written by an older version, as today's names and values for
+        what really ran: switches the row does not name get their `legacy_params` value."""
+        return {**{k: v for k, v in cls.legacy_params.items() if k not in params}, **params}
 
     # ---- what a method defines (every hook has a no-op / uniform default) ---------------------
     def validate(self) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any, ClassVar
 
 from snapkv.methods.registry import register
 from snapkv.methods.snapkv import SnapKV
@@ -103,6 +104,9 @@ class PyramidKV(SnapKV):
     beta: float = 20  # the last layer keeps (budget - window) / beta selectable entries
     schedule: str = "exact"  # exact (mean == budget) | floor (KVCache-Factory's, overspends)
     short_prompt: str = "uniform"  # budget < L < 2(budget - window): uniform (KVCache-Factory) | clip
+
+    # Rows written before these switches existed: pool-then-reduce, and a clipped pyramid on short prompts.
+    legacy_params: ClassVar[dict[str, Any]] = {"gqa_order": "pool_first", "short_prompt": "clip"}
 
     @property
     def pyramid(self) -> bool:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,9 @@ class SnapKV(Method):
     pooling: str = "max"  # max | avg | none
     gqa_reduce: str = "mean"  # mean | max | sum
     gqa_order: str = "reduce_first"  # reduce_first (KVCache-Factory, AdaKV) | pool_first (kvpress)
+    # Rows written before `gqa_order` existed pooled per query head, then reduced.
+    legacy_params: ClassVar[dict[str, Any]] = {"gqa_order": "pool_first"}
+
     span: int | None = None  # OUR variant: spread each score over the next span-1 positions (None: paper)
 
     def validate(self) -> None:

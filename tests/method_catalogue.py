@@ -22,6 +22,7 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
         dict(budget=40, window=W, kernel_size=4, pooling="avg", gqa_reduce="max", gqa_order="pool_first"),
     ),
     ("snapkv", dict(budget=40, window=W, kernel_size=5, pooling="none", gqa_reduce="sum")),
+    ("snapkv", dict(budget=40, window=W, kernel_size=5, span=6)),  # our variant (not the paper)
     ("h2o", dict(budget=40, evict_during_decode=True)),
     ("h2o", dict(budget=40, evict_during_decode=False, normalize=True, gqa_reduce="max")),
     ("h2o", dict(budget=40, recent=10, fused=False, gqa_reduce="sum")),
@@ -49,6 +50,7 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
 # are covered by dedicated tests (StreamingLLM's compacted positions only run in snapkv.generate).
 NOT_SWITCHES = {
     "budget", "window", "kernel_size", "recent", "recent_ratio", "beta", "alpha", "block_size", "n_sink",
+    "span",
 }  # fmt: skip
 SWITCHES_TESTED_ELSEWHERE = {("streamingllm", "positions"): "test_streamingllm_compacted_*"}
 

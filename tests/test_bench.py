@@ -124,7 +124,8 @@ def test_every_method_parameter_passes_through_from_conf_method():
     cfg = compose(["methods=[snapkv,h2o,streamingllm]", "budget=96", "snapkv.pooling=avg", "snapkv.window=16",
                    "h2o.recent=8", "h2o.normalize=true", "n_sink=2", "configs=[snapkv@512,h2o@512]"])  # fmt: skip
     assert cfg.method_params["snapkv"] == {"budget": 96, "window": 16, "kernel_size": 7, "pooling": "avg",
-                                           "gqa_reduce": "mean"}  # fmt: skip
+                                           "gqa_reduce": "mean", "gqa_order": "reduce_first",
+                                           "span": None}  # fmt: skip
     assert cfg.method_params["h2o"]["recent"] == 8 and cfg.method_params["h2o"]["normalize"] is True
     assert cfg.method_params["h2o"]["block_size"] == 256  # conf/method/h2o.yaml's, not re-declared here
     assert cfg.method_params["streamingllm"]["n_sink"] == 2

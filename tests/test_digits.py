@@ -65,7 +65,8 @@ def naive_span_selection(attn, kv_heads, budget, window, kernel, span):
 def test_span_selection_equals_naive_reference(span):
     model = tiny_model("llama")
     ids = random_ids(64)
-    method = build_method("snapkv", budget=24, window=8, kernel_size=5, span=span)
+    # The naive reference pools each query head, then averages the group (gqa_order=pool_first).
+    method = build_method("snapkv", budget=24, window=8, kernel_size=5, span=span, gqa_order="pool_first")
     attns = eager_attentions(model, ids)
     cache = _prefill(model, ids, method)
     for layer_idx, layer in cache.compressible_layers():
@@ -73,19 +74,25 @@ def test_span_selection_equals_naive_reference(span):
         assert layer.positions[0].tolist() == want, f"layer {layer_idx}"
 
 
+@pytest.mark.parametrize("order", ["reduce_first", "pool_first"])
 @pytest.mark.parametrize("span", [None, 1])
-def test_span_off_is_the_paper_bit_for_bit(span):
+def test_span_off_is_the_paper_bit_for_bit(span, order):
     """span None (default) and 1: the scores are today's formula, to the bit, and so the selection."""
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16)
     module = type("M", (), {"scaling": 0.25})()
-    method = build_method("snapkv", budget=20, window=8, kernel_size=7, span=span)
-    votes = window_attention(q, k, 8, 0.25)
+    layer = type("L", (), {"softcap": None, "sinks": None})()
+    method = build_method("snapkv", budget=20, window=8, kernel_size=7, span=span, gqa_order=order)
+    votes = window_attention(q, k, 8, 0.25)[..., :-8]
     want = torch.zeros(1, 2, 40)
-    want[..., :-8] = reduce_group(pool(votes[..., :-8], 7, "max"), "mean")
-    got = method.score(None, q, k, module)
+    if order == "pool_first":
+        want[..., :-8] = reduce_group(pool(votes, 7, "max"), "mean")
+    else:
+        want[..., :-8] = pool(reduce_group(votes, "mean"), 7, "max")
+    got = method.score(layer, q, k, module)
     assert torch.equal(got, want)
-    assert torch.equal(method.select(got, 20), build_method("snapkv", budget=20, window=8).select(want, 20))
+    paper = build_method("snapkv", budget=20, window=8, gqa_order=order)
+    assert torch.equal(method.select(got, 20), paper.select(want, 20))
     assert build_method("snapkv").span is None
 
 

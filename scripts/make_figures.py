@@ -79,18 +79,24 @@ def table1(df: pd.DataFrame, out: Path) -> list[Path]:
 
 
 def latency(root: Path, out: Path) -> list[Path]:
-    csvs = sorted((root / "bench").glob("*.csv")) if (root / "bench").is_dir() else []
+    bench = root / "bench"
+    csvs = sorted([*bench.glob("*.csv"), *bench.glob("validation/*.csv")]) if bench.is_dir() else []
     if not csvs:
         print("latency: no bench CSVs (python scripts/bench_speed.py ... out=results/bench/NAME.csv)")
         return []
-    from bench_speed import plot
+    from eval.bench_report import plot
 
     written = []
     for path in csvs:
-        rows = pd.read_csv(path).to_dict("records")
+        df = pd.read_csv(path)
+        if "round" not in df:  # a one-run CSV from before the interleaved rounds: one round
+            df = df.assign(round=0)
+        rows = df.to_dict("records")
         # next to the CSV (where scripts/bench_speed.py first drew them, linked from the README) and
         # in the figures folder
-        written += plot(rows, path) + plot(rows, out / path.name)
+        written += plot(rows, path)
+        if path.parent == bench:  # the validation runs' plots stay next to their CSVs only
+            written += plot(rows, out / path.name)
     return written
 
 

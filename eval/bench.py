@@ -30,6 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval import bench_measure
 from eval.bench_noise import THREAD_ENV
+from snapkv.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -321,7 +322,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = compose(argv)
     except (ValueError, HydraException, OmegaConfBaseException) as err:
-        print(f"error: {(str(err).strip().splitlines() or [type(err).__name__])[0]}", file=sys.stderr)
+        print(f"error: {first_line(err)}", file=sys.stderr)
         return 2
     rows = run(cfg)
     out = Path(cfg.out)

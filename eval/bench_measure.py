@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from eval.bench_noise import CpuNoise, PhaseProbe, thread_settings
+from snapkv.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return first_line(err)
 
 
 def worker(spec: dict[str, Any]) -> None:

@@ -58,6 +58,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from snapkv.errors import first_line
+
 logger = logging.getLogger(__name__)
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -692,7 +694,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = compose(argv)
     except (HydraException, OmegaConfBaseException) as e:
-        print(f"error: {(str(e).strip().splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        print(f"error: {first_line(e)}", file=sys.stderr)
         return 2
     if cfg.replot:
         for p in replot(cfg.out_dir):

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,8 @@ from snapkv import hub
 from snapkv.embedded import EMBEDDED, fetch_embedded
 from snapkv.errors import first_line
 from snapkv.paths import cache_root
+
+logger = logging.getLogger(__name__)
 
 # Real shapes for random-weight speed/memory runs (configs as published by the model authors).
 RANDOM_SHAPES: dict[str, dict[str, Any]] = {
@@ -82,7 +84,7 @@ def _save_converted(model, tokenizer, target: Path) -> None:
         tokenizer.save_pretrained(tmp)
         tmp.rename(target)
     except (OSError, ValueError) as e:  # a read-only cache is fine: GGUF loading still works
-        print(f"[snapkv-bench] could not cache a converted copy in {target}: {e}", file=sys.stderr)
+        logger.warning("could not cache a converted copy in %s: %s", target, e)
     finally:
         model.hf_quantizer = quantizer
         if qconfig is not None:
@@ -103,8 +105,7 @@ def resolve_attn_implementation(requested: str, device: str) -> str:
     if requested == "flash_attention_2" and (
         importlib.util.find_spec("flash_attn") is None or not torch.cuda.is_available() or device == "cpu"
     ):
-        print("[snapkv-bench] flash_attention_2 requested but unavailable (flash-attn / CUDA); using sdpa",
-              file=sys.stderr)  # fmt: skip
+        logger.warning("flash_attention_2 requested but unavailable (flash-attn / CUDA); using sdpa")
         return "sdpa"
     return requested
 

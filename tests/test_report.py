@@ -18,6 +18,7 @@ def base_row(sample_id, task, dataset, method, params, score, status="ok", **kw)
     r = {
         "sample_id": sample_id,
         "model": MODEL,
+        "model_path": MODEL,  # today's row shape (old rows get the switches added since filled in)
         "task": task,
         "dataset": dataset,
         "method": method,

@@ -134,7 +134,7 @@ def test_needle_run_writes_complete_rows_and_report(tiny_dir, tmp_path):
         assert path.name == f"snapkv-{row['method_hash']}.jsonl"
         assert row["model"] == "tiny-llama" and row["model_path"] == tiny_dir  # short key, full path
         assert row["task"] == "needle" and row["dataset"] == "needle"
-        assert row["method_params"] == {"budget": 64, "window": 32, "kernel_size": 7, "pooling": "max", "gqa_reduce": "mean", "gqa_order": "reduce_first"}  # fmt: skip
+        assert row["method_params"] == {"budget": 64, "window": 32, "kernel_size": 7, "pooling": "max", "gqa_reduce": "mean", "gqa_order": "reduce_first", "span": None}  # fmt: skip
         assert row["query_aware"] is True and row["dtype"] == "float32" and row["device"] == "cpu"
         assert row["attn_impl"] == "sdpa" and row["seed"] == 42
         assert row["context_length"] in LENGTHS and row["depth_percent"] in DEPTHS and "length" not in row

@@ -1,6 +1,7 @@
 """snapkv-bench entry point: `python run.py [group=option ...] [key=value ...]` (configs in conf/).
 
-    python run.py                                    # needle grid, SmolLM2-135M, SnapKV (CPU, minutes)
+    python run.py                                    # needle grid, SmolLM2-135M: SnapKV beside the
+                                                     # full cache and StreamingLLM (CPU, minutes)
     python run.py task=longbench task.data_dir=DIR   # LongBench
     python run.py -m method=full,snapkv budget=256,512             # a sweep
     python run.py -m hydra/launcher=slurm model=mistral-7b-instruct-v0.2 task=longbench ...
@@ -80,12 +81,44 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
+def run_with_compare(cfg: DictConfig) -> None:
+    """The run, then its `compare` methods (eval/compare.py), every spec validated before any model
+    loads; one report at the end. In a sweep job: the job alone (a sweep names its methods)."""
+    from eval.compare import compare_configs
+    from eval.runner import AllSamplesFailed, _in_multirun, run
+    from eval.spec import RunSpec
+
+    if _in_multirun():
+        run(cfg)
+        return
+    specs = [RunSpec.from_config(c) for c in compare_configs(cfg)]
+    if len(specs) == 1:
+        run(specs[0])
+        return
+    logger.info(
+        "compare: %s, then %s on the same grid (compare=[] runs %s alone)",
+        specs[0].method.name, ", ".join(s.method.name for s in specs[1:]), specs[0].method.name,
+    )  # fmt: skip
+    failed: AllSamplesFailed | None = None
+    for spec in specs:
+        try:
+            run(spec, in_sweep=True)  # the report once, below, over every method's rows
+        except AllSamplesFailed as err:
+            failed = failed or err
+    if specs[0].report:
+        from eval.report import write_report
+
+        write_report(specs[0].results_dir)
+    if failed is not None:
+        raise failed
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eval.runner import AllSamplesFailed, run
+    from eval.runner import AllSamplesFailed
 
     try:
-        run(cfg)
+        run_with_compare(cfg)
     except USER_ERRORS as err:
         _fail(error_line(err), 2)
     except AllSamplesFailed as err:

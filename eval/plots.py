@@ -1,6 +1,7 @@
 """Plots from tidy result DataFrames.
 
 - `needle_heatmap`: gkamradt-style needle-in-a-haystack heatmap (depth % x context length).
+- `needle_compare`: those heatmaps side by side, one panel per method config, one colour scale.
 - `score_vs_budget`: score vs KV budget, one line per method config, uncompressed runs as horizontal lines.
 
 Each has a `*_figure` twin that returns the `matplotlib.figure.Figure` without saving it. Figures are
@@ -113,22 +114,106 @@ def needle_heatmap_figure(
     all lengths). Values are expected in [0, 1]; the colour scale is 0..`scale` and the colour bar is
     named `metric` (default: `value`) x`scale`.
     """
+    table = _depth_length_table(df, value, depth, length)
+    fig_w = max(6.0, 0.75 * table.shape[1] + 3.0)
+    fig_h = max(4.0, 0.42 * table.shape[0] + 2.0)
+    fig = Figure(figsize=(fig_w, fig_h), layout="tight")
+    ax = fig.subplots()
+    im = _draw_heatmap(ax, table, scale, trained_context)
+    ax.set_xlabel("Context length (tokens)")
+    ax.set_ylabel("Depth percent")
+    tc_drawn = trained_context_position(list(table.columns), trained_context) is not None
+    ax.set_title(title, pad=16 if tc_drawn else 6)
+    cbar = fig.colorbar(im, ax=ax)
+    cbar.set_label(_metric_label(metric or value, scale))
+    return fig
+
+
+def needle_compare(df: pd.DataFrame, path: str | os.PathLike, **kwargs) -> Path:
+    """Side-by-side needle heatmaps, one panel per method config, saved as PNG; see `needle_compare_figure`."""
+    return _save(needle_compare_figure(df, **kwargs), path)
+
+
+def needle_compare_figure(
+    df: pd.DataFrame,
+    labels: list[str],
+    title: str,
+    value: str = "score",
+    metric: str | None = None,
+    label: str = "config_label",
+    trained_context: int | None = None,
+    depth: str = "depth_percent",
+    length: str = "context_length",
+    scale: float = SCALE,
+    ncols: int = 4,
+) -> Figure:
+    """One needle heatmap per config in `labels` (in that order; the full cache first is the caller's
+    choice), `ncols` panels a row, one colour scale (0..`scale`) and one colour bar named `metric`.
+
+    Each panel's title is its label, the number of samples it holds and its mean (x`scale`); cells
+    are annotated and missing cells grey, as in `needle_heatmap_figure`. The depth x length grid is
+    the union over the panels, so a config that skipped a cell shows it grey, not shifted.
+    """
+    if not labels:
+        raise ValueError("needle_compare: no config labels to draw")
+    data = df[df[label].isin(labels)]
+    full = _depth_length_table(data, value, depth, length)
+    n = len(labels)
+    cols = min(ncols, n)
+    rows = -(-n // cols)
+    panel_w = max(2.6, 0.55 * full.shape[1] + 1.6)
+    panel_h = max(2.4, 0.32 * full.shape[0] + 1.5)
+    fig = Figure(figsize=(panel_w * cols + 1.2, panel_h * rows + 0.8), layout="constrained")
+    axes = np.atleast_1d(fig.subplots(rows, cols, squeeze=False)).ravel()
+    im = None
+    for i, lab in enumerate(labels):
+        ax = axes[i]
+        part = data[data[label] == lab]
+        table = _depth_length_table(part, value, depth, length, like=full)
+        im = _draw_heatmap(ax, table, scale, trained_context)
+        vals = pd.to_numeric(part[value], errors="coerce").dropna()
+        mean = f", mean {vals.mean() * scale:.0f}" if len(vals) else ""
+        ax.set_title(f"{lab}\nn={len(vals)}{mean}", fontsize=8)
+        if i % cols == 0:
+            ax.set_ylabel("Depth percent")
+        else:
+            ax.set_yticklabels([])
+        if i >= n - cols:
+            ax.set_xlabel("Context length (tokens)")
+    for ax in axes[n:]:
+        ax.set_visible(False)
+    cbar = fig.colorbar(im, ax=list(axes[:n]), shrink=0.9)
+    cbar.set_label(_metric_label(metric or value, scale))
+    fig.suptitle(title, fontsize=10)
+    return fig
+
+
+def _metric_label(metric: str, scale: float) -> str:
+    return f"{metric}" + (f" x{_fmt_num(scale)}" if scale != 1 else "")
+
+
+def _depth_length_table(
+    df: pd.DataFrame, value: str, depth: str, length: str, like: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """Mean `value` per (depth, length): rows = sorted depths, columns = sorted lengths (or `like`'s)."""
     data = df[[depth, length, value]].copy()
     for col in (depth, length, value):
         data[col] = pd.to_numeric(data[col], errors="coerce")
     data = data.dropna(subset=[depth, length])
-    if data.empty:
+    if data.empty and like is None:
         raise ValueError(f"needle_heatmap: no rows with {depth!r} and {length!r}")
     table = data.pivot_table(index=depth, columns=length, values=value, aggfunc="mean", dropna=False)
-    table = table.sort_index(axis=0).sort_index(axis=1)
+    if like is not None:
+        return table.reindex(index=like.index, columns=like.columns)
+    return table.sort_index(axis=0).sort_index(axis=1)
+
+
+def _draw_heatmap(ax, table: pd.DataFrame, scale: float, trained_context: int | None):
+    """Draw `table` (values in [0, 1]) x`scale` on `ax`: annotated cells, grey where missing, the
+    trained-context line; returns the image (for a colour bar)."""
     depths, lengths = list(table.index), list(table.columns)
     values = np.ma.masked_invalid(table.to_numpy(dtype=float) * scale)
-
     cmap = NEEDLE_CMAP.with_extremes(bad="#D9D9D9")
-    fig_w = max(6.0, 0.75 * len(lengths) + 3.0)
-    fig_h = max(4.0, 0.42 * len(depths) + 2.0)
-    fig = Figure(figsize=(fig_w, fig_h), layout="tight")
-    ax = fig.subplots()
     im = ax.imshow(values, cmap=cmap, vmin=0.0, vmax=scale, aspect="auto", interpolation="nearest")
     fontsize = 8 if len(lengths) <= 12 else 6
     for i in range(len(depths)):
@@ -142,11 +227,6 @@ def needle_heatmap_figure(
     ax.set_xticklabels([_fmt_num(v) for v in lengths], rotation=45, ha="right")
     ax.set_yticks(range(len(depths)))
     ax.set_yticklabels([_fmt_num(v) for v in depths])
-    ax.set_xlabel("Context length (tokens)")
-    ax.set_ylabel("Depth percent")
-    ax.set_title(title, pad=16 if trained_context_position(lengths, trained_context) is not None else 6)
-    cbar = fig.colorbar(im, ax=ax)
-    cbar.set_label(f"{metric or value}" + (f" x{_fmt_num(scale)}" if scale != 1 else ""))
     x = trained_context_position(lengths, trained_context)
     if x is not None:
         ax.axvline(x, color="black", linestyle="--", linewidth=1.5)
@@ -161,7 +241,7 @@ def needle_heatmap_figure(
             transform=ax.get_xaxis_transform(),
             clip_on=False,
         )
-    return fig
+    return im
 
 
 def score_vs_budget(

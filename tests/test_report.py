@@ -295,6 +295,35 @@ def test_plots_generic(tmp_path):
         needle_heatmap(df.iloc[0:0], tmp_path / "e.png", "t", value="acc")
 
 
+def test_needle_compare_one_panel_per_config_one_scale():
+    """The compare figure: a panel per label in the given order, one colour scale 0..100 for all,
+    cells annotated x100, missing cells masked (grey), sample counts and means in the titles, one
+    colour bar named for the metric."""
+    from eval.plots import needle_compare_figure
+
+    df = pd.DataFrame(
+        {
+            "config_label": ["full"] * 4 + ["snapkv b=64"] * 3,
+            "depth_percent": [0, 0, 100, 100, 0, 100, 100],
+            "context_length": [1000, 2000, 1000, 2000, 1000, 1000, 2000],
+            "partial": [1.0, 1.0, 1.0, 0.5, 0.25, 0.0, 1.0],
+        }
+    )
+    fig = needle_compare_figure(
+        df, labels=["full", "snapkv b=64"], title="t", value="partial", metric="partial credit"
+    )
+    panels = [ax for ax in fig.axes if ax.get_images()]
+    assert [ax.get_title() for ax in panels] == ["full\nn=4, mean 88", "snapkv b=64\nn=3, mean 42"]
+    assert {ax.get_images()[0].get_clim() for ax in panels} == {(0.0, 100.0)}
+    snap = panels[1].get_images()[0].get_array()
+    assert snap.mask.tolist() == [[False, True], [False, False]]  # no (depth 0, 2000) row: grey
+    assert [t.get_text() for t in panels[1].texts] == ["25", "0", "100"]
+    (cbar,) = [ax for ax in fig.axes if not ax.get_images()]
+    assert cbar.get_ylabel() == "partial credit x100"
+    with pytest.raises(ValueError):
+        needle_compare_figure(df, labels=[], title="t", value="partial")
+
+
 def _needle_rows(**kw):
     return [
         base_row(

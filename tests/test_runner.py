@@ -372,6 +372,12 @@ BAD_INPUT = {
     "results_dir not writable": (["results_dir={readonly}/results"], "is not writable"),
     "bad query_aware": (["query_aware=maybe"], "query_aware='maybe'"),
     "bad dtype": (["model.dtype=float8"], "model.dtype='float8'"),
+    "unknown compare method": (["compare=[full,bogus]"], "unknown compare method 'bogus'; known: adakv"),
+    "compare not a list": (["compare=full"], "compare must be a list of method names"),
+    "compare method config invalid": (
+        ["compare=[snapkv]", "method=full", "budget=16"],
+        "window=32, budget=16",
+    ),
 }
 
 
@@ -415,6 +421,44 @@ def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Completed
     )  # fmt: skip
 
 
+def test_single_run_compares_with_full_and_a_baseline(tiny_dir, tmp_path):
+    """`python run.py` (default `compare: [full, streamingllm]`): the method, then the full cache and
+    StreamingLLM on the same grid and budget, each in its own results file; one report with the
+    three side by side; a rerun resumes all three; `compare=[]` runs the method alone."""
+    results = tmp_path / "results"
+    args = [a for a in tiny_overrides(tiny_dir, results) if a != "report=false"] + [
+        f"hydra.run.dir={tmp_path}/h"
+    ]
+    proc = _cli(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = result_files(results)
+    assert sorted(f.name.split("-")[0] for f in files) == ["full", "snapkv", "streamingllm"]
+    assert all(len(read_rows(f)) == N_CELLS for f in files)
+    rows = {f.name.split("-")[0]: read_rows(f)[0] for f in files}
+    assert rows["streamingllm"]["method_params"]["budget"] == 64  # the run's budget, shared
+    assert rows["full"]["method_params"].get("budget") is None
+    report = (results / "report.md").read_text()
+    assert "| full |" in report and "snapkv b=64" in report and "streamingllm b=64" in report
+    compare = sorted(results.glob("needle_compare_*.png"))
+    assert [p.name for p in compare] == [
+        "needle_compare_tiny-llama.png",
+        "needle_compare_tiny-llama_partial.png",
+    ]
+    assert "compare: snapkv, then full, streamingllm" in proc.stderr
+
+    again = _cli(tmp_path, *args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stderr.count("already done") == 3
+    assert all(len(read_rows(f)) == N_CELLS for f in result_files(results))
+
+    alone = tmp_path / "alone"
+    args = [a.replace(str(results), str(alone)) for a in args] + ["compare=[]"]
+    proc = _cli(tmp_path, *args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [f.name.split("-")[0] for f in result_files(alone)] == ["snapkv"]
+    assert not list(alone.glob("needle_compare_*.png"))
+
+
 def test_cli_errors_in_a_subprocess(tmp_path):
     proc = _cli(tmp_path, "method.budget=16", f"hydra.run.dir={tmp_path}/h")
     assert proc.returncode == 2
@@ -449,7 +493,9 @@ def test_multirun_with_the_joblib_launcher(tiny_dir, tmp_path):
     # One report, written after both jobs (ReportCallback), holding both configs.
     report = (results / "report.md").read_text()
     assert "| full |" in report and "snapkv b=64 w=32" in report
-    assert len(list(results.glob("needle_*.png"))) == 4  # exact + partial credit, per config
+    # exact + partial credit, per config, and the two configs side by side (exact, partial)
+    assert len(list(results.glob("needle_*.png"))) == 6
+    assert len(list(results.glob("needle_compare_*.png"))) == 2
     assert (tmp_path / "multirun" / "multirun.yaml").is_file()
 
 

@@ -506,4 +506,51 @@ def _report_plots(df: pd.DataFrame, options: ReportOptions) -> list[Path]:
                     value="partial",
                 )
             )
+    written += _compare_plots(needle, options, several_tasks)
     return written
+
+
+# Names of the needle's score columns in the compare figure's colour bar.
+METRIC_NAMES = {"exact": "exact match", "partial": "partial credit", "word_recall": "word recall"}
+MAX_COMPARE_PANELS = 12
+
+
+def _compare_plots(needle: pd.DataFrame, options: ReportOptions, several_tasks: bool) -> list[Path]:
+    """`needle_compare_<model>.png` (and `_partial`): every config of a (task, model) side by side, the
+    full cache first, one colour scale: what compression costs, in one picture. Skipped for a single
+    config, and above MAX_COMPARE_PANELS configs (a sweep: its score-vs-budget plot reads better)."""
+    from eval.plots import needle_compare
+
+    written: list[Path] = []
+    for (task, model), g in needle.groupby(["task", "model"], sort=True):
+        labels = column_order(g)
+        if not 2 <= len(labels) <= MAX_COMPARE_PANELS:
+            continue
+        tc = pd.to_numeric(g["trained_context"], errors="coerce").dropna() if "trained_context" in g else None
+        tc = options.trained_context or (int(tc.iloc[0]) if tc is not None and len(tc) else None)
+        stem = f"needle_compare_{slug(task) + '_' if several_tasks else ''}{slug(model)}"
+        for value, suffix in (("score", ""), ("partial", "_partial")):
+            if value not in g or g[value].isna().all():
+                continue
+            metric = METRIC_NAMES.get(_score_metric(g) if value == "score" else value, value)
+            written.append(
+                needle_compare(
+                    g,
+                    options.out / f"{stem}{suffix}.png",
+                    labels=labels,
+                    title=f"{task} — {model}: {metric} x100 per depth and length, {len(labels)} configs",
+                    value=value,
+                    metric=metric,
+                    trained_context=tc,
+                )
+            )
+    return written
+
+
+def _score_metric(g: pd.DataFrame) -> str:
+    """Which of the needle's metrics the rows' `score` is (the task's `metric`), for the colour bar."""
+    score = pd.to_numeric(g["score"], errors="coerce")
+    for name in METRIC_NAMES:
+        if name in g and pd.to_numeric(g[name], errors="coerce").sub(score).abs().max() == 0:
+            return name
+    return "score"

@@ -1,0 +1,55 @@
+"""`compare`: the methods a single run also runs, on the same task, model and budget, so that its
+report draws the asked-for method beside the full cache and a baseline (`needle_compare_*.png`).
+
+    python run.py                           # snapkv, then compare=[full, streamingllm]
+    python run.py method=h2o compare=[full]  # h2o and the full cache
+    python run.py compare=[]                 # only the method asked for
+
+Each compare method is its own job with its own results file (resumed like any run: rows already
+there are not recomputed); it takes `conf/method/<name>.yaml` as it is, so method-specific overrides
+on the command line (`method.window=16`) apply to the asked-for method only, and the shared
+`budget` to all. A sweep (`-m`) names its methods itself: there `compare` is ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+
+logger = logging.getLogger(__name__)
+
+METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
+
+
+def compare_names(cfg: DictConfig) -> list[str]:
+    """The `compare` list, checked: conf/method/ names, without the run's own method, deduplicated.
+    ValueError naming a bad entry (before anything loads)."""
+    value = cfg.get("compare")
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple, ListConfig)):
+        raise ValueError(
+            f"compare must be a list of method names (e.g. [full,streamingllm]), got compare={value!r}"
+        )
+    known = sorted(p.stem for p in METHOD_DIR.glob("*.yaml"))
+    names = []
+    for name in value:
+        if not isinstance(name, str) or name not in known:
+            raise ValueError(f"unknown compare method {name!r}; known: {', '.join(known)}")
+        if name != cfg.method.name and name not in names:
+            names.append(name)
+    return names
+
+
+def compare_configs(cfg: DictConfig) -> list[DictConfig]:
+    """`cfg` itself, then one config per `compare` method: `cfg` with `method` replaced by that
+    method's config file (its `${budget}` resolves against the run's own `budget`)."""
+    configs = [cfg]
+    for name in compare_names(cfg):
+        other = cfg.copy()
+        with open_dict(other):
+            other.method = OmegaConf.load(METHOD_DIR / f"{name}.yaml")
+        configs.append(other)
+    return configs

@@ -14,7 +14,8 @@ Progress: the tqdm bar over the samples (`progress=true`) shows the current samp
 its postfix (`prefill 2374 tok` -> `decode 37/512`; `SampleProgress`, fed by `generate`'s
 `on_progress`, redrawn at most every 0.5 s except when a prompt forward starts). With
 `progress=false` there is no bar, and only a sample that runs past 30 s logs, at most one INFO line
-per stage, at least 30 s apart.
+per stage, at least 30 s apart. The bar is redrawn every second (`BarClock`) so its clock moves
+through a long prefill.
 
 Noise: each row records what the machine was doing while its sample ran (`eval.bench_noise`):
 `other_cores` (cores other processes kept busy), `load_1m` and the thread settings, measured around
@@ -27,9 +28,11 @@ after writing its rows and report (the CLI exits non-zero).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -168,6 +171,29 @@ class SampleProgress:
             )
 
 
+class BarClock:
+    """Context manager: redraws `bar` every `interval` s from a daemon thread, so its elapsed time
+    keeps moving through a long prompt forward (one call into the model, no events meanwhile).
+    A redraw is a few microseconds of CPU per second (tqdm serialises it with its own lock)."""
+
+    def __init__(self, bar: tqdm, interval: float = 1.0):
+        self.bar, self.interval = bar, interval
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.bar.refresh()
+
+    def __enter__(self) -> BarClock:
+        self._thread = threading.Thread(target=self._run, name="bar-clock", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def noise_fields(noise: CpuNoise) -> dict[str, Any]:
     """The row's noise columns (eval/store.py) from a finished `CpuNoise` and the thread settings."""
     threads = thread_settings()
@@ -279,7 +305,8 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
         bar = tqdm(
             todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress, dynamic_ncols=True
         )
-        with logging_redirect_tqdm():  # log lines above the progress bar, not through it
+        ticking = BarClock(bar) if spec.progress else contextlib.nullcontext()
+        with logging_redirect_tqdm(), ticking:  # log lines above the progress bar, not through it
             for sample in bar:
                 status = ", ".join(f"{k}={v}" for k, v in counts.items() if v)
                 progress = SampleProgress(sample.sample_id, bar if spec.progress else None, status)

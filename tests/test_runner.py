@@ -818,3 +818,19 @@ def test_without_a_bar_only_a_long_sample_logs_one_line_per_stage(caplog):
         "slow: decode 1/512, 80 s into the sample",  # the next stage, >= 30 s after that line
     ]
     assert clock.t - start > 100
+
+
+def test_the_bar_clock_moves_through_a_long_forward():
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    bar = tqdm(total=3, file=out, mininterval=0, ascii=True)
+    before = out.getvalue().count("\r")
+    with runner.BarClock(bar, interval=0.05):
+        time.sleep(0.5)  # a prefill: no events, no redraws but the clock's
+    redraws = out.getvalue().count("\r") - before
+    bar.close()
+    assert redraws >= 3, out.getvalue()

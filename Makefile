@@ -3,16 +3,16 @@ PY ?= python
 # The supported transformers range (snapkv/compat.py): both ends are tested by test-compat.
 COMPAT_LOW ?= 5.2.0
 COMPAT_HIGH ?= 5.24.0
+# Installed by `make install` when the interpreter has no torch (the CPU build where the index has one).
+TORCH ?= 2.13.0
 
 .PHONY: help install test test-compat lint run report
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-install:  ## torch CPU build first unless torch is there (a plain `torch` pulls a multi-GB CUDA build), then the package
-	@echo "make install: installing torch (if missing) and the package with its dev extras (a minute or two)..."
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install --progress-bar on -e ".[dev,cluster]"
+install:  ## torch first unless torch is there, then the package; each step announced, never silent for >10 s (scripts/install.py)
+	@$(PY) scripts/install.py --torch $(TORCH) --extras dev,cluster
 
 test: install  ## install, lint, run every test (slow ones too), then the core suite on both ends of the transformers range
 	$(PY) -m ruff check .

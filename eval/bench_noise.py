@@ -188,9 +188,10 @@ def timing_summary(rows, by: Sequence[str] = ("config_label",), columns: Sequenc
     rows: a pandas DataFrame of result rows (harness rows or benchmark rows). For every column in
     `columns` (default: those of prefill_s / ttft_s / tpot_s present) the table holds `<col>_median`
     and `<col>_iqr_pct` (IQR / median, %: how much the repeated measurements disagree), plus `n`
-    (ok rows) and, where the rows carry it (benchmark rows), `other_cores_median`: the cores other
-    processes kept busy meanwhile. Timings in harness rows are bookkeeping: print them only with
-    these figures beside them.
+    (ok rows) and, where the rows carry it (benchmark rows; harness rows since the runner records
+    it), `other_cores_median`: the cores other processes kept busy meanwhile (NaN when no row of the
+    group has it). Timings in harness rows are bookkeeping: print them only with these figures
+    beside them (eval/report.py's cost table does).
     """
     import pandas as pd
 

@@ -10,8 +10,10 @@ Writes into `--out` (default: RESULTS_DIR):
   peak_mem_bytes.
 - `report.md` (the CLI also prints it): each task's own tables (`Task.report_tables`, grouped under
   the task's `report_section`: e.g. LongBench's score table with category means, the needle
-  accuracy per context length), a cost table, and the code versions the rows came from (a warning
-  when they differ).
+  accuracy per context length), a cost table (means of sizes and memory; MEDIANS of prefill / ttft
+  / tpot with the median `other_cores` of the same rows beside them, and a line saying how loaded
+  the machine was: those timings are bookkeeping), and the code versions the rows came from (a
+  warning when they differ).
 - each task's plots (`Task.report_plots`, e.g. `needle_<model>_<label>.png`) and
   `score_vs_budget_<task>.png` for tasks run at more than one budget.
 
@@ -33,6 +35,7 @@ from typing import Any
 
 import pandas as pd
 
+from eval.bench_noise import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell
 from eval.tables import column_order as _column_order  # noqa: F401  (scripts/make_figures.py)
@@ -89,6 +92,9 @@ _MEAN_COLUMNS = [
     "tpot_s",
     "peak_mem_bytes",
 ]
+# Harness bookkeeping of the machine's load while a sample ran (eval/store.py; None in old rows).
+NOISE_COLUMNS = ("other_cores", "load_1m", "cpu_count")
+COST_KEYS = ["task", "model", "config_label"]
 SUMMARY_COLUMNS = SUMMARY_KEYS + [
     "method_params",
     "n",
@@ -190,9 +196,10 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
     df["partial"] = pd.to_numeric(
         df["scores"].map(lambda s: s.get("partial") if isinstance(s, dict) else None), errors="coerce"
     )
-    for col in ("score", *_MEAN_COLUMNS):
+    for col in ("score", *_MEAN_COLUMNS, *NOISE_COLUMNS):
         if col != "compression":
-            df[col] = pd.to_numeric(df[col], errors="coerce")
+            # Rows from before the noise columns existed have none: NaN, printed "n/a".
+            df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else math.nan
     full = df["kv_bytes_full"].where(df["kv_bytes_full"] > 0)
     df["compression"] = df["kv_bytes"] / full
     parts = [_task_class(task).prepare_rows(part) for task, part in df.groupby("task", sort=False)]
@@ -230,18 +237,26 @@ def summarize(df: pd.DataFrame) -> pd.DataFrame:
 
 # ------------------------------------------------------------------------------------------ markdown
 def cost_table(df: pd.DataFrame) -> str:
+    """Per task x model x config: counts, means of sizes and memory over ok rows, and the MEDIANS of
+    prefill_s / ttft_s / tpot_s with the median `other_cores` of those rows beside them ("n/a" when
+    none of them recorded it: rows from before the field)."""
+    timings = timing_summary(df, by=COST_KEYS).set_index(COST_KEYS) if df["ok"].any() else None
     rows = []
-    for (task, model, label), g in df.groupby(["task", "model", "config_label"], sort=True):
+    for key, g in df.groupby(COST_KEYS, sort=True):
         ok = g[g["ok"]]
 
         def m(col: str, ok=ok) -> float:
             return ok[col].mean() if ok[col].notna().any() else float("nan")
 
+        t = timings.loc[key] if timings is not None and key in timings.index else None
+
+        def med(col: str, t=t) -> float:
+            return float(t[f"{col}_median"]) if t is not None else float("nan")
+
+        other = med("other_cores")
         rows.append(
             [
-                task,
-                model,
-                label,
+                *key,
                 len(g),
                 len(ok),
                 len(g) - len(ok),
@@ -249,9 +264,10 @@ def cost_table(df: pd.DataFrame) -> str:
                 _cell(m("kv_tokens"), 0),
                 _cell(m("compression") * 100, 1),
                 _cell(m("kv_bytes") / 2**20, 1),
-                _cell(m("prefill_s"), 3),
-                _cell(m("ttft_s"), 3),
-                _cell(m("tpot_s") * 1000, 1),
+                _cell(med("prefill_s"), 3),
+                _cell(med("ttft_s"), 3),
+                _cell(med("tpot_s") * 1000, 1),
+                "n/a" if math.isnan(other) else _cell(other, 2),
                 _cell(m("peak_mem_bytes") / 2**30, 2),
             ]
         )
@@ -269,9 +285,37 @@ def cost_table(df: pd.DataFrame) -> str:
         "prefill s",
         "ttft s",
         "tpot ms",
+        "other cores",
         "peak GiB",
     ]
     return md_table(headers, rows, text_columns=3)
+
+
+def load_note(df: pd.DataFrame) -> str:
+    """The sentence under the cost table: the timings are bookkeeping, and how loaded the machine
+    was while the ok rows ran (their `other_cores`, `load_1m`, `cpu_count`)."""
+    ok = df[df["ok"]]
+    note = (
+        "The timings are bookkeeping of one pass over the samples, not a benchmark (no interleaving, "
+        "no repeats; samples differ in length): compare speed with `scripts/bench_speed.py`."
+    )
+    other = spread(ok["other_cores"])
+    if other is None:
+        return (
+            note
+            + " These rows predate the load record (`other_cores`): how loaded the machine was is unknown."
+        )
+    cores = ok["cpu_count"].dropna().unique()
+    of = f" of its {int(cores[0])}" if len(cores) == 1 else ""
+    load = spread(ok["load_1m"])
+    note += (
+        f" While they ran, other processes kept a median {other.median:.2f} cores busy{of} "
+        f"(max {ok['other_cores'].max():.2f})"
+    )
+    if load is not None:
+        note += f", 1-min load average median {load.median:.2f}"
+    missing = len(ok) - other.n
+    return note + (f"; {missing} of {len(ok)} ok rows predate that record." if missing else ".")
 
 
 def _code_version(row: pd.Series) -> tuple[str, str, str]:
@@ -317,9 +361,13 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
         "",
         "## Cost",
         "",
-        "Means over ok samples; kv % = kv_bytes / kv_bytes_full.",
+        "Means over ok samples, except prefill s / ttft s / tpot ms: medians, with beside them the median "
+        "number of cores other processes kept busy while those samples ran (other cores; n/a: rows from "
+        "before it was recorded). kv % = kv_bytes / kv_bytes_full.",
         "",
         cost_table(df),
+        "",
+        load_note(df),
         "",
     ]
     versions, differ = code_versions(df)

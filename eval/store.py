@@ -56,6 +56,11 @@ docstring). Nothing here knows a particular task.
 | `attn_impl` | str | attention implementation (`sdpa`, `eager`, `flash_attention_2`) |
 | `dtype` | str | model dtype (`bfloat16`, ...) |
 | `device` | str | device the sample ran on (`cuda:0`, `cpu`, ...) |
+| `other_cores` | float \\| null | cores other processes kept busy while the sample ran (`eval.bench_noise.CpuNoise`: Δ machine busy CPU - Δ this process's CPU, / Δ wall; 0 = quiet) |
+| `load_1m` | float \\| null | 1-minute load average when the sample finished |
+| `torch_threads` | int \\| null | `torch.get_num_threads()` while the sample ran |
+| `cpu_count` | int \\| null | `os.cpu_count()` of the machine |
+| `omp_num_threads` / `mkl_num_threads` / `omp_wait_policy` | str \\| null | those environment variables (`""`: unset) |
 | `prediction` | str \\| null | generated text (null when the sample failed) |
 | `answers` | list[str] | reference answers |
 | `score` | float \\| null | main metric in [0, 1]; null when status != ok |
@@ -68,6 +73,10 @@ docstring). Nothing here knows a particular task.
 | `git_diff_sha` | str \\| null | 12 hex digits of the sha256 of those changes (null when clean) |
 | `seed` | int | random seed |
 | `timestamp` | str | ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z` |
+
+The noise columns (`other_cores` ... `omp_wait_policy`) are harness bookkeeping measured around
+each sample by the runner; rows written before they existed load with them absent (None), and the
+report prints "n/a" for them.
 
 Old rows (written before `model_path` existed: the committed `results/` and earlier runs) are read
 as they are, through `normalize_row`: `model_path` = their `model`, `model` = its short key, and the
@@ -128,6 +137,13 @@ ROW_FIELDS: tuple[str, ...] = (
     "attn_impl",
     "dtype",
     "device",
+    "other_cores",
+    "load_1m",
+    "torch_threads",
+    "cpu_count",
+    "omp_num_threads",
+    "mkl_num_threads",
+    "omp_wait_policy",
     "prediction",
     "answers",
     "score",

@@ -4,6 +4,21 @@
 attention (sdpa / flash / eager) with `logits_to_keep=1` (never full-sequence logits), optionally
 in chunks with explicit positions; each compressible layer is compressed right after its attention
 in the last prefill chunk. Decoding is a plain greedy loop with explicit `position_ids`.
+
+Progress: `on_progress(stage, done, total)` (a `ProgressCallback`, optional) reports where a sample
+is, for a caller's progress bar or log; the library prints nothing itself. Stages, in order:
+
+- `"prefill"`, `done` = prompt tokens already in the cache, `total` = prompt tokens: before each
+  prompt forward (`done=0` first; once per chunk with `chunk_size`; before the question with
+  `query_aware=False`), and once with `done == total` when the whole prompt is in the (compressed)
+  cache and the first token is out.
+- `"decode"`, `done` = tokens generated so far (1 = the first token), `total` = `max_new_tokens`:
+  after each token. Generation may stop at a stop token with `done < total`.
+
+The callback never runs inside a timed region: prefill start is before the clock starts, the
+others after `ttft_s` / each decode step is measured, and between prefill chunks the clock is
+paused (synchronized, on CUDA) while it runs, so a slow callback does not change `prefill_s`,
+`ttft_s` or `tpot_s`.
 """
 
 from __future__ import annotations
@@ -12,7 +27,7 @@ import statistics
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import psutil
 import torch
@@ -23,6 +38,12 @@ from snapkv.methods import Method, build_method
 
 # Chat end-of-turn tokens of common instruct models; used as stop tokens when in the vocabulary.
 CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+class ProgressCallback(Protocol):
+    """Called by `generate` / `generate_ids` as a sample advances (stages: see the module doc)."""
+
+    def __call__(self, stage: str, done: int, total: int) -> None: ...
 
 
 @dataclass
@@ -180,6 +201,7 @@ def generate_ids(
     stop_ids: set[int] | None = None,
     chunk_size: int | None = None,
     keep_logits: bool = False,
+    on_progress: ProgressCallback | None = None,
 ) -> tuple[torch.Tensor, GenerationResult]:
     """Greedy generation from token ids `[batch, len]` (equal lengths, no padding; left-padded
     batches: `with snapkv.apply(model, method): model.generate(ids, attention_mask=mask)`).
@@ -187,7 +209,8 @@ def generate_ids(
     query_aware=True: context + question are prefilled (and compressed) together; False: the context
     is prefilled and compressed alone, then the question is fed on the compressed cache.
     Returns the generated ids `[batch, new]` and the measurements (text left empty);
-    `keep_logits` keeps each step's last-position logits `[batch, vocab]` in `result.logits`.
+    `keep_logits` keeps each step's last-position logits `[batch, vocab]` in `result.logits`;
+    `on_progress` is told the stage (module doc), outside the timed regions.
     """
     method = method if method is not None else build_method("full")
     if max_new_tokens < 1:
@@ -212,22 +235,38 @@ def generate_ids(
         pos = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0).expand(batch, -1)
         return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
 
+    def notify(stage: str, done: int, total: int) -> float:
+        """Run the callback; return the seconds it took (device synchronized on both sides), which
+        the caller takes off the clock when it ran between two timed forwards."""
+        if on_progress is None:
+            return 0.0
+        t = _now(device)
+        on_progress(stage, done, total)
+        return _now(device) - t
+
+    spans = _chunks(context_ids.shape[1], chunk_size, method.min_last_chunk)
     with session(model, method, cache) as s, PeakMemory(device) as mem:
+        notify("prefill", 0, input_tokens)
+        paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
         t0 = _now(device)
-        spans = _chunks(context_ids.shape[1], chunk_size, method.min_last_chunk)
         for i, (a, b) in enumerate(spans):
+            if i:
+                paused += notify("prefill", a, input_tokens)
             s.phase = "final" if i == len(spans) - 1 else "prefill"
             out = forward(context_ids[:, a:b])
-        prefill_s = _now(device) - t0
+        prefill_s = _now(device) - t0 - paused
         kept = cache.kept_tokens()
         kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
         kv_bytes_logical = cache.kv_bytes_logical()
         compressed = any(layer.compressed for _, layer in cache.compressible_layers())
         s.phase = "decode"
         if question_ids is not None:
+            paused += notify("prefill", context_ids.shape[1], input_tokens)
             out = forward(question_ids)
         token = out.logits[:, -1].argmax(-1)
-        ttft_s = _now(device) - t0
+        ttft_s = _now(device) - t0 - paused
+        notify("prefill", input_tokens, input_tokens)
+        notify("decode", 1, max_new_tokens)
         logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
         generated = [token]
         steps: list[float] = []
@@ -242,6 +281,7 @@ def generate_ids(
             generated.append(token)
             if logits is not None:
                 logits.append(out.logits[:, -1].float().cpu())
+            notify("decode", len(generated), max_new_tokens)
         finished |= torch.isin(token, stop)
     ids = torch.stack(generated, dim=1)
     kept_end = cache.kept_tokens()
@@ -288,10 +328,12 @@ def generate(
     stop_ids: set[int] | None = None,
     ignore_eos: bool = False,
     chunk_size: int | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> GenerationResult:
     """Generate greedily from `prompt` (or `context` + `question`) with `method` compressing the KV cache.
 
     Stop tokens: the model's EOS and the chat end-of-turn tokens (`ignore_eos=True` for speed runs).
+    `on_progress(stage, done, total)`: told where generation is (module doc), never inside a timing.
     """
     if prompt is not None and context is not None:
         raise ValueError("pass either prompt or context/question, not both")
@@ -311,6 +353,7 @@ def generate(
         max_new_tokens=max_new_tokens,
         stop_ids=stops,
         chunk_size=chunk_size,
+        on_progress=on_progress,
     )
     out = ids[0].tolist()
     if out and out[-1] in stops:

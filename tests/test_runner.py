@@ -746,3 +746,137 @@ def test_the_run_log_holds_the_run(tiny_dir, tmp_path):
     log = (tmp_path / "run" / "run.log").read_text()
     assert f"{len(DEPTHS)} to run" in log and "done in" in log and "[INFO]" in log
     assert "[snapkv-bench] done in" in proc.stderr
+
+
+# ---------------------------------------------------------------------------------- progress, noise
+class Recording:
+    def __init__(self):
+        self.events: list[tuple[str, int, int]] = []
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        self.events.append((stage, done, total))
+
+
+def test_run_sample_reports_progress_and_records_the_noise(tiny_dir, tmp_path):
+    """run_sample hands its callback to generate: prefill, then decode, with the sample's totals;
+    and the row records the machine's noise and thread settings while the sample ran."""
+    import torch
+
+    from eval.spec import RunSpec
+
+    spec = RunSpec.from_config(make_cfg(tiny_dir, tmp_path / "r", "prefill.chunk_size=100"))
+    model, tokenizer, info = runner.get_model(spec)
+    sample = next(s for s in spec.task.samples(tokenizer) if s.sample_id == "len250_depth50")
+    rec = Recording()
+    row = runner.run_sample(sample, spec.task, model, tokenizer, spec, runner._base_fields(spec, info), rec)
+    assert row["status"] == "ok", row["error"]
+    n, new = row["input_tokens"], sample.max_new_tokens
+    prefill = [e for e in rec.events if e[0] == "prefill"]
+    decode = [e for e in rec.events if e[0] == "decode"]
+    assert rec.events == prefill + decode  # prefill first, then decode
+    assert n == 250 and prefill == [("prefill", d, n) for d in (0, 100, 200, n)]  # chunks of 100
+    assert decode == [("decode", k, new) for k in range(1, row["new_tokens"] + 1)]
+    assert row["other_cores"] >= 0 and row["load_1m"] >= 0
+    assert row["torch_threads"] == torch.get_num_threads() and row["cpu_count"] == os.cpu_count()
+    assert row["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "")
+    assert row["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS", "")
+
+
+def test_a_failed_sample_records_the_noise_too(tiny_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(runner, "generate", CountingGenerate({"": RuntimeError("boom")}))
+    results = tmp_path / "results"
+    with pytest.raises(runner.AllSamplesFailed):
+        runner.run(make_cfg(tiny_dir, results, "task.lengths=[150]", "task.depths=[0]"))
+    (row,) = read_rows(result_files(results)[0])
+    assert row["status"] == "error" and row["other_cores"] >= 0 and row["torch_threads"] >= 1
+
+
+def test_the_bar_shows_the_stage_and_progress_false_prints_nothing_extra(tiny_dir, tmp_path, capsys, caplog):
+    logging.getLogger("eval.runner").disabled = False  # an in-process Hydra run may have disabled it
+    one = ("task.lengths=[250]", "task.depths=[50]")
+    runner.run(make_cfg(tiny_dir, tmp_path / "a", *one, "progress=true"))
+    bar = capsys.readouterr().err
+    assert re.search(r"prefill \d+ tok", bar), bar  # the postfix while the prompt is prefilled
+    with caplog.at_level("INFO", logger="eval.runner"):
+        runner.run(make_cfg(tiny_dir, tmp_path / "b", *one))  # progress=false (tiny_overrides)
+    quiet = capsys.readouterr()
+    assert "prefill" not in quiet.err + quiet.out and "\r" not in quiet.err
+    messages = [r.getMessage() for r in caplog.records if r.name == "eval.runner"]
+    assert len(messages) == 2 and not any("into the sample" in m for m in messages), messages  # to run, done
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeBar:
+    def __init__(self):
+        self.drawn: list[str] = []
+
+    def set_postfix_str(self, s: str) -> None:
+        self.drawn.append(s)
+
+
+def test_the_bar_is_redrawn_at_most_every_half_second_and_at_each_prefill_start():
+    clock, bar = FakeClock(), FakeBar()
+    p = runner.SampleProgress("s0", bar, "ok=3", clock=clock)
+    p("prefill", 0, 2374)
+    clock.t = 40.0  # a long prefill
+    p("prefill", 2374, 2374)
+    for k in range(1, 513):  # a fast decode: 1,000 tokens per second
+        clock.t += 0.001
+        p("decode", k, 512)
+    assert bar.drawn[:2] == ["ok=3, prefill 2374 tok", "ok=3, prefilled 2374 tok"]
+    assert len(bar.drawn) == 3 and bar.drawn[2].startswith("ok=3, decode ")  # 0.512 s of decode
+    nxt = runner.SampleProgress("s1", bar, "", clock=clock)
+    nxt("prefill", 0, 100)  # drawn at once even 0 s after the last draw: no stale stage
+    assert bar.drawn[-1] == "prefill 100 tok"
+
+
+def test_without_a_bar_only_a_long_sample_logs_one_line_per_stage(caplog):
+    logging.getLogger("eval.runner").disabled = False
+    clock = FakeClock()
+    with caplog.at_level("INFO", logger="eval.runner"):
+        quick = runner.SampleProgress("quick", None, clock=clock)
+        quick("prefill", 0, 50)
+        clock.t = 5.0
+        quick("prefill", 50, 50)
+        for k in range(1, 100):
+            clock.t += 0.1
+            quick("decode", k, 512)
+        assert not caplog.records  # a 15 s sample says nothing
+        slow = runner.SampleProgress("slow", None, clock=clock)
+        start = clock.t
+        slow("prefill", 0, 8000)
+        for done in (2048, 4096, 6144, 8000):  # chunked, 20 s per chunk
+            clock.t += 20.0
+            slow("prefill", done, 8000)
+        for k in range(1, 513):
+            clock.t += 0.2
+            slow("decode", k, 512)
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "slow: prefill 4096/8000 tok, 40 s into the sample",  # first event past 30 s
+        "slow: decode 1/512, 80 s into the sample",  # the next stage, >= 30 s after that line
+    ]
+    assert clock.t - start > 100
+
+
+def test_the_bar_clock_moves_through_a_long_forward():
+    import io
+    import time
+
+    from tqdm import tqdm
+
+    out = io.StringIO()
+    bar = tqdm(total=3, file=out, mininterval=0, ascii=True)
+    before = out.getvalue().count("\r")
+    with runner.BarClock(bar, interval=0.05):
+        time.sleep(0.5)  # a prefill: no events, no redraws but the clock's
+    redraws = out.getvalue().count("\r") - before
+    bar.close()
+    assert redraws >= 3, out.getvalue()

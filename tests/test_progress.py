@@ -1,0 +1,95 @@
+"""`generate`'s progress callback: the events and their order, and that a slow callback changes no
+timing (it never runs inside a timed region). Tiny random models, CPU, milliseconds per forward."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import random_ids, tiny_model
+
+from snapkv import build_method, generate_ids
+
+
+class Recorder:
+    """A progress callback that records (stage, done, total) and optionally sleeps in some stages."""
+
+    def __init__(self, sleep: float = 0.0, sleep_when=lambda stage, done, total: False):
+        self.events: list[tuple[str, int, int]] = []
+        self.sleep, self.sleep_when = sleep, sleep_when
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        self.events.append((stage, done, total))
+        if self.sleep_when(stage, done, total):
+            time.sleep(self.sleep)
+
+
+@pytest.mark.parametrize(
+    ("chunk_size", "query_aware", "prefill_done"),
+    [
+        (None, True, [0]),  # one forward of the whole prompt
+        (24, True, [0, 24, 48]),  # 60 tokens in chunks of 24 (last chunk >= the window: 48..60)
+        (None, False, [0, 50]),  # context alone, then the question on the compressed cache
+    ],
+)
+def test_events_come_in_order_with_their_totals(chunk_size, query_aware, prefill_done):
+    model = tiny_model()
+    ids = random_ids(60)
+    rec = Recorder()
+    method = build_method("snapkv", budget=32, window=8, kernel_size=3)
+    _, res = generate_ids(
+        model, ids[:, :50], ids[:, 50:], method, query_aware=query_aware, max_new_tokens=7,
+        stop_ids=set(), chunk_size=chunk_size, on_progress=rec,
+    )  # fmt: skip
+    assert res.input_tokens == 60 and res.new_tokens == 7
+    starts = [(s, d, t) for s, d, t in rec.events if s == "prefill" and d < t]
+    assert starts == [("prefill", d, 60) for d in prefill_done]
+    # Each prompt forward announced, then the prompt done, then one event per generated token.
+    assert rec.events == starts + [("prefill", 60, 60)] + [("decode", k, 7) for k in range(1, 8)]
+
+
+def test_decode_events_stop_at_a_stop_token():
+    model = tiny_model()
+    ids = random_ids(40)
+    _, first = generate_ids(model, ids, None, build_method("full"), max_new_tokens=6, stop_ids=set())
+    stop = first.output_ids[2]  # the third generated token ends the next run
+    rec = Recorder()
+    _, res = generate_ids(
+        model, ids, None, build_method("full"), max_new_tokens=6, stop_ids={stop}, on_progress=rec
+    )
+    decode = [e for e in rec.events if e[0] == "decode"]
+    n = first.output_ids.index(stop) + 1
+    assert res.new_tokens == n and decode == [("decode", k, 6) for k in range(1, n + 1)]
+
+
+def test_a_slow_callback_changes_no_timing():
+    """Every event sleeps 0.4 s: prefill_s, ttft_s and tpot_s must not contain it (between chunks the
+    clock is paused). The tiny model's forwards take milliseconds; without the pause prefill_s would
+    be >= 0.8 s (two between-chunk events), ttft_s >= 1.2 s (plus the question event)."""
+    model = tiny_model()
+    ids = random_ids(72)
+    sleep = 0.4
+    rec = Recorder(sleep=sleep, sleep_when=lambda stage, done, total: True)
+    method = build_method("snapkv", budget=32, window=8, kernel_size=3)
+    t = time.perf_counter()
+    _, res = generate_ids(
+        model, ids[:, :64], ids[:, 64:], method, query_aware=False, max_new_tokens=3, stop_ids=set(),
+        chunk_size=24, on_progress=rec,
+    )  # fmt: skip
+    wall = time.perf_counter() - t
+    between = [e for e in rec.events if e[0] == "prefill" and 0 < e[1] < e[2]]
+    assert len(between) == 3  # chunks at 24 and 48 (64 tokens: 0-24, 24-48, 48-64), then the question
+    assert wall >= sleep * len(rec.events)
+    assert res.prefill_s < sleep and res.ttft_s < sleep and res.tpot_s < sleep
+
+
+def test_no_callback_no_change():
+    """Without a callback the result is the same (ids, kept cache) as with one."""
+    model = tiny_model()
+    ids = random_ids(60)
+    method = build_method("snapkv", budget=32, window=8, kernel_size=3)
+    a, ra = generate_ids(model, ids, None, method, max_new_tokens=5, stop_ids=set(), chunk_size=24)
+    b, rb = generate_ids(
+        model, ids, None, method, max_new_tokens=5, stop_ids=set(), chunk_size=24, on_progress=Recorder()
+    )
+    assert a.tolist() == b.tolist() and ra.kv_tokens_per_layer == rb.kv_tokens_per_layer

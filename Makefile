@@ -20,7 +20,7 @@ test: install  ## install, lint, run every test (slow ones too), then the core s
 	$(PY) -m pytest
 	$(MAKE) test-compat PY="$(PY)"
 
-test-compat:  ## core tests on transformers $(COMPAT_LOW) and $(COMPAT_HIGH) (cached venvs that reuse this interpreter's torch)
+test-compat:  ## version-sensitive tests (.ci/compat.sh) on transformers $(COMPAT_LOW) and $(COMPAT_HIGH) (cached venvs that reuse this interpreter's torch)
 	.ci/compat.sh "$(PY)" $(COMPAT_LOW)
 	.ci/compat.sh "$(PY)" $(COMPAT_HIGH)
 

@@ -16,6 +16,11 @@ with huggingface_hub's usual timeouts and retries. The connect waits at most `HF
 seconds (huggingface_hub's own setting, default 10). The stdlib does the probe because
 huggingface_hub's HTTP library changed between the versions transformers accepts (httpx in 1.x,
 httpx2 in 2.x).
+
+Also: `hub_unavailable()` first makes huggingface_hub 1.30-1.x follow a file's redirect only within
+one origin, as 2.x does (`origin_aware_redirects()`): those releases compare host names without the
+port, so an endpoint that redirects its LFS files to storage on another port of the same host
+(a local or on-prem Hub, a port-forwarded mirror) had every weights / `data.zip` download fail.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def hub_unavailable() -> str | None:
     """
     from huggingface_hub import constants
 
+    origin_aware_redirects()  # every Hub download path asks this first
     if constants.is_offline_mode():
         return "offline mode is on (HF_HUB_OFFLINE=1)"
     return _probe(constants.ENDPOINT, float(constants.HF_HUB_ETAG_TIMEOUT))
@@ -44,6 +50,58 @@ def hub_unavailable() -> str | None:
 
 def _default_port(scheme: str) -> int:
     return 443 if scheme == "https" else 80
+
+
+def _origin(url: str) -> tuple[str, str, int]:
+    """`(scheme, host, port)` of `url`, with the scheme's default port when none is written."""
+    parts = urlsplit(url)
+    return parts.scheme, (parts.hostname or "").lower(), parts.port or _default_port(parts.scheme)
+
+
+def _same_origin_or_hub(url: str, target: str) -> bool:
+    """huggingface_hub 2.x's `_is_same_or_hub_host`: `target` has the origin of `url` or of a Hub
+    endpoint (huggingface.co, its staging host, hf.co, `HF_ENDPOINT`)."""
+    from huggingface_hub import constants
+
+    hub = (
+        constants._HF_DEFAULT_ENDPOINT,
+        constants._HF_DEFAULT_STAGING_ENDPOINT,
+        constants.ENDPOINT,
+        "https://hf.co",
+    )
+    return _origin(target) in {_origin(url), *map(_origin, hub)}
+
+
+@functools.cache
+def origin_aware_redirects() -> bool:
+    """Make huggingface_hub judge a `/resolve` redirect by its origin (scheme, host, port); True when
+    the installed release needed it (1.30-1.x), False when it already does or has no such check.
+
+    Why: a `HEAD /resolve/...` of an LFS file answers 302 to storage (the real Hub: huggingface.co ->
+    cdn-lfs.hf.co / cas-bridge.xethub.hf.co) and carries the file's metadata itself (`X-Repo-Commit`,
+    `X-Linked-Etag`, `X-Linked-Size`). From 1.30 huggingface_hub follows redirects that stay on the Hub
+    (`utils._http._is_same_or_hub_host`), comparing host names only; a redirect to another port of the
+    same host (e.g. `127.0.0.1:8000` -> `127.0.0.1:9000`) is followed, the metadata is read from the
+    storage's answer, which has no `X-Repo-Commit`, and the download fails (`LocalEntryNotFoundError`:
+    "missing the 'X-Repo-Commit' header"), with the auth header sent to the storage too.
+    huggingface_hub 2.x compares origins. transformers 5.2.0 requires huggingface_hub >=1.3,<2 (pip
+    picks 1.33) and 5.24.0 still accepts >=1.31, so this installs 2.x's check, which follows fewer
+    redirects, never more (huggingface/huggingface_hub#4942). Idempotent.
+    """
+    from huggingface_hub import file_download
+    from huggingface_hub.utils import _http
+
+    try:
+        from huggingface_hub.utils._http import _is_same_or_hub_host as check
+    except ImportError:  # before 1.30: only relative redirects are followed, nothing to fix
+        return False
+    if not check("https://hub.invalid:1/a", "https://hub.invalid:2/b"):
+        return False  # 2.x: origins already
+    _http._is_same_or_hub_host = _same_origin_or_hub  # the redirect loop of HEAD /resolve
+    # file_download imported it by name; it decides whether the download keeps the auth header
+    file_download._is_same_or_hub_host = _same_origin_or_hub
+    logger.debug("huggingface_hub's redirect check now compares origins (scheme, host, port), as in 2.x")
+    return True
 
 
 @functools.cache

@@ -10,6 +10,10 @@ huggingface_hub checks:
   `.bin`, `.gguf`) answer with a 302 to `/lfs/<sha256>` on a second port (another origin, as the
   Hub redirects to its CDN host) carrying `X-Linked-Etag` / `X-Linked-Size`: huggingface_hub takes
   the metadata from the redirect itself and downloads from the CDN without the auth header.
+  `cdn_host` names the CDN in that redirect: "127.0.0.1" (default: the Hub's host on another port,
+  as a local or on-prem Hub whose storage listens on a port of its own) or "localhost" (another
+  host name, as huggingface.co -> cdn-lfs.hf.co). huggingface_hub 1.30-1.x took the first for a
+  redirect within the Hub and followed it (fixed by `snapkv.hub.origin_aware_redirects`).
 - A missing file: 404 `X-Error-Code: EntryNotFound` (with `X-Repo-Commit`); a missing repo: 401
   `RepoNotFound` (what the Hub answers for missing, private and gated repos alike); an unknown
   revision: 404 `RevisionNotFound`.
@@ -62,9 +66,17 @@ class Repo:
 class HubServer:
     """Serves `repos` ({(repo_type, repo_id): {path: bytes}}, repo_type "model" or "dataset")."""
 
-    def __init__(self, repos: dict[tuple[str, str], dict[str, bytes] | Repo], delay: float = 0.0):
+    def __init__(
+        self,
+        repos: dict[tuple[str, str], dict[str, bytes] | Repo],
+        delay: float = 0.0,
+        cdn_host: str = "127.0.0.1",
+    ):
+        if cdn_host not in ("127.0.0.1", "localhost"):  # both reach the CDN's 127.0.0.1 socket
+            raise ValueError(f"cdn_host must be '127.0.0.1' or 'localhost', got cdn_host={cdn_host!r}")
         self.repos = {key: r if isinstance(r, Repo) else Repo(r) for key, r in repos.items()}
         self.delay = delay
+        self.cdn_host = cdn_host
         self.requests: list[tuple[str, str]] = []
         self.unhandled: list[tuple[str, str]] = []
         self.blobs = {
@@ -81,7 +93,8 @@ class HubServer:
 
     @property
     def cdn_url(self) -> str:
-        return self._address(1)
+        """The CDN as the Hub's LFS redirects name it: `cdn_host` and the CDN's port."""
+        return f"http://{self.cdn_host}:{urlsplit(self._address(1)).port}"
 
     def _address(self, i: int) -> str:
         if not self._servers:

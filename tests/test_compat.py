@@ -1,7 +1,7 @@
 """The supported transformers range and the version shims (`snapkv/compat.py`).
 
-Runs on whatever transformers is installed; `make test-compat` runs this file and tests/test_core.py
-on the declared lower and upper ends of the range.
+Runs on whatever transformers is installed; `make test-compat` runs this file, tests/test_core.py and
+the other version-sensitive tests (listed in .ci/compat.sh) on the declared lower and upper ends.
 """
 
 from __future__ import annotations
@@ -64,6 +64,15 @@ def test_declared_range_matches_pyproject_and_make_test_compat():
         25,
         0,
     )  # ... and the last minor
+
+
+def test_make_test_compat_runs_the_hub_tests_on_both_ends():
+    """The Hub download paths depend on the huggingface_hub that each transformers pins (5.2.0: <2),
+    so .ci/compat.sh's default files include tests/test_hub.py; every file it lists exists."""
+    script = (ROOT / ".ci" / "compat.sh").read_text()
+    listed = re.search(r"\|\| tests=\(([^)]*)\)", script).group(1).split()
+    assert {"tests/test_core.py", "tests/test_compat.py", "tests/test_hub.py"} <= set(listed)
+    assert [f for f in listed if not (ROOT / f).is_file()] == []
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3", "mistral-sliding"])

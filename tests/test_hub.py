@@ -317,3 +317,45 @@ def test_offline_mode_is_not_probed(monkeypatch):
     monkeypatch.setattr(hub, "_probe", lambda *a: pytest.fail("probed in offline mode"))
     assert hub.hub_unavailable() == "offline mode is on (HF_HUB_OFFLINE=1)"
     assert hub.cache_only_kwargs() == {"local_files_only": True}
+
+
+# ------------------------------------------------------------------- LFS redirects (huggingface_hub 1.30-1.x)
+@pytest.mark.parametrize("cdn_host", ["127.0.0.1", "localhost"], ids=["same-host-other-port", "other-host"])
+def test_lfs_redirect_is_not_followed_to_another_origin(online, longbench_repo, tmp_path, cdn_host):
+    """data.zip's HEAD answers 302 to the CDN with the file's metadata: the client must take it from
+    that answer and GET the CDN once. huggingface_hub 1.30-1.33 (transformers 5.2.0's) followed the
+    redirect when the CDN was on the Hub's host name, another port, and failed: "missing the
+    'X-Repo-Commit' header" (`snapkv.hub.origin_aware_redirects` fixes that)."""
+    from huggingface_hub import hf_hub_download
+
+    online.origin_aware_redirects()
+    with HubServer({LONGBENCH: longbench_repo}, cdn_host=cdn_host) as server:
+        path = hf_hub_download(
+            LONGBENCH[1], "data.zip", repo_type="dataset", endpoint=server.url, cache_dir=tmp_path
+        )
+        data = longbench_repo.files["data.zip"]
+        assert Path(path).read_bytes() == data
+        lfs = f"/lfs/{hashlib.sha256(data).hexdigest()}"
+        assert server.requests == [("HEAD", "/datasets/THUDM/LongBench/resolve/main/data.zip"), ("GET", lfs)]
+
+
+def test_redirect_check_compares_origins():
+    """After `origin_aware_redirects()` huggingface_hub treats a redirect as within the Hub only for the
+    same (scheme, host, port) or a Hub endpoint's, on 1.x as on 2.x."""
+    from huggingface_hub.utils import _http
+
+    from snapkv import hub
+
+    hub.origin_aware_redirects()
+    within = _http._is_same_or_hub_host
+    assert within(
+        "http://127.0.0.1:8000/org/m/resolve/main/w.bin", "http://127.0.0.1:8000/org/m2/resolve/main/w.bin"
+    )
+    assert not within("http://127.0.0.1:8000/org/m/resolve/main/w.bin", "http://127.0.0.1:9000/lfs/abc")
+    assert within(
+        "https://mirror.invalid/org/m/resolve/main/w.bin", "https://huggingface.co/org/m/resolve/main/w.bin"
+    )
+    assert not within(
+        "https://huggingface.co/org/m/resolve/main/w.bin", "http://huggingface.co/org/m/resolve/main/w.bin"
+    )
+    assert not within("https://huggingface.co/org/m/resolve/main/w.bin", "https://cdn-lfs.hf.co/repos/abc")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -173,7 +174,9 @@ def needle_compare_figure(
         im = _draw_heatmap(ax, table, scale, trained_context)
         vals = pd.to_numeric(part[value], errors="coerce").dropna()
         mean = f", mean {vals.mean() * scale:.0f}" if len(vals) else ""
-        ax.set_title(f"{lab}\nn={len(vals)}{mean}", fontsize=8)
+        # Long config labels wrap at spaces to the panel's width (~14 characters an inch at 8 pt).
+        wrapped = textwrap.fill(str(lab), width=max(20, int(panel_w * 14)))
+        ax.set_title(f"{wrapped}\nn={len(vals)}{mean}", fontsize=8)
         if i % cols == 0:
             ax.set_ylabel("Depth percent")
         else:

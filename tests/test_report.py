@@ -324,6 +324,22 @@ def test_needle_compare_one_panel_per_config_one_scale():
         needle_compare_figure(df, labels=[], title="t", value="partial")
 
 
+def test_compare_colour_bar_names_the_needle_metric():
+    """The score's metric is the `scores` key equal to `score` on every row (sf needle: word_recall,
+    although exact agrees wherever both are 0 or 1); undecided or absent: "score"."""
+    from eval.tasks.needle import _score_metric
+
+    g = pd.DataFrame(
+        {
+            "score": [0.0, 1.0, 0.5],
+            "scores": [{"exact": 0.0, "word_recall": 0.0}, {"exact": 1.0, "word_recall": 1.0}, {"exact": 0.0, "word_recall": 0.5}],
+        }
+    )  # fmt: skip
+    assert _score_metric(g) == "word_recall"
+    assert _score_metric(g.iloc[:2]) == "exact"  # both agree: the first of exact, partial, word_recall
+    assert _score_metric(g.drop(columns="scores")) == "score"
+
+
 def _needle_rows(**kw):
     return [
         base_row(

@@ -548,9 +548,11 @@ def _compare_plots(needle: pd.DataFrame, options: ReportOptions, several_tasks: 
 
 
 def _score_metric(g: pd.DataFrame) -> str:
-    """Which of the needle's metrics the rows' `score` is (the task's `metric`), for the colour bar."""
-    score = pd.to_numeric(g["score"], errors="coerce")
-    for name in METRIC_NAMES:
-        if name in g and pd.to_numeric(g[name], errors="coerce").sub(score).abs().max() == 0:
-            return name
-    return "score"
+    """Which of the needle's metrics the rows' `score` is (the task's `metric`: the key of `scores`
+    equal to `score` on every row), for the colour bar; "score" when the rows leave it open."""
+    common: set[str] | None = None
+    for score, scores in zip(g["score"], g["scores"] if "scores" in g else [None] * len(g)):
+        if isinstance(scores, dict) and pd.notna(score):
+            same = {k for k in METRIC_NAMES if scores.get(k) == score}
+            common = same if common is None else common & same
+    return next((k for k in METRIC_NAMES if common and k in common), "score")

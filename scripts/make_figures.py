@@ -51,30 +51,39 @@ def reports(root: Path) -> list[Path]:
 
 
 def table1(df: pd.DataFrame, out: Path) -> list[Path]:
+    """Table 1: LongBench dataset x method config (+ average), one table per model (configs of
+    different models are never averaged together), Markdown and LaTeX."""
     lb = df[(df["task"] == "longbench") & df["ok"]]
     if lb.empty:
         print("table 1: no LongBench rows (python run.py -m experiment=longbench_multinews ...)")
         return []
-    per = lb.groupby(["dataset", "config_label"])["score"].mean().mul(100).unstack()
-    n = lb.groupby(["dataset", "config_label"]).size().unstack()
-    order = report._column_order(lb)
-    per, n = per[[c for c in order if c in per]], n[[c for c in order if c in n]]
-    per.loc["Average"] = per.mean()
-    per = per.round(2)
-    md = out / "table1_longbench.md"
-    counts = ", ".join(f"{c}: {int(v)}" for c, v in n.sum().items())
-    md.write_text(
-        f"# Table 1 (LongBench, {lb['model'].iloc[0]})\n\nScores x100 (samples per config: {counts}).\n\n"
-        + report.md_table(
-            ["dataset", *per.columns], [[i, *row] for i, row in zip(per.index, per.values.tolist())]
+    sections, latex = ["# Table 1 (LongBench)\n"], []
+    for model, part in lb.groupby("model", sort=True):
+        per = part.groupby(["dataset", "config_label"])["score"].mean().mul(100).unstack()
+        n = part.groupby(["dataset", "config_label"]).size().unstack()
+        order = report._column_order(part)
+        per, n = per[[c for c in order if c in per]], n[[c for c in order if c in n]]
+        per.loc["Average"] = per.mean()
+        per = per.round(2)
+        counts = ", ".join(f"{c}: {int(v)}" for c, v in n.sum().items())
+        sections.append(
+            f"## {model}\n\nScores x100 (samples per config: {counts}).\n\n"
+            + report.md_table(
+                ["dataset", *per.columns], [[i, *row] for i, row in zip(per.index, per.values.tolist())]
+            )
+            + "\n"
         )
-        + "\n",
-        encoding="utf-8",
-    )
+        latex.append(
+            per.to_latex(
+                float_format="%.2f",
+                caption=f"LongBench scores (x100), {model}",
+                label=f"tab:longbench-{report.slug(model)}",
+            )
+        )
+    md = out / "table1_longbench.md"
+    md.write_text("\n".join(sections), encoding="utf-8")
     tex = out / "table1_longbench.tex"
-    tex.write_text(
-        per.to_latex(float_format="%.2f", caption="LongBench scores (x100)", label="tab:longbench")
-    )
+    tex.write_text("\n".join(latex), encoding="utf-8")
     return [md, tex]
 
 
@@ -100,6 +109,15 @@ def latency(root: Path, out: Path) -> list[Path]:
     return written
 
 
+def sweep_lines(params: pd.Series, param: str) -> pd.Series:
+    """A line label per row: `param=value`, plus every other method parameter that differs between
+    the rows (e.g. gqa_order: rows from before that switch beside today's), so configs that ran
+    differently are separate lines, never averaged into one. The budget is the x axis."""
+    keys = sorted({k for p in params for k in p} - {param, "budget"})
+    varying = [k for k in keys if params.map(lambda p, k=k: repr(p.get(k))).nunique() > 1]
+    return params.map(lambda p: " ".join([f"{param}={p.get(param)}", *(f"{k}={p.get(k)}" for k in varying)]))
+
+
 def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
     """Needle score vs budget, one line per value of SnapKV's `param`, from results/<stem>/ (the
     experiment of the same name); the full cache on the same samples as a dashed line."""
@@ -108,7 +126,7 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
     if d.empty or d["method_params"].map(lambda p: p.get(param)).nunique() < 2:
         print(f"{stem}: no {param} sweep found (python run.py -m experiment={stem})")
         return []
-    d["line"] = d["method_params"].map(lambda p: f"{param}={p.get(param)}")
+    d["line"] = sweep_lines(d["method_params"], param)
     everything = load(root)
     full = everything[(everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full")]
     full = full[full["sample_id"].isin(set(d["sample_id"])) & (full["model"] == d["model"].iloc[0])]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from test_report import PNG_MAGIC, SNAP, base_row, write
+from test_report import MODEL, PNG_MAGIC, SNAP, base_row, write
 
 from eval.plots import natural_sorted, needle_heatmap_figure, score_limits, score_vs_budget_figure
 
@@ -50,6 +50,8 @@ def test_make_figures_from_synthetic_results(tmp_path):
     write(root / "sweep_window_budget", needle_rows(windows, lambda p, n, d: 0.5))
     lb = [base_row(f"mn-{i}", "longbench", "multi_news", m, p, 0.2 + 0.1 * (m == "full"), length=3000)
           for i in range(3) for m, p in (("full", {}), ("snapkv", SNAP))]  # fmt: skip
+    lb += [base_row(f"mn-{i}", "longbench", "multi_news", m, p, 0.5, length=3000, model="qwen-tiny")
+           for i in range(2) for m, p in (("full", {}), ("snapkv", SNAP))]  # fmt: skip
     write(root / "longbench_multinews", lb)
     (root / "bench").mkdir()
     with open(root / "bench" / "cpu.csv", "w", newline="") as f:
@@ -65,6 +67,11 @@ def test_make_figures_from_synthetic_results(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = (out / "table1_longbench.md").read_text()
     assert "| multi_news |" in table and "30.00" in table and "20.00" in table and "Average" in table
+    # one table per model: the second model's 50.00 is never averaged into the first's
+    sections = {s.split("\n")[0]: s for s in table.split("## ")[1:]}
+    first, second = sections[MODEL], sections["qwen-tiny"]
+    assert "30.00" in first and "50.00" not in first and "50.00" in second and "30.00" not in second
+    assert "samples per config: full: 2, snapkv" in second
     assert "\\begin{tabular}" in (out / "table1_longbench.tex").read_text()
     for name in ("pooling_ablation.png", "pooling_ablation_partial.png", "sweep_window_budget.png",
                  "sweep_window_budget_partial.png", "cpu_tpot.png", "cpu_peak_mem.png", "cpu_longest.png"):  # fmt: skip
@@ -172,3 +179,17 @@ def test_plots_do_not_change_the_matplotlib_backend():
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "svg", proc.stderr[-2000:]
+
+
+def test_sweep_lines_split_on_any_other_varying_parameter():
+    import make_figures
+
+    params = pd.Series([{"window": 8, "budget": 128, "gqa_order": "pool_first", "pooling": "max"},
+                        {"window": 8, "budget": 256, "gqa_order": "reduce_first", "pooling": "max"},
+                        {"window": 16, "budget": 128, "gqa_order": "reduce_first", "pooling": "max"}])  # fmt: skip
+    assert make_figures.sweep_lines(params, "window").tolist() == [
+        "window=8 gqa_order=pool_first",
+        "window=8 gqa_order=reduce_first",
+        "window=16 gqa_order=reduce_first",
+    ]
+    assert make_figures.sweep_lines(params.iloc[1:], "window").tolist() == ["window=8", "window=16"]

@@ -195,6 +195,13 @@ class BarClock:
         self._thread.join()
 
 
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):  # no isatty, or a closed stream
+        return False
+
+
 def noise_fields(noise: CpuNoise) -> dict[str, Any]:
     """The row's noise columns (eval/store.py) from a finished `CpuNoise` and the thread settings."""
     threads = thread_settings()
@@ -306,7 +313,10 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
         bar = tqdm(
             todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress, dynamic_ncols=True
         )
-        ticking = BarClock(bar) if spec.progress else contextlib.nullcontext()
+        # The ticking clock only on a terminal: in a log file (SLURM, nohup) each redraw is a new
+        # line, and tqdm's own updates per event are enough there.
+        live = spec.progress and _is_terminal(bar.fp)
+        ticking = BarClock(bar) if live else contextlib.nullcontext()
         with logging_redirect_tqdm(), ticking:  # log lines above the progress bar, not through it
             for sample in bar:
                 status = ", ".join(f"{k}={v}" for k, v in counts.items() if v)

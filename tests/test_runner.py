@@ -880,3 +880,17 @@ def test_the_bar_clock_moves_through_a_long_forward():
     redraws = out.getvalue().count("\r") - before
     bar.close()
     assert redraws >= 3, out.getvalue()
+
+
+def test_the_bar_clock_ticks_only_on_a_terminal():
+    """In a log file (nohup, SLURM) every redraw would be a line: the clock ticks on terminals only."""
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    closed = io.StringIO()
+    closed.close()
+    assert runner._is_terminal(Tty()) and not runner._is_terminal(io.StringIO())
+    assert not runner._is_terminal(closed) and not runner._is_terminal(object())

@@ -402,17 +402,24 @@ def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None)
             for m, p, q in zip(g["method"], g["method_params"], g["query_aware"])
         ]
         g = g.assign(line=[f"{mo}: {li}" if several_models else li for mo, li in zip(g["model"], line)])
-        # Macro average: mean per dataset first, then over datasets.
-        per_ds = g.groupby(["line", "budget", "dataset"], dropna=False)["score"].mean().mul(100).reset_index()
-        written.append(
-            score_vs_budget(
-                per_ds,
-                out / f"score_vs_budget_{slug(task)}.png",
-                title=f"{task}: score vs KV budget" + ("" if several_models else f" ({g['model'].iloc[0]})"),
-                line="line",
-                ylabel="score x100",
+        model = "" if several_models else f" ({g['model'].iloc[0]})"
+        for i, (value, name) in enumerate(_task_class(task).budget_values.items()):
+            if value not in g or g[value].isna().all():
+                continue
+            # Macro average: mean per dataset first, then over datasets.
+            per_ds = (
+                g.groupby(["line", "budget", "dataset"], dropna=False)[value].mean().mul(100).rename("score")
+            ).reset_index()
+            suffix = "" if i == 0 else f"_{slug(value)}"
+            written.append(
+                score_vs_budget(
+                    per_ds,
+                    out / f"score_vs_budget_{slug(task)}{suffix}.png",
+                    title=f"{task}: {name} vs KV budget{model}",
+                    line="line",
+                    ylabel=f"{name} x100",
+                )
             )
-        )
     return written
 
 

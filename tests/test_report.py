@@ -218,6 +218,8 @@ def test_report_end_to_end(results_dir, tmp_path, capsys, fake_metrics):
             assert data[:8] == PNG_MAGIC and len(data) > 5000, png
     sv = (out / "score_vs_budget_needle.png").read_bytes()
     assert sv[:8] == PNG_MAGIC
+    # the needle's budget_values: partial credit against the budget too (exact is flat on small models)
+    assert (out / "score_vs_budget_needle_partial.png").read_bytes()[:8] == PNG_MAGIC
     # LongBench ran at a single budget: no score-vs-budget plot.
     assert not (out / "score_vs_budget_longbench.png").exists()
 

@@ -60,13 +60,16 @@ class Task:
     Class attributes: `name` (registry key, `task.name`), `version` (bump when prompts or data
     handling change; part of the results file's hash), `selection_keys` (config keys that only choose
     WHICH samples run, left out of the hash so a grid can grow without recomputing stored samples),
-    `report_section` (heading of the report section holding `report_tables`).
+    `report_section` (heading of the report section holding `report_tables`), `budget_values`
+    (row columns the report draws against the KV budget, each with its axis name: `score` always;
+    a task adds a graded column, e.g. the needle's partial credit, where the main score is flat).
     """
 
     name: ClassVar[str] = ""
     version: ClassVar[int | None] = None
     selection_keys: ClassVar[tuple[str, ...]] = ()
     report_section: ClassVar[str] = "Scores"
+    budget_values: ClassVar[dict[str, str]] = {"score": "score"}
 
     # ---- running
     def samples(self, tokenizer: Any) -> Iterable[Sample]:

@@ -182,7 +182,11 @@ def test_plots_do_not_change_the_matplotlib_backend():
 
 
 def test_sweep_lines_split_on_any_other_varying_parameter():
-    import make_figures
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_figures", ROOT / "scripts" / "make_figures.py")
+    make_figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_figures)
 
     params = pd.Series([{"window": 8, "budget": 128, "gqa_order": "pool_first", "pooling": "max"},
                         {"window": 8, "budget": 256, "gqa_order": "reduce_first", "pooling": "max"},

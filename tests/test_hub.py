@@ -130,7 +130,8 @@ def child_env(tmp_path: Path, endpoint: str, offline: bool = False) -> dict[str,
 
 
 def run_py(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "run.py", "progress=false", "report=false", *args]
+    # compare=[]: the method alone (the Hub paths are the subject, not the default's side-by-side)
+    cmd = [sys.executable, "run.py", "progress=false", "report=false", "compare=[]", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 

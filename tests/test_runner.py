@@ -677,7 +677,7 @@ def test_a_second_identical_run_waits_and_never_duplicates_a_sample(tiny_dir, tm
 
 def test_two_identical_processes_write_one_row_per_sample(tiny_dir, tmp_path):
     results = tmp_path / "results"
-    args = [*tiny_overrides(tiny_dir, results), "task.lengths=[150,250,350]"]
+    args = [*tiny_overrides(tiny_dir, results), "task.lengths=[150,250,350]", "compare=[]"]
     procs = [
         subprocess.Popen(
             [sys.executable, str(ROOT / "run.py"), *args, f"hydra.run.dir={tmp_path}/h{i}"],

@@ -120,32 +120,35 @@ def sweep_lines(params: pd.Series, param: str) -> pd.Series:
 
 def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
     """Needle score vs budget, one line per value of SnapKV's `param`, from results/<stem>/ (the
-    experiment of the same name); the full cache on the same samples as a dashed line."""
+    experiment of the same name), one figure per model (`<stem>_<model>[_partial].png`); the full
+    cache on the same samples as a dashed line."""
     df = load(root / stem)
     d = df[(df["task"] == "needle") & df["ok"] & (df["method"] == "snapkv")].copy() if not df.empty else df
     if d.empty or d["method_params"].map(lambda p: p.get(param)).nunique() < 2:
         print(f"{stem}: no {param} sweep found (python run.py -m experiment={stem})")
         return []
-    d["line"] = sweep_lines(d["method_params"], param)
     everything = load(root)
-    full = everything[(everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full")]
-    full = full[full["sample_id"].isin(set(d["sample_id"])) & (full["model"] == d["model"].iloc[0])]
-    if set(full["sample_id"]) == set(d["sample_id"]):  # a reference line only on the same samples
-        d = pd.concat([d, full.drop_duplicates("sample_id").assign(line="full")])
-    name = param
+    full_all = everything[
+        (everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full")
+    ]
     written = []
-    for y, label in (("score", "needle exact"), ("partial", "needle partial credit")):
-        path = out / f"{stem}{'' if y == 'score' else '_partial'}.png"
-        score_vs_budget(
-            d,
-            path,
-            title=f"SnapKV {name} x budget ({d['model'].iloc[0]})",
-            y=y,
-            line="line",
-            ylabel=f"{label} x100",
-            scale=100,
-        )
-        written.append(path)
+    for model, m in d.groupby("model", sort=True):
+        m = m.assign(line=sweep_lines(m["method_params"], param))
+        full = full_all[full_all["sample_id"].isin(set(m["sample_id"])) & (full_all["model"] == model)]
+        if set(full["sample_id"]) == set(m["sample_id"]):  # a reference line only on the same samples
+            m = pd.concat([m, full.drop_duplicates("sample_id").assign(line="full")])
+        for y, label in (("score", "needle exact"), ("partial", "needle partial credit")):
+            path = out / f"{stem}_{report.slug(model)}{'' if y == 'score' else '_partial'}.png"
+            score_vs_budget(
+                m,
+                path,
+                title=f"SnapKV {param} x budget ({model})",
+                y=y,
+                line="line",
+                ylabel=f"{label} x100",
+                scale=100,
+            )
+            written.append(path)
     return written
 
 

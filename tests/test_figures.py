@@ -14,6 +14,7 @@ import pytest
 from test_report import MODEL, PNG_MAGIC, SNAP, base_row, write
 
 from eval.plots import natural_sorted, needle_heatmap_figure, score_limits, score_vs_budget_figure
+from eval.tables import slug
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,8 +74,9 @@ def test_make_figures_from_synthetic_results(tmp_path):
     assert "30.00" in first and "50.00" not in first and "50.00" in second and "30.00" not in second
     assert "samples per config: full: 2, snapkv" in second
     assert "\\begin{tabular}" in (out / "table1_longbench.tex").read_text()
-    for name in ("pooling_ablation.png", "pooling_ablation_partial.png", "sweep_window_budget.png",
-                 "sweep_window_budget_partial.png", "cpu_tpot.png", "cpu_peak_mem.png", "cpu_longest.png"):  # fmt: skip
+    m = slug(MODEL)  # one sweep figure per model
+    for name in (f"pooling_ablation_{m}.png", f"pooling_ablation_{m}_partial.png", f"sweep_window_budget_{m}.png",
+                 f"sweep_window_budget_{m}_partial.png", "cpu_tpot.png", "cpu_peak_mem.png", "cpu_longest.png"):  # fmt: skip
         assert (out / name).read_bytes()[:8] == PNG_MAGIC, name
     for sub in ("needle_methods", "pooling_ablation", "sweep_window_budget", "longbench_multinews"):
         assert (root / sub / "report.md").is_file() and (root / sub / "summary.csv").is_file()

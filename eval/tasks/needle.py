@@ -490,10 +490,7 @@ def _report_plots(df: pd.DataFrame, options: ReportOptions) -> list[Path]:
     needle = df[df["context_length"].notna() & df["depth_percent"].notna()]
     several_tasks = needle["task"].nunique() > 1
     for (task, model, label), g in needle.groupby(["task", "model", "config_label"], sort=True):
-        tc = options.trained_context
-        rows_tc = pd.to_numeric(g["trained_context"], errors="coerce") if "trained_context" in g else None
-        if tc is None and rows_tc is not None and rows_tc.notna().any():
-            tc = int(rows_tc.dropna().iloc[0])
+        tc = _trained_context(g, options)
         name = f"needle_{slug(task) + '_' if several_tasks else ''}{slug(model)}_{slug(label)}.png"
         title = f"{model}\n{label}" + (f" ({task})" if several_tasks else "")
         written.append(needle_heatmap(g, options.out / name, title=title, trained_context=tc))
@@ -513,6 +510,14 @@ def _report_plots(df: pd.DataFrame, options: ReportOptions) -> list[Path]:
     return written
 
 
+def _trained_context(g: pd.DataFrame, options: ReportOptions) -> int | None:
+    """The dashed trained-context line: `options.trained_context` if given, else the rows' value."""
+    if options.trained_context is not None:
+        return options.trained_context
+    rows = pd.to_numeric(g["trained_context"], errors="coerce").dropna() if "trained_context" in g else []
+    return int(rows.iloc[0]) if len(rows) else None
+
+
 # Names of the needle's score columns in the compare figure's colour bar.
 METRIC_NAMES = {"exact": "exact match", "partial": "partial credit", "word_recall": "word recall"}
 MAX_COMPARE_PANELS = 12
@@ -529,8 +534,7 @@ def _compare_plots(needle: pd.DataFrame, options: ReportOptions, several_tasks: 
         labels = column_order(g)
         if not 2 <= len(labels) <= MAX_COMPARE_PANELS:
             continue
-        tc = pd.to_numeric(g["trained_context"], errors="coerce").dropna() if "trained_context" in g else None
-        tc = options.trained_context or (int(tc.iloc[0]) if tc is not None and len(tc) else None)
+        tc = _trained_context(g, options)
         stem = f"needle_compare_{slug(task) + '_' if several_tasks else ''}{slug(model)}"
         for value, suffix in (("score", ""), ("partial", "_partial")):
             if value not in g or g[value].isna().all():

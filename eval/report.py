@@ -172,8 +172,48 @@ def _task_class(task: str) -> type[Task]:
     return TASKS.get(task, Task)
 
 
+# Row fields that change a config's output without being method parameters (they are in the
+# config hash): rows that share a label but differ here are different experiments.
+_RUN_FIELDS = {"dtype": "", "attn_impl": "", "prefill_chunk_size": "chunk="}
+_DTYPE_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def _run_field_text(field: str, value: Any) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        value = "none" if field == "prefill_chunk_size" else "?"
+    if field == "dtype":
+        return _DTYPE_SHORT.get(str(value), str(value))
+    return f"{_RUN_FIELDS[field]}{_fmt_value(value)}"
+
+
+def _disambiguate_labels(df: pd.DataFrame) -> None:
+    """In place: where rows of one (task, model, label) come from configs with different hashes,
+    append to `label` and `config_label` what tells them apart, so no table or figure averages two
+    experiments under one name. First the run fields that differ within the group (`bf16`,
+    `eager`, `chunk=512`), else the config hash (`#1a2b3c4d`: e.g. task parameters or version)."""
+    if "method_hash" not in df.columns or df.empty:
+        return
+    hashes = df["method_hash"].map(lambda h: h if isinstance(h, str) else "")
+    for _, idx in df.groupby(["task", "model", "config_label"], sort=False).groups.items():
+        if hashes.loc[idx].nunique() < 2:
+            continue
+        part = df.loc[idx]
+        fields = [
+            f for f in _RUN_FIELDS if f in part.columns and part[f].map(lambda v: _fmt_value(v)).nunique() > 1
+        ]
+        if fields:
+            suffix = pd.Series(
+                [" ".join(_run_field_text(f, r[f]) for f in fields) for _, r in part.iterrows()], index=idx
+            )
+        else:
+            suffix = "#" + hashes.loc[idx]
+        df.loc[idx, "label"] = df.loc[idx, "label"] + " " + suffix
+        df.loc[idx, "config_label"] = df.loc[idx, "config_label"] + " " + suffix
+
+
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
-    """Add derived columns: label, config_label (label + query-agnostic suffix), params_json, budget,
+    """Add derived columns: label, config_label (label + query-agnostic suffix; both extended where
+    two configs would share them, `_disambiguate_labels`), params_json, budget,
     ok, partial, compression, numeric versions of the metric columns, and each task's own columns
     (`Task.prepare_rows`)."""
     df = df.copy()
@@ -190,6 +230,7 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
     df["config_label"] = [
         method_label(m, p, False if _is_false(q) else None) for m, p, q in zip(df["method"], params, qa)
     ]
+    _disambiguate_labels(df)
     df["params_json"] = params.map(lambda p: json.dumps(p, sort_keys=True, default=str))
     df["budget"] = pd.to_numeric(params.map(budget_of), errors="coerce")
     df["ok"] = df["status"].astype(object).eq("ok")

@@ -460,3 +460,35 @@ def test_cost_table_prints_timing_medians_with_the_noise_beside_them(tmp_path, c
         in report
     )
     assert "2 of 5 ok rows predate that record." in report
+
+
+def test_configs_that_share_a_label_are_told_apart(tmp_path):
+    """Rows of the same method and parameters from different configs (another dtype, or task
+    parameters: another hash) must never be averaged under one label."""
+    d = tmp_path / "results"
+    rows = []
+    for i in range(2):
+        rows.append(base_row(f"a{i}", "longbench", "qasper", "full", {}, 1.0))
+        bf = base_row(f"a{i}", "longbench", "qasper", "full", {}, 0.0, dtype="bfloat16")
+        bf["method_hash"] = config_hash({"method": "full", "dtype": "bfloat16"})
+        rows.append(bf)
+        other = base_row(f"a{i}", "longbench", "qasper", "snapkv", SNAP, 0.5)
+        rows.append(other)
+        other2 = base_row(f"a{i}", "longbench", "qasper", "snapkv", SNAP, 0.25)
+        other2["method_hash"] = "0123abcd"  # same dtype etc.: only the hash says they differ
+        rows.append(other2)
+    write(d, rows)
+    out = tmp_path / "report"
+    assert main([str(d), "--out", str(out)]) == 0
+    summary = pd.read_csv(out / "summary.csv").set_index("label")
+    snap = method_label("snapkv", SNAP)
+    h1 = rows[2]["method_hash"]
+    assert sorted(summary.index) == sorted(["full fp32", "full bf16", f"{snap} #{h1}", f"{snap} #0123abcd"])
+    assert summary.loc["full fp32", "score"] == pytest.approx(100.0)
+    assert summary.loc["full bf16", "score"] == pytest.approx(0.0)
+    assert summary.loc[f"{snap} #0123abcd", "score"] == pytest.approx(25.0)
+    # One config alone keeps its plain label.
+    d2 = tmp_path / "one"
+    write(d2, rows[:1])
+    assert main([str(d2), "--out", str(tmp_path / "r2")]) == 0
+    assert list(pd.read_csv(tmp_path / "r2" / "summary.csv")["label"]) == ["full"]

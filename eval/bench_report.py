@@ -253,3 +253,58 @@ def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     fig.savefig(path, dpi=150)
     plt.close(fig)
     return paths + [path]
+
+
+# ------------------------------------------------------------------------ agreement of several runs
+@dataclass(frozen=True)
+class RunSummary:
+    """One benchmark run as the agreement table shows it."""
+
+    name: str
+    spreads: dict[str, Spread | None]
+    kept: int
+    rounds: int
+    other_cores: Spread | None
+
+
+def summarise_run(name: str, rows: Sequence[dict[str, Any]], clock: str = "cpu") -> RunSummary:
+    kept, rounds = kept_rounds(_ok(rows))
+    other = spread(_float(r.get("other_cores")) for r in _ok(rows))
+    return RunSummary(name, ratio_spreads(rows, clock), len(kept), len(rounds), other)
+
+
+def agreement(runs: Sequence[RunSummary], tolerance: float = 0.10) -> tuple[str, bool]:
+    """`(markdown, agree)`: each run's target ratios (median [Q1, Q3]), the noise it ran under, and
+    per ratio the spread of the runs' medians, max/min - 1; `agree` when every spread is within
+    `tolerance` (the issue's "three consecutive runs within 10%")."""
+    head = ["run", *[t.key for t in TARGETS], "median other cores", "rounds used"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in runs:
+        cells = [run.name]
+        for t in TARGETS:
+            s = run.spreads.get(t.key)
+            cells.append("n/a" if s is None else f"{s.median:.3f} [{s.q1:.3f}, {s.q3:.3f}]")
+        cells.append("n/a" if run.other_cores is None else f"{run.other_cores.median:.2f}")
+        quiet = "quiet" if run.kept < run.rounds else "all"
+        cells.append(f"{run.kept} of {run.rounds} ({quiet})")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    agree = bool(runs)
+    for t in TARGETS:
+        medians = [r.spreads[t.key].median for r in runs if r.spreads.get(t.key) is not None]
+        if len(medians) < len(runs) or not medians or min(medians) <= 0:
+            lines.append(f"- {t.key}: a run has no value")
+            agree = False
+            continue
+        rel = max(medians) / min(medians) - 1
+        ok = rel <= tolerance
+        agree &= ok
+        meets = sum(r.spreads[t.key].meets(t.bound, t.direction) for r in runs)
+        lines.append(
+            f"- {t.key}: medians {', '.join(f'{m:.3f}' for m in medians)}; max/min - 1 = {rel:.1%} "
+            f"({'within' if ok else 'NOT within'} {tolerance:.0%}); target {t.direction} {t.bound}: "
+            f"IQR on its side in {meets} of {len(runs)} runs"
+        )
+    lines.append("")
+    lines.append(f"AGREE within {tolerance:.0%}: {'yes' if agree else 'NO'} ({len(runs)} runs)")
+    return "\n".join(lines), agree

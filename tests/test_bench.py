@@ -176,6 +176,37 @@ def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
     assert kept_rounds(rows) == ([0, 1, 2], [0, 1, 2])
 
 
+def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
+    from eval.bench_report import agreement, summarise_run
+
+    times = {("full", 512): 1.0, ("full", 8192): 20.0, ("snapkv", 8192): 20.4, ("h2o", 8192): 22.0}
+    a = summarise_run("a", _rows(times, 5), "wall")
+    # Run b: h2o 8% slower; a machine 3x slower overall changes no ratio (they are per round).
+    b = summarise_run("b", _rows({**times, ("h2o", 8192): 22.0 * 1.08}, 5, scale=lambda r: 3.0), "wall")
+    text, agree = agreement([a, b])
+    assert agree and "max/min - 1 = 8.0% (within 10%)" in text and "AGREE within 10%: yes" in text
+    assert "| a | 20.400 [20.400, 20.400]" in text  # tpot snapkv(8K) / tpot full(512) = 0.204 / 0.01
+    c = summarise_run("c", _rows({**times, ("snapkv", 8192): 20.4 * 1.2}, 5, noisy=lambda r: r == 0), "wall")
+    text, agree = agreement([a, b, c])
+    assert not agree and "NOT within 10%" in text and "4 of 5 (quiet)" in text and "5 of 5 (all)" in text
+    assert "target <= 1.02: IQR on its side in 2 of 3 runs" in text
+    # the script: one table, exit 0 whether or not they agree; 2 for a missing file
+    path = tmp_path / "run1.csv"
+    rows = _rows(times, 3)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_agreement.py"
+    out = subprocess.run([sys.executable, str(script), str(path), str(path), "--clock", "wall"],
+                         capture_output=True, text=True)  # fmt: skip
+    assert out.returncode == 0 and "AGREE within 10%: yes (2 runs)" in out.stdout, out.stderr
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "nope.csv")], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "nope.csv" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
 def test_verdict_needs_the_whole_iqr_on_the_target_side():
     from eval.bench_noise import Spread
     from eval.bench_report import TARGETS, verdict

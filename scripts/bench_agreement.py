@@ -1,0 +1,44 @@
+"""Do several benchmark runs agree? Per run: the four target ratios (median [Q1, Q3] over its
+rounds) and the noise it ran under; per ratio: max/min - 1 of the runs' medians against a tolerance.
+
+    python scripts/bench_agreement.py results/bench/validation8k/run{1,2,3}.csv [--tolerance 0.10]
+
+Exit code 0 whether or not the runs agree (the table is the result); 2 for a missing or empty CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from eval.bench_report import agreement, summarise_run  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("csv", nargs="+", type=Path, help="benchmark CSVs (scripts/bench_speed.py out=...)")
+    p.add_argument("--tolerance", type=float, default=0.10, help="max/min - 1 allowed (default 0.10)")
+    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="which timings (default cpu)")
+    args = p.parse_args(argv)
+    runs = []
+    for path in args.csv:
+        if not path.is_file():
+            print(f"bench_agreement: no such file: csv={str(path)!r}", file=sys.stderr)
+            return 2
+        with path.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+        if not rows:
+            print(f"bench_agreement: no rows in csv={str(path)!r}", file=sys.stderr)
+            return 2
+        runs.append(summarise_run(path.stem, rows, args.clock))
+    text, _ = agreement(runs, args.tolerance)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -494,6 +494,39 @@ def test_report_suite_average_and_dagger():
     assert "| **Average** | 75.00 | 25.00 | 50.00 |" in md
 
 
+def test_compare_figure_puts_every_config_beside_the_full_cache(tmp_path):
+    import pandas as pd
+
+    from eval.report import prepare
+    from eval.store import ROW_FIELDS
+    from eval.tables import column_order
+    from eval.tasks.ruler_report import ruler_compare, ruler_compare_figure, ruler_means
+
+    def row(i, task, score, method, params):
+        return {**dict.fromkeys(ROW_FIELDS), "sample_id": f"{task}-{i}", "task": "ruler", "dataset": task,
+                "model": "m", "method": method, "method_params": params, "query_aware": True,
+                "status": "ok", "score": score, "scores": {}, "method_hash": method,
+                "ruler_task": task, "ruler_length": 4096}  # fmt: skip
+
+    rows = [row(i, t, 1.0, "full", {}) for i in range(2) for t in ("niah_single_1", "vt")]
+    rows += [row(i, "niah_single_1", 0.5 * i, "snapkv", {"budget": 128}) for i in range(2)]  # no vt
+    rows += [row(0, t, 0.0, "h2o", {"budget": 128}) for t in ("niah_single_1", "vt")]
+    df = prepare(pd.DataFrame(rows))
+    labels = column_order(df)
+    assert labels[0] == "full"
+    fig = ruler_compare_figure(ruler_means(df), labels, "t")
+    (ax,) = [a for a in fig.axes if a.get_title()]
+    grid = ax.get_images()[0].get_array()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["niah_single_1", "vt", "average"]
+    assert [t.get_text().split("\n")[-1] for t in ax.get_xticklabels()] == ["(n=4)", "(n=2)", "(n=2)"]
+    snap = labels.index("snapkv b=128")
+    assert grid[0, 0] == 100 and grid[0, snap] == 25 and grid.mask[1, snap]  # missing cell grey
+    assert grid.mask[2, snap] and grid[2, labels.index("h2o b=128")] == 0  # no average over a gap
+    (path,) = ruler_compare(df, tmp_path, column_order)
+    assert path.name == "ruler_compare_m.png" and path.read_bytes()[:4] == b"\x89PNG"
+    assert ruler_compare(df[df["method"] == "full"], tmp_path, column_order) == []  # nothing beside it
+
+
 def test_haystack_setting(tok, data):
     assert RulerTask()._niah_haystack("niah_single_1") == ("repeat", None)  # RULER: noise
     assert RulerTask()._niah_haystack("niah_single_2") == ("essay", "paul_graham")

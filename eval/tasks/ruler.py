@@ -647,6 +647,7 @@ class RulerTask(Task):
 
     @classmethod
     def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
-        from eval.tasks.ruler_report import ruler_heatmaps
+        from eval.tables import column_order
+        from eval.tasks.ruler_report import ruler_compare, ruler_heatmaps
 
-        return ruler_heatmaps(df, options.out)
+        return ruler_heatmaps(df, options.out) + ruler_compare(df, options.out, column_order)

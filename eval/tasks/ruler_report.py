@@ -1,5 +1,7 @@
-"""RULER's report: score per task x length, the suite average per length, and a task x length heatmap
-per (model, method config), built from the result rows (`ruler_task`, `ruler_length`, `score`).
+"""RULER's report: score per task x length, the suite average per length, a task x length heatmap
+per (model, method config), and per model one task x method heatmap per length with the full cache
+first (`ruler_compare_<model>.png`: every compressed config beside its baseline), built from the
+result rows (`ruler_task`, `ruler_length`, `score`).
 
 Suite average: for each length, the mean over tasks of the per-task means (RULER's "Avg."); marked
 with † when a config lacks some task at that length (not comparable). Scores x100.
@@ -7,6 +9,7 @@ with † when a config lacks some task at that length (not comparable). Scores x
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -146,4 +149,68 @@ def ruler_heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
     for (model, label), sub in means.groupby(["model", "config_label"], sort=True):
         path = out / f"ruler_{slug(model)}_{slug(label)}.png"
         written.append(ruler_heatmap(sub, path, f"RULER — {model}\n{label}"))
+    return written
+
+
+def ruler_compare_figure(means: pd.DataFrame, labels: list[str], title: str):
+    """One panel per length: tasks (rows, RULER order, then the suite average) x configs (columns, in
+    `labels` order: the full cache first is the caller's choice), score x100, one colour scale,
+    cells annotated, missing cells grey; each column's label carries its number of ok samples."""
+    from matplotlib.figure import Figure
+
+    from eval.plots import NEEDLE_CMAP
+
+    if not labels:
+        raise ValueError("ruler_compare: no config labels to draw")
+    lengths = sorted(means["ruler_length"].unique())
+    tasks = _task_order(means["ruler_task"])
+    ncol = len(labels)
+    fig = Figure(
+        figsize=(len(lengths) * max(3.5, 1.15 * ncol + 1.8) + 1.0, max(4.0, 0.38 * (len(tasks) + 1) + 2.4)),
+        layout="constrained",
+    )
+    axes = np.atleast_1d(fig.subplots(1, len(lengths), squeeze=False)).ravel()
+    im = None
+    for ax, length in zip(axes, lengths):
+        at = means[means["ruler_length"] == length]
+        grid = at.pivot_table(index="ruler_task", columns="config_label", values="score", aggfunc="mean")
+        grid = grid.reindex(index=tasks, columns=labels)
+        # The suite average only where a config has every task of this length (else grey, as the table's †).
+        complete = grid.notna().all(axis=0) | grid.isna().all(axis=0)
+        grid.loc["average"] = grid.mean(axis=0).where(complete)
+        values = np.ma.masked_invalid(grid.to_numpy(dtype=float))
+        im = ax.imshow(values, cmap=NEEDLE_CMAP.with_extremes(bad="#D9D9D9"), vmin=0, vmax=100,
+                       aspect="auto", interpolation="nearest")  # fmt: skip
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if values[i, j] is not np.ma.masked:
+                    ax.text(j, i, f"{values[i, j]:.0f}", ha="center", va="center", fontsize=8)
+        n = at.groupby("config_label")["n"].sum()
+        ticks = [f"{textwrap.fill(lab, 14)}\n(n={int(n.get(lab, 0))})" for lab in labels]
+        ax.set_xticks(range(ncol), ticks, fontsize=7)
+        ax.set_yticks(range(grid.shape[0]), list(grid.index))
+        ax.axhline(grid.shape[0] - 1.5, color="black", linewidth=1)
+        ax.set_title(f"{int(length)} tokens")
+    fig.suptitle(title)
+    fig.colorbar(im, ax=list(axes)).set_label("score x100")
+    return fig
+
+
+def ruler_compare(df: pd.DataFrame, out: Path, column_order) -> list[Path]:
+    """`ruler_compare_<model>.png` per model with RULER rows of two or more configs (full first)."""
+    from eval.plots import _save
+    from eval.tables import slug
+
+    rows_df = df[is_ruler(df)]
+    if rows_df.empty:
+        return []
+    means = ruler_means(rows_df)
+    written = []
+    for model, part in rows_df.groupby("model", sort=True):
+        m = means[means["model"] == model]
+        labels = [c for c in column_order(part) if c in set(m["config_label"])]
+        if len(labels) < 2:
+            continue
+        fig = ruler_compare_figure(m, labels, f"RULER — {model}: every config beside the full cache")
+        written.append(_save(fig, out / f"ruler_compare_{slug(model)}.png"))
     return written

@@ -305,3 +305,14 @@ def test_h2o_floor_measurement_runs_at_toy_size():
 
     line = main(64, heads=4, kv=2, d=16)
     assert line.startswith("L=64: sdpa") and line.count("x") >= 3
+
+
+def test_bench_pair_alternates_in_one_process(capsys):
+    from eval.bench_pair import main
+
+    out = main("random:llama-tiny", short=48, long=96, pairs=2, decode=4)
+    assert len(out["ratios"]) == 2 and all(r > 0 for r in out["ratios"])
+    printed = capsys.readouterr().out
+    assert printed.count("pair ") == 2 and "PAIRED TPOT snapkv(b=48)@96 / full@48: median" in printed
+    with pytest.raises(ValueError, match="short=96, long=32"):
+        main("random:llama-tiny", short=96, long=32)

@@ -5,6 +5,7 @@ the one line that holds all four ratios (the script's last line)."""
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +101,20 @@ def ratio_spreads(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[s
     return {k: spread(v for r, v in per.items() if r in kept) for k, per in round_ratios(rows, clock).items()}
 
 
+def rounds_needed(values: Sequence[float], tolerance: float = 0.10) -> tuple[float, int] | None:
+    """`(relative sd of the per-round ratios, rounds per run)` so that two runs' medians agree within
+    `tolerance` with ~95% confidence: 1.96 * sqrt(2) * 1.2533 * sd / sqrt(n) <= tolerance (normal
+    approximation; 1.2533 sd / sqrt(n) is the standard error of a median). None for < 2 values."""
+    xs = [float(v) for v in values if v is not None and math.isfinite(float(v))]
+    if len(xs) < 2:
+        return None
+    mid = statistics.median(xs)
+    if mid <= 0:
+        return None
+    rel_sd = statistics.pstdev(xs) / mid
+    return rel_sd, max(1, math.ceil((1.96 * math.sqrt(2) * 1.2533 * rel_sd / tolerance) ** 2))
+
+
 def verdict(t: Target, s: Spread | None) -> str:
     if s is None:
         return "n/a"
@@ -192,6 +207,17 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         lines.append(
             f"  {t.label.format(**fields)}: {shown}  target {t.direction} {t.bound}  {verdict(t, spreads[t.key])}"
         )
+    per_round = round_ratios(rows, cfg.clock)
+    needed = []
+    for t in TARGETS:
+        est = rounds_needed([v for r, v in per_round[t.key].items() if r in kept])
+        if est is not None:
+            needed.append(f"{t.key} sd {est[0]:.0%} -> {est[1]}")
+    if needed:
+        lines.append(
+            "per-round spread on this machine, and the rounds a run needs for two runs' medians to agree "
+            "within 10% (~95%): " + "; ".join(needed)
+        )
     lines.append(last_line(rows, cfg.clock))
     return "\n".join(lines)
 
@@ -262,6 +288,7 @@ class RunSummary:
 
     name: str
     spreads: dict[str, Spread | None]
+    per_round: dict[str, list[float]]
     kept: int
     rounds: int
     other_cores: Spread | None
@@ -270,7 +297,8 @@ class RunSummary:
 def summarise_run(name: str, rows: Sequence[dict[str, Any]], clock: str = "cpu") -> RunSummary:
     kept, rounds = kept_rounds(_ok(rows))
     other = spread(_float(r.get("other_cores")) for r in _ok(rows))
-    return RunSummary(name, ratio_spreads(rows, clock), len(kept), len(rounds), other)
+    per_round = {k: [v for r, v in per.items() if r in kept] for k, per in round_ratios(rows, clock).items()}
+    return RunSummary(name, ratio_spreads(rows, clock), per_round, len(kept), len(rounds), other)
 
 
 def agreement(runs: Sequence[RunSummary], tolerance: float = 0.10) -> tuple[str, bool]:
@@ -300,10 +328,17 @@ def agreement(runs: Sequence[RunSummary], tolerance: float = 0.10) -> tuple[str,
         ok = rel <= tolerance
         agree &= ok
         meets = sum(r.spreads[t.key].meets(t.bound, t.direction) for r in runs)
+        pooled = [v for r in runs for v in r.per_round.get(t.key, [])]
+        est = rounds_needed(pooled, tolerance)
+        need = (
+            ""
+            if est is None
+            else f"; per-round sd {est[0]:.0%} over {len(pooled)} rounds -> {est[1]} rounds a run"
+        )
         lines.append(
             f"- {t.key}: medians {', '.join(f'{m:.3f}' for m in medians)}; max/min - 1 = {rel:.1%} "
             f"({'within' if ok else 'NOT within'} {tolerance:.0%}); target {t.direction} {t.bound}: "
-            f"IQR on its side in {meets} of {len(runs)} runs"
+            f"IQR on its side in {meets} of {len(runs)} runs; pooled median {spread(pooled).median:.3f}{need}"
         )
     lines.append("")
     lines.append(f"AGREE within {tolerance:.0%}: {'yes' if agree else 'NO'} ({len(runs)} runs)")

@@ -190,6 +190,7 @@ def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
     text, agree = agreement([a, b, c])
     assert not agree and "NOT within 10%" in text and "4 of 5 (quiet)" in text and "5 of 5 (all)" in text
     assert "target <= 1.02: IQR on its side in 2 of 3 runs" in text
+    assert "pooled median" in text and "rounds a run" in text
     # the script: one table, exit 0 whether or not they agree; 2 for a missing file
     path = tmp_path / "run1.csv"
     rows = _rows(times, 3)
@@ -205,6 +206,17 @@ def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
         [sys.executable, str(script), str(tmp_path / "nope.csv")], capture_output=True, text=True
     )
     assert out.returncode == 2 and "nope.csv" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_rounds_needed_from_the_per_round_spread():
+    from eval.bench_report import rounds_needed
+
+    assert rounds_needed([1.0]) is None  # one round says nothing about the spread
+    sd, n = rounds_needed([0.9, 1.1] * 5)  # sd 10% of the median
+    assert sd == pytest.approx(0.10)
+    assert n == 13  # (1.96 * sqrt(2) * 1.2533 * 0.10 / 0.10)^2 = 12.07 -> 13
+    assert rounds_needed([0.9, 1.1] * 5, tolerance=0.20)[1] == 4
+    assert rounds_needed([1.0, 1.0, 1.0])[1] == 1  # no spread: one round is enough
 
 
 def test_verdict_needs_the_whole_iqr_on_the_target_side():

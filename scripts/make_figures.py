@@ -6,7 +6,7 @@ At whatever scale was run, from the results store and the benchmark CSVs:
 - each results folder's report (report.md, summary.csv, needle heatmaps, score-vs-budget);
 - Table 1: LongBench, dataset x method config (+ average), Markdown and LaTeX;
 - decode latency and peak memory vs input length (from `scripts/bench_speed.py` CSVs in bench/,
-  drawn next to each CSV and in the figures folder);
+  and its subfolders of validation runs, drawn next to each CSV; bench/*.csv also in the figures folder);
 - pooling ablation (max vs avg vs none): needle score vs budget, one line per pooling;
 - budget x window sweep: needle score vs budget, one line per observation window;
 - digits as single tokens: SnapKV's kept positions around the needle (results/digits/kept_positions.*)
@@ -89,7 +89,8 @@ def table1(df: pd.DataFrame, out: Path) -> list[Path]:
 
 def latency(root: Path, out: Path) -> list[Path]:
     bench = root / "bench"
-    csvs = sorted([*bench.glob("*.csv"), *bench.glob("validation/*.csv")]) if bench.is_dir() else []
+    # bench/*.csv, and the validation runs one folder down (validation/, validation8k/, ...)
+    csvs = sorted([*bench.glob("*.csv"), *bench.glob("*/*.csv")]) if bench.is_dir() else []
     if not csvs:
         print("latency: no bench CSVs (python scripts/bench_speed.py ... out=results/bench/NAME.csv)")
         return []

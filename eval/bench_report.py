@@ -95,10 +95,15 @@ def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[st
     return out
 
 
+def kept_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, list[float]]:
+    """Each target's per-round ratios over the kept rounds only."""
+    kept, _ = kept_rounds(rows)
+    return {k: [v for r, v in per.items() if r in kept] for k, per in round_ratios(rows, clock).items()}
+
+
 def ratio_spreads(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, Spread | None]:
     """Each target's median and IQR over the kept rounds."""
-    kept, _ = kept_rounds(rows)
-    return {k: spread(v for r, v in per.items() if r in kept) for k, per in round_ratios(rows, clock).items()}
+    return {k: spread(v) for k, v in kept_ratios(rows, clock).items()}
 
 
 def rounds_needed(values: Sequence[float], tolerance: float = 0.10) -> tuple[float, int] | None:
@@ -207,10 +212,10 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         lines.append(
             f"  {t.label.format(**fields)}: {shown}  target {t.direction} {t.bound}  {verdict(t, spreads[t.key])}"
         )
-    per_round = round_ratios(rows, cfg.clock)
+    per_round = kept_ratios(rows, cfg.clock)
     needed = []
     for t in TARGETS:
-        est = rounds_needed([v for r, v in per_round[t.key].items() if r in kept])
+        est = rounds_needed(per_round[t.key])
         if est is not None:
             needed.append(f"{t.key} sd {est[0]:.0%} -> {est[1]}")
     if needed:
@@ -297,8 +302,9 @@ class RunSummary:
 def summarise_run(name: str, rows: Sequence[dict[str, Any]], clock: str = "cpu") -> RunSummary:
     kept, rounds = kept_rounds(_ok(rows))
     other = spread(_float(r.get("other_cores")) for r in _ok(rows))
-    per_round = {k: [v for r, v in per.items() if r in kept] for k, per in round_ratios(rows, clock).items()}
-    return RunSummary(name, ratio_spreads(rows, clock), per_round, len(kept), len(rounds), other)
+    per_round = kept_ratios(rows, clock)
+    spreads = {k: spread(v) for k, v in per_round.items()}
+    return RunSummary(name, spreads, per_round, len(kept), len(rounds), other)
 
 
 def agreement(runs: Sequence[RunSummary], tolerance: float = 0.10) -> tuple[str, bool]:

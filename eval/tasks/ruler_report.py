@@ -104,33 +104,37 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
     return out
 
 
-def ruler_heatmap(sub: pd.DataFrame, path: Path, title: str) -> Path:
-    """Task (rows, RULER order, then the suite average) x length (columns) heatmap of score x100."""
-    from matplotlib.figure import Figure
+def _draw_grid(ax, grid: pd.DataFrame):
+    """Draw a tasks (rows, the last one the average) x columns grid of score x100 on `ax`: one colour
+    scale 0-100, cells annotated, missing cells grey, a rule above the average row; the task names
+    as y ticks. Returns the image (for a colour bar)."""
+    from eval.plots import NEEDLE_CMAP
 
-    from eval.plots import NEEDLE_CMAP, _save
-
-    grid = sub.pivot_table(index="ruler_task", columns="ruler_length", values="score", aggfunc="mean")
-    grid = grid.reindex(index=_task_order(sub["ruler_task"]), columns=sorted(grid.columns))
-    grid.loc["average"] = grid.mean(axis=0)
     values = np.ma.masked_invalid(grid.to_numpy(dtype=float))
-    fig = Figure(figsize=(max(5.0, 0.9 * grid.shape[1] + 3.5), max(4.0, 0.38 * grid.shape[0] + 1.6)))
-    ax = fig.subplots()
-    im = ax.imshow(
-        values,
-        cmap=NEEDLE_CMAP.with_extremes(bad="#D9D9D9"),
-        vmin=0,
-        vmax=100,
-        aspect="auto",
-        interpolation="nearest",
-    )
+    im = ax.imshow(values, cmap=NEEDLE_CMAP.with_extremes(bad="#D9D9D9"), vmin=0, vmax=100,
+                   aspect="auto", interpolation="nearest")  # fmt: skip
     for i in range(grid.shape[0]):
         for j in range(grid.shape[1]):
             if values[i, j] is not np.ma.masked:
                 ax.text(j, i, f"{values[i, j]:.0f}", ha="center", va="center", fontsize=8)
-    ax.set_xticks(range(grid.shape[1]), [str(int(c)) for c in grid.columns])
     ax.set_yticks(range(grid.shape[0]), list(grid.index))
     ax.axhline(grid.shape[0] - 1.5, color="black", linewidth=1)
+    return im
+
+
+def ruler_heatmap(sub: pd.DataFrame, path: Path, title: str) -> Path:
+    """Task (rows, RULER order, then the suite average) x length (columns) heatmap of score x100."""
+    from matplotlib.figure import Figure
+
+    from eval.plots import _save
+
+    grid = sub.pivot_table(index="ruler_task", columns="ruler_length", values="score", aggfunc="mean")
+    grid = grid.reindex(index=_task_order(sub["ruler_task"]), columns=sorted(grid.columns))
+    grid.loc["average"] = grid.mean(axis=0)
+    fig = Figure(figsize=(max(5.0, 0.9 * grid.shape[1] + 3.5), max(4.0, 0.38 * grid.shape[0] + 1.6)))
+    ax = fig.subplots()
+    im = _draw_grid(ax, grid)
+    ax.set_xticks(range(grid.shape[1]), [str(int(c)) for c in grid.columns])
     ax.set_xlabel("Length (tokens, prompt + generation)")
     ax.set_title(title)
     fig.colorbar(im, ax=ax).set_label("score x100")
@@ -158,8 +162,6 @@ def ruler_compare_figure(means: pd.DataFrame, labels: list[str], title: str):
     cells annotated, missing cells grey; each column's label carries its number of ok samples."""
     from matplotlib.figure import Figure
 
-    from eval.plots import NEEDLE_CMAP
-
     if not labels:
         raise ValueError("ruler_compare: no config labels to draw")
     lengths = sorted(means["ruler_length"].unique())
@@ -178,18 +180,10 @@ def ruler_compare_figure(means: pd.DataFrame, labels: list[str], title: str):
         # The suite average only where a config has every task of this length (else grey, as the table's †).
         complete = grid.notna().all(axis=0) | grid.isna().all(axis=0)
         grid.loc["average"] = grid.mean(axis=0).where(complete)
-        values = np.ma.masked_invalid(grid.to_numpy(dtype=float))
-        im = ax.imshow(values, cmap=NEEDLE_CMAP.with_extremes(bad="#D9D9D9"), vmin=0, vmax=100,
-                       aspect="auto", interpolation="nearest")  # fmt: skip
-        for i in range(grid.shape[0]):
-            for j in range(grid.shape[1]):
-                if values[i, j] is not np.ma.masked:
-                    ax.text(j, i, f"{values[i, j]:.0f}", ha="center", va="center", fontsize=8)
+        im = _draw_grid(ax, grid)
         n = at.groupby("config_label")["n"].sum()
         ticks = [f"{textwrap.fill(lab, 14)}\n(n={int(n.get(lab, 0))})" for lab in labels]
         ax.set_xticks(range(ncol), ticks, fontsize=7)
-        ax.set_yticks(range(grid.shape[0]), list(grid.index))
-        ax.axhline(grid.shape[0] - 1.5, color="black", linewidth=1)
         ax.set_title(f"{int(length)} tokens")
     fig.suptitle(title)
     fig.colorbar(im, ax=list(axes)).set_label("score x100")

@@ -37,12 +37,12 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "prefill_s", "ttft_s", "tpot_s",
-           "prefill_cpu_s", "tpot_cpu_s", "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status",
+           "prefill_cpu_s", "tpot_cpu_s", "prefill_ref", "tpot_ref", "ref_cpu_s", "ref_tokens", "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status",
            "error", "noisy", "wall_s", "own_cpu_s", "other_cpu_s", "other_cores", "prefill_other_cores",
            "decode_other_cores", "load_start", "load_end",
            "torch_threads", "cpu_count", *(k.lower() for k in THREAD_ENV),
            "model", "dtype", "device", "attn_impl", "method_params"]  # fmt: skip
-CLOCKS = ("cpu", "wall")
+CLOCKS = ("ref", "cpu", "wall")
 # Top-level shortcuts for the model config's keys (`dtype=bfloat16` -> `model.dtype=bfloat16`).
 MODEL_ALIASES = ("dtype", "device", "attn_implementation")
 
@@ -180,9 +180,13 @@ def validate(cfg: DictConfig) -> None:
                 f"{key} must be a non-empty list of positive integers, got {key}={list(cfg[key])}"
             )
     if cfg.clock == "auto":
-        cfg.clock = "cpu" if cfg.model.device == "cpu" else "wall"
+        cfg.clock = "ref" if cfg.model.device == "cpu" else "wall"
     if cfg.clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS} or auto, got clock={cfg.clock!r}")
+    if cfg.clock == "ref" and (not isinstance(cfg.reference_tokens, int) or cfg.reference_tokens < 1):
+        raise ValueError(
+            f"clock=ref needs reference_tokens >= 1, got reference_tokens={cfg.reference_tokens!r}"
+        )
     if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
         raise ValueError(f"threads must be a positive integer or null, got threads={cfg.threads!r}")
     if not isinstance(cfg.noise_threshold, int | float) or cfg.noise_threshold < 0:
@@ -228,6 +232,7 @@ def spec_of(cfg: DictConfig, c: Config) -> dict[str, Any]:
         chunk_size=cfg.chunk_size,
         seed=cfg.seed,
         model=OmegaConf.to_container(cfg.model, resolve=True),
+        reference_tokens=cfg.reference_tokens if cfg.clock == "ref" else 0,
     )
 
 

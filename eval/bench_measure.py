@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 import sys
 from typing import Any
 
-from eval.bench_noise import CpuNoise, PhaseProbe, thread_settings
+from eval.bench_noise import CpuNoise, PhaseProbe, Reference, thread_settings
 from snapkv.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -32,8 +33,13 @@ def load(model_cfg: dict[str, Any], seed: int):
 
 def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration `spec` (method, params, input_tokens, batch_size, decode_tokens,
-    chunk_size, seed, model) on a loaded model; returns the result row (timings, memory, KV bytes,
-    noise, thread settings)."""
+    chunk_size, seed, model, and optionally reference_tokens) on a loaded model; returns the result
+    row (timings, memory, KV bytes, noise, thread settings).
+
+    `reference_tokens` > 0: the reference clock (`eval.bench_noise.Reference`) runs beside the
+    prefill's layers and each decode step, and the row adds prefill_ref / tpot_ref / ref_cpu_s; the
+    reference's own wall time is taken off prefill_s, ttft_s and each step of tpot_s, so those stay
+    the generation's (what the reference leaves behind, e.g. colder caches, is not)."""
     import torch
 
     from snapkv import build_method, generate_ids
@@ -53,17 +59,25 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
         device=str(model.device),
         **thread_settings(),
     )
+    ref_tokens = spec.get("reference_tokens") or 0
+    reference = Reference(model, vocab, ref_tokens, spec["seed"]) if ref_tokens else None
     try:
-        with CpuNoise() as noise, PhaseProbe(model) as phases:
+        with CpuNoise() as noise, PhaseProbe(model, reference) as phases:
             _, res = generate_ids(
                 model, ids, None, method, max_new_tokens=spec["decode_tokens"], stop_ids=set(),
                 chunk_size=spec["chunk_size"],
             )  # fmt: skip
         row.update(**phases.fields())
+        prefill_s, ttft_s, tpot_s = res.prefill_s, res.ttft_s, res.tpot_s
+        if reference is not None:
+            taken = phases.ref_wall("prefill")
+            prefill_s, ttft_s = prefill_s - taken, ttft_s - taken
+            steps = [s - w for s, w in zip(res.decode_s, phases.ref_wall("decode"), strict=True)]
+            tpot_s = statistics.median(steps) if steps else None
         row.update(
-            prefill_s=res.prefill_s,
-            ttft_s=res.ttft_s,
-            tpot_s=res.tpot_s,
+            prefill_s=prefill_s,
+            ttft_s=ttft_s,
+            tpot_s=tpot_s,
             peak_mem_bytes=res.peak_mem_bytes,
             kv_bytes=res.kv_bytes,
             kv_bytes_full=res.kv_bytes_full,

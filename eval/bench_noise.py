@@ -78,6 +78,55 @@ class CpuNoise:
         }
 
 
+class Reference:
+    """A fixed workload timed right beside the measured work: a forward of `tokens` fixed random
+    token ids through the same model, no cache, `logits_to_keep=1`, with no compression session
+    current (`snapkv.hooks.suspended`), so it touches nothing the measured generation holds.
+
+    Why: on a shared VM the same decode step's CPU time drifts 20-35% within seconds and between
+    processes (measured here on 2 vCPUs: one process's 20-step medians 65-92 ms for the same
+    full@512 step; memory bandwidth other tenants take shows in no counter of this guest). A
+    forward of the same model timed next to it drifts with it: the step's time over the adjacent
+    reference's varied 0.635-0.668 across four processes whose raw medians spanned 65.7-88.1 ms.
+    `PhaseProbe` runs it after every decode step and after every decoder layer of a prefill, and a
+    time divided by its neighbour reference is in "reference units": the ratio of two
+    configurations in those units cancels the machine's speed at the moments each one ran.
+    """
+
+    def __init__(self, model, vocab: int, tokens: int = 16, seed: int = 0):
+        import torch
+
+        if not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"reference tokens must be a positive integer, got tokens={tokens!r}")
+        self.model, self.tokens = model, tokens
+        gen = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(min(100, vocab - 1), vocab, (1, tokens), generator=gen).to(model.device)
+
+    def run(self) -> tuple[float, float, float]:
+        """Time one reference forward: (wall s, this process's CPU s, machine busy s)."""
+        import torch
+
+        from snapkv.hooks import suspended
+
+        t0, c0, b0 = time.perf_counter(), time.process_time(), _busy_s()
+        with suspended(), torch.inference_mode():
+            self.model(input_ids=self.ids, use_cache=False, logits_to_keep=1)
+        return time.perf_counter() - t0, time.process_time() - c0, _busy_s() - b0
+
+
+@dataclass
+class _Call:
+    """One top-level forward as PhaseProbe saw it, the reference forwards it ran taken off."""
+
+    tokens: int
+    wall: float
+    own: float
+    other: float
+    layers: list[tuple[float, float]] = field(default_factory=list)  # (layer CPU s, its reference's CPU s)
+    ref_wall: float = 0.0  # wall time of the reference forwards run inside this call's span
+    ref_cpu: float | None = None  # decode: CPU of the reference run right after it
+
+
 class PhaseProbe:
     """Context manager: per-forward CPU time and noise of a model, split into prefill (forwards of
     more than one token per row) and decode (one token) with forward hooks.
@@ -86,48 +135,125 @@ class PhaseProbe:
     `tpot_cpu_s` (median CPU per decode forward), `prefill_other_cores` / `decode_other_cores`
     (cores other processes kept busy during those forwards). With one thread a forward's CPU time is
     its work: other processes that take the core away lengthen the wall time, not this.
+
+    With a `Reference`: after every decoder layer of a prefill forward and after every decode
+    forward it runs the reference, and adds `prefill_ref` (the prefill in reference units: each
+    layer's CPU over its own reference's, summed, plus the rest of the forward over the median
+    reference), `tpot_ref` (median over decode steps of step CPU / next reference CPU), `ref_cpu_s`
+    (median reference CPU) and `ref_tokens`. Every other field has the reference's time taken off;
+    `ref_wall(phase)` is the reference wall time inside the prefill, or inside each decode step, for
+    the caller to take off its own clocks.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, reference: Reference | None = None):
         self.model = model
-        self.calls: list[tuple[int, float, float, float]] = []  # (tokens, wall, own cpu, other cpu)
+        self.reference = reference
+        self.calls: list[_Call] = []
+        self._busy = False  # a reference forward is running: every hook stands aside
 
     def _pre(self, module, args, kwargs) -> None:
+        if self._busy:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._tokens = ids.shape[-1] if ids is not None else 0
+        self._layers: list[tuple[float, float]] = []
+        self._taken = [0.0, 0.0, 0.0]  # reference (wall, cpu, busy) inside this call
         self._start = (time.perf_counter(), time.process_time(), _busy_s())
 
     def _post(self, module, args, kwargs, output) -> None:
+        if self._busy:
+            return
         t0, c0, b0 = self._start
-        wall, own = time.perf_counter() - t0, time.process_time() - c0
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        tokens = ids.shape[-1] if ids is not None else 0
-        self.calls.append((tokens, wall, own, max(0.0, _busy_s() - b0 - own)))
+        tw, tc, tb = self._taken
+        wall, own = time.perf_counter() - t0 - tw, time.process_time() - c0 - tc
+        other = max(0.0, _busy_s() - b0 - tb - own)
+        call = _Call(self._tokens, wall, own, other, self._layers, ref_wall=tw)
+        self.calls.append(call)
+        if self.reference is not None and call.tokens == 1:
+            w, c, _ = self._run_reference()
+            call.ref_wall, call.ref_cpu = w, c
+
+    def _layer_pre(self, module, args, kwargs) -> None:
+        if not self._busy and self._tokens > 1:
+            self._layer_start = time.process_time()
+
+    def _layer_post(self, module, args, kwargs, output) -> None:
+        if self._busy or self._tokens <= 1:
+            return
+        cpu = time.process_time() - self._layer_start
+        w, c, b = self._run_reference()
+        self._layers.append((cpu, c))
+        self._taken = [self._taken[0] + w, self._taken[1] + c, self._taken[2] + b]
+
+    def _run_reference(self) -> tuple[float, float, float]:
+        self._busy = True
+        try:
+            return self.reference.run()
+        finally:
+            self._busy = False
 
     def __enter__(self) -> PhaseProbe:
         self._handles = [
             self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.model.register_forward_hook(self._post, with_kwargs=True),
         ]
+        if self.reference is not None:
+            layers = getattr(self.model.get_decoder(), "layers", None)
+            if layers is None:
+                raise ValueError(
+                    f"the reference clock needs the decoder's layers; {type(self.model).__name__} has none"
+                )
+            for layer in layers:
+                self._handles.append(layer.register_forward_pre_hook(self._layer_pre, with_kwargs=True))
+                self._handles.append(layer.register_forward_hook(self._layer_post, with_kwargs=True))
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
 
+    def ref_wall(self, phase: str) -> float | list[float]:
+        """Reference wall seconds inside the prefill forwards (phase "prefill": one number) or inside
+        each decode forward's step, in order (phase "decode": a list)."""
+        if phase == "prefill":
+            return sum(c.ref_wall for c in self.calls if c.tokens > 1)
+        if phase == "decode":
+            return [c.ref_wall for c in self.calls if c.tokens == 1]
+        raise ValueError(f"phase must be 'prefill' or 'decode', got phase={phase!r}")
+
     def fields(self) -> dict[str, float | None]:
-        pre = [c for c in self.calls if c[0] > 1]
-        dec = [c for c in self.calls if c[0] == 1]
+        pre = [c for c in self.calls if c.tokens > 1]
+        dec = [c for c in self.calls if c.tokens == 1]
 
         def cores(calls) -> float | None:
-            wall = sum(c[1] for c in calls)
-            return sum(c[3] for c in calls) / wall if wall > 0 else None
+            wall = sum(c.wall for c in calls)
+            return sum(c.other for c in calls) / wall if wall > 0 else None
 
-        tpot = spread(c[2] for c in dec)
-        return {
-            "prefill_cpu_s": sum(c[2] for c in pre) if pre else None,
+        tpot = spread(c.own for c in dec)
+        out: dict[str, float | None] = {
+            "prefill_cpu_s": sum(c.own for c in pre) if pre else None,
             "tpot_cpu_s": tpot.median if tpot else None,
             "prefill_other_cores": cores(pre),
             "decode_other_cores": cores(dec),
         }
+        if self.reference is not None:
+            refs = [r for c in pre for _, r in c.layers] + [c.ref_cpu for c in dec if c.ref_cpu]
+            mid = spread(refs)
+            prefill_ref = None
+            if pre and mid:
+                prefill_ref = sum(
+                    sum(cpu / r for cpu, r in c.layers if r > 0)
+                    + (c.own - sum(cpu for cpu, _ in c.layers)) / mid.median
+                    for c in pre
+                )
+            step = spread(c.own / c.ref_cpu for c in dec if c.ref_cpu)
+            out.update(
+                prefill_ref=prefill_ref,
+                tpot_ref=step.median if step else None,
+                ref_cpu_s=mid.median if mid else None,
+                ref_tokens=self.reference.tokens,
+            )
+        return out
 
 
 def thread_settings() -> dict[str, str | int]:

@@ -64,12 +64,28 @@ def _float(v: Any) -> float | None:
     return x if math.isfinite(x) else None
 
 
-CPU_COLUMNS = {"prefill_s": "prefill_cpu_s", "tpot_s": "tpot_cpu_s"}
+# The columns each clock's ratios use (conf/bench.yaml `clock`): wall-clock seconds, this
+# process's CPU seconds, or CPU in units of the reference forward timed beside it (`ref`).
+CLOCK_COLUMNS = {
+    "wall": {"prefill_s": "prefill_s", "tpot_s": "tpot_s"},
+    "cpu": {"prefill_s": "prefill_cpu_s", "tpot_s": "tpot_cpu_s"},
+    "ref": {"prefill_s": "prefill_ref", "tpot_s": "tpot_ref"},
+}
+
+
+def default_clock(rows: Sequence[dict[str, Any]]) -> str:
+    """The clock a saved run's ratios read by default: `ref` when its rows have reference-clock
+    values, else `cpu` (runs from before the reference clock)."""
+    return "ref" if any(_float(r.get("tpot_ref")) is not None for r in _ok(rows)) else "cpu"
 
 
 def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, dict[int, float]]:
     """Each target's ratio per round, from the configurations of that same round only; `clock`
-    "cpu" uses the CPU-time columns (prefill_cpu_s, tpot_cpu_s) instead of the wall-clock ones."""
+    picks the columns (CLOCK_COLUMNS: "wall" prefill_s / tpot_s, "cpu" the CPU-time ones, "ref"
+    the reference-clock ones)."""
+    if clock not in CLOCK_COLUMNS:
+        raise ValueError(f"clock must be one of {sorted(CLOCK_COLUMNS)}, got clock={clock!r}")
+    cols = CLOCK_COLUMNS[clock]
     ok = _ok(rows)
     if not ok:
         return {t.key: {} for t in TARGETS}
@@ -84,9 +100,7 @@ def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[st
         per: dict[int, float] = {}
         for rnd in sorted({int(r["round"]) for r in ok}):
             a, b = (cell.get((rnd, m, at[w])) for m, w, _ in (t.num, t.den))
-            num, den = (
-                (CPU_COLUMNS[t.num[2]], CPU_COLUMNS[t.den[2]]) if clock == "cpu" else (t.num[2], t.den[2])
-            )
+            num, den = cols[t.num[2]], cols[t.den[2]]
             x = _float(a.get(num)) if a else None
             y = _float(b.get(den)) if b else None
             if x is not None and y:
@@ -146,6 +160,7 @@ def config_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "tpot_s",
             "prefill_cpu_s",
             "tpot_cpu_s",
+            "ref_cpu_s",
             "peak_mem_bytes",
             "kv_bytes",
             "other_cores",
@@ -170,16 +185,17 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
     lengths = sorted({int(r["input_tokens"]) for r in ok}) or [0]
     lines = [
         f"per configuration: median over {len(kept)} kept of {len(rounds)} rounds "
-        "(±: IQR / median; other cores: CPU other processes used meanwhile)",
+        "(±: IQR / median; ref ms: CPU of one reference forward, the machine's speed meanwhile; "
+        "other cores: CPU other processes used meanwhile)",
         f"{'method':>13} {'batch':>5} {'length':>7} {'ok':>4} {'prefill s':>14} {'TPOT ms':>14} "
-        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
+        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'ref ms':>12} {'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
     ]
     for rec in config_table(rows):
         lines.append(
             f"{rec['method']:>13} {rec['batch_size']:>5} {rec['input_tokens']:>7} {rec['ok']:>2}/{rec['n']:<1} "
             f"{_fmt(rec['prefill_s']):>14} {_fmt(rec['tpot_s'], 1e3, 1):>14} "
             f"{_fmt(rec['prefill_cpu_s']):>14} {_fmt(rec['tpot_cpu_s'], 1e3, 1):>14} "
-            f"{_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
+            f"{_fmt(rec['ref_cpu_s'], 1e3, 1):>12} {_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
             f"{_fmt(rec['other_cores'], 1, 2, False):>11}"
         )
     max_other = {
@@ -211,6 +227,15 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         shown = "n/a (configuration not run)" if s is None else f"{s.median:.3f} [{s.q1:.3f}, {s.q3:.3f}]"
         lines.append(
             f"  {t.label.format(**fields)}: {shown}  target {t.direction} {t.bound}  {verdict(t, spreads[t.key])}"
+        )
+    if cfg.clock == "ref":
+        raw = ratio_spreads(rows, "cpu")
+        lines.append(
+            "  the same rounds in raw CPU time (no reference): "
+            + "; ".join(
+                f"{t.key} {'n/a' if raw[t.key] is None else f'{raw[t.key].median:.3f} [{raw[t.key].q1:.3f}, {raw[t.key].q3:.3f}]'}"
+                for t in TARGETS
+            )
         )
     per_round = kept_ratios(rows, cfg.clock)
     needed = []

@@ -15,14 +15,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.bench_report import agreement, summarise_run  # noqa: E402
+from eval.bench_report import agreement, default_clock, summarise_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("csv", nargs="+", type=Path, help="benchmark CSVs (scripts/bench_speed.py out=...)")
     p.add_argument("--tolerance", type=float, default=0.10, help="max/min - 1 allowed (default 0.10)")
-    p.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="which timings (default cpu)")
+    p.add_argument(
+        "--clock",
+        choices=("auto", "ref", "cpu", "wall"),
+        default="auto",
+        help="which timings (default auto: ref where the rows have reference-clock values, else cpu)",
+    )
     args = p.parse_args(argv)
     runs = []
     for path in args.csv:
@@ -34,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         if not rows:
             print(f"bench_agreement: no rows in csv={str(path)!r}", file=sys.stderr)
             return 2
-        runs.append(summarise_run(path.stem, rows, args.clock))
+        clock = default_clock(rows) if args.clock == "auto" else args.clock
+        runs.append(summarise_run(f"{path.stem} ({clock})", rows, clock))
     text, _ = agreement(runs, args.tolerance)
     print(text)
     return 0

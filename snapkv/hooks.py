@@ -262,6 +262,18 @@ def session(model, method: Method, cache: CompressedCache | None = None) -> Iter
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Run forwards with no session current, inside a compressed generation: the wrappers pass every
+    call straight to the model's attention, so a side computation (the benchmark's reference
+    forward, `eval.bench_noise.Reference`) neither reads nor changes the session's cache."""
+    token = _ACTIVE.set(None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def cache_kwarg(model) -> str:
     """The forward kwarg that takes the cache: `cache` from transformers 5.24, `past_key_values`
     before (5.23 silently ignores `cache=` and builds its own: the one compatibility seam)."""

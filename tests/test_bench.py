@@ -39,6 +39,9 @@ def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
     assert {r["omp_wait_policy"] for r in rows} == {"ACTIVE"} and {r["torch_threads"] for r in rows} == {"1"}
     assert all(float(r["other_cores"]) >= 0 for r in rows)
     assert all(float(r["prefill_cpu_s"]) > 0 and float(r["tpot_cpu_s"]) > 0 for r in rows)
+    # the reference clock (the CPU default): every row in reference units, the reference's CPU beside
+    assert all(float(r[c]) > 0 for r in rows for c in ("prefill_ref", "tpot_ref", "ref_cpu_s"))
+    assert {r["ref_tokens"] for r in rows} == {"16"}
     by = {(r["method"], int(r["input_tokens"])): r for r in rows if r["round"] == "0"}
     # exact KV bytes: 2 layers x 2 kv heads x 16 head_dim x 2 (K,V) x 4 bytes per kept token
     assert int(by[("snapkv", 256)]["kv_bytes"]) == 48 * 2 * 2 * 16 * 2 * 4
@@ -49,12 +52,12 @@ def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
     assert "TPOT snapkv(256, b=48) / TPOT full(64)" in proc.stdout
     assert "prefill+score h2o / prefill full at 256" in proc.stdout
     assert re.search(r"rounds kept: [012] of 2 under the noise threshold", proc.stdout)
-    assert "ratios of cpu times" in proc.stdout
+    assert "ratios of ref times" in proc.stdout and "the same rounds in raw CPU time" in proc.stdout
     last = proc.stdout.strip().splitlines()[-1]
     # the table's ratios and the last line use the same clock
     table = re.search(r"TPOT snapkv\(256, b=48\) / TPOT full\(64\): ([0-9.]+)", proc.stdout).group(1)
-    assert last.startswith(f"RATIOS (cpu) tpot snapkv(L)/full(S) {table} ")
-    assert last.startswith("RATIOS (cpu) ") and last.count("[") == 4 and re.search(r"rounds [12]/2$", last), (
+    assert last.startswith(f"RATIOS (ref) tpot snapkv(L)/full(S) {table} ")
+    assert last.startswith("RATIOS (ref) ") and last.count("[") == 4 and re.search(r"rounds [12]/2$", last), (
         last
     )
 
@@ -86,12 +89,83 @@ def test_phase_probe_splits_prefill_and_decode_forwards():
     with PhaseProbe(model) as probe:
         generate_ids(model, random_ids(40), None, build_method("snapkv", budget=16, window=4),
                      max_new_tokens=5, stop_ids=set(), chunk_size=16)  # fmt: skip
-    assert [c[0] for c in probe.calls] == [16, 16, 8, 1, 1, 1, 1]  # three prefill chunks, 4 decode steps
+    assert [c.tokens for c in probe.calls] == [16, 16, 8, 1, 1, 1, 1]  # three prefill chunks, 4 decode steps
     f = probe.fields()
-    assert f["prefill_cpu_s"] == pytest.approx(sum(c[2] for c in probe.calls[:3]))
-    assert f["tpot_cpu_s"] == pytest.approx(sum(sorted(c[2] for c in probe.calls[3:])[1:3]) / 2)
+    assert f["prefill_cpu_s"] == pytest.approx(sum(c.own for c in probe.calls[:3]))
+    assert f["tpot_cpu_s"] == pytest.approx(sum(sorted(c.own for c in probe.calls[3:])[1:3]) / 2)
     assert f["prefill_other_cores"] >= 0 and f["decode_other_cores"] >= 0
+    assert "tpot_ref" not in f  # no reference, no reference clock
     assert not model._forward_hooks and not model._forward_pre_hooks  # removed
+
+
+@pytest.mark.parametrize("method", ["snapkv", "h2o", "streamingllm"])
+def test_reference_forwards_change_nothing_the_generation_holds(method):
+    """The reference runs inside the prefill (after every layer) and after every decode step; with
+    methods that score and evict while decoding (h2o, streamingllm) too, the tokens, the kept
+    entries and the cache's bookkeeping are those of a generation without it."""
+    import torch
+    from conftest import random_ids, tiny_model
+
+    from eval.bench_noise import PhaseProbe, Reference
+    from snapkv import build_method, generate_ids
+
+    model = tiny_model("llama", layers=3)
+    params = {"snapkv": dict(budget=16, window=4), "h2o": dict(budget=16), "streamingllm": dict(budget=16)}
+
+    def run(reference):
+        with PhaseProbe(model, reference) as probe:
+            ids, res = generate_ids(model, random_ids(40), None, build_method(method, **params[method]),
+                                    max_new_tokens=6, stop_ids=set(), chunk_size=16, keep_logits=True)  # fmt: skip
+        return ids, res, probe
+
+    ids0, res0, _ = run(None)
+    ids1, res1, probe = run(Reference(model, vocab=128, tokens=5))
+    assert ids1.tolist() == ids0.tolist()
+    assert all(torch.equal(a, b) for a, b in zip(res0.logits, res1.logits, strict=True))
+    assert res1.kv_tokens_per_layer == res0.kv_tokens_per_layer
+    assert res1.kv_tokens_end_per_layer == res0.kv_tokens_end_per_layer
+    assert res1.decode_evicted == res0.decode_evicted
+    # one reference per decoder layer per prefill chunk, one per decode step
+    assert [len(c.layers) for c in probe.calls] == [3, 3, 3, 0, 0, 0, 0, 0]
+    assert all(c.ref_cpu > 0 for c in probe.calls[3:]) and all(c.ref_cpu is None for c in probe.calls[:3])
+    f = probe.fields()
+    assert f["prefill_ref"] > 0 and f["tpot_ref"] > 0 and f["ref_cpu_s"] > 0 and f["ref_tokens"] == 5
+    # the reference's own time is off the probe's CPU and off the wall time the caller takes off
+    assert len(probe.ref_wall("decode")) == 5 and probe.ref_wall("prefill") > 0
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # all removed
+
+
+def test_reference_units_cancel_a_machine_that_runs_slower():
+    """A machine 1.4x slower (every forward and every reference beside it 1.4x longer) leaves the
+    reference-clock fields as they were, while the raw CPU fields move 1.4x; the prefill sums each
+    layer over its own reference and the rest of the forward over the median reference."""
+    from eval.bench_noise import PhaseProbe, _Call
+
+    class Ref:
+        tokens = 16
+
+    def probe(k):
+        p = PhaseProbe(model=None, reference=Ref())
+        p.calls = [
+            _Call(
+                8192, 50 * k, 50 * k, 0.0, layers=[(20 * k, 0.1 * k), (25 * k, 0.125 * k)]
+            ),  # 5 s outside layers
+            *(
+                _Call(1, t * k, t * k, 0.0, ref_cpu=r * k)
+                for t, r in [(0.08, 0.1), (0.09, 0.1), (0.1, 0.125)]
+            ),
+        ]
+        return p.fields()
+
+    a, b = probe(1.0), probe(1.4)
+    # layers 20/0.1 + 25/0.125 = 400 references; the 5 s outside over the median reference 0.1
+    assert a["prefill_ref"] == pytest.approx(400 + 5 / 0.1)
+    assert a["tpot_ref"] == pytest.approx(0.8)  # median of 0.8, 0.9, 0.8
+    assert b["prefill_ref"] == pytest.approx(a["prefill_ref"]) and b["tpot_ref"] == pytest.approx(
+        a["tpot_ref"]
+    )
+    assert b["prefill_cpu_s"] == pytest.approx(1.4 * a["prefill_cpu_s"])
+    assert b["tpot_cpu_s"] == pytest.approx(1.4 * a["tpot_cpu_s"])
 
 
 def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
@@ -108,6 +182,8 @@ def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
         (["model=random:nope"], "nope"),
         (["rounds=0"], "rounds"),
         (["noise_threshold=-1"], "noise_threshold"),
+        (["clock=ref", "reference_tokens=0"], "reference_tokens"),
+        (["clock=sundial"], "sundial"),
         (["configs=[full@512,snapkv]"], "snapkv"),
         (["configs=[streamingllm@512]"], "streamingllm"),
         (["budget"], "budget"),

@@ -309,6 +309,9 @@ def _print_row(row: dict[str, Any], took: float) -> None:
         pre += f" (cpu {row['prefill_cpu_s']:.2f})"
     if row.get("tpot_cpu_s") is not None:
         tpot += f" (cpu {row['tpot_cpu_s'] * 1e3:.1f})"
+    if row.get("tpot_ref") is not None:  # the reference clock: in units of the reference forward
+        tpot += f" = {row['tpot_ref']:.3f} ref"
+        pre += f" = {row['prefill_ref']:.1f} ref" if row.get("prefill_ref") is not None else ""
     other = f"{row['other_cores']:.2f}" if row.get("other_cores") is not None else "-"
     print(f"  {row['method']:>13} batch={row['batch_size']} len={row['input_tokens']:>7}: {row['status']:<5} "
           f"prefill {pre:>20}  TPOT {tpot:>22}  peak {row.get('peak_mem_bytes') or 0:>13,} B  "

@@ -239,6 +239,16 @@ def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
     for x in rows:
         x["prefill_cpu_s"], x["tpot_cpu_s"] = 2 * x["prefill_s"], 3 * x["tpot_s"]
     assert ratio_spreads(rows, "cpu")["prefill h2o/full(L)"].median == pytest.approx(1.1)
+    # the reference clock reads prefill_ref / tpot_ref; a saved run defaults to it when it has them
+    from eval.bench_report import default_clock
+
+    assert default_clock(rows) == "cpu" and ratio_spreads(rows, "ref")["prefill h2o/full(L)"] is None
+    for x in rows:
+        x["prefill_ref"], x["tpot_ref"] = 7 * x["prefill_s"], 5 * x["tpot_s"]
+    assert default_clock(rows) == "ref"
+    assert ratio_spreads(rows, "ref")["tpot full(L)/snapkv(L)"].median == pytest.approx(20 / 20.4)
+    with pytest.raises(ValueError, match="sundial"):
+        round_ratios(rows, "sundial")
     assert s["prefill snapkv/full(L)"].median == pytest.approx(1.02)
     assert s["prefill snapkv/full(L)"].q3 == pytest.approx(1.02)  # 4 of 5 rounds at 1.02
     assert s["tpot full(L)/snapkv(L)"].median == pytest.approx(20 / 20.4)

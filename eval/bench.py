@@ -37,7 +37,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "prefill_s", "ttft_s", "tpot_s",
-           "prefill_cpu_s", "tpot_cpu_s", "prefill_ref", "tpot_ref", "ref_cpu_s", "ref_tokens", "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status",
+           "prefill_cpu_s", "tpot_cpu_s", "prefill_ref", "tpot_ref", "ref_prefill_cpu_s", "ref_decode_cpu_s",
+           "ref_prefill_tokens", "ref_decode_tokens", "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status",
            "error", "noisy", "wall_s", "own_cpu_s", "other_cpu_s", "other_cores", "prefill_other_cores",
            "decode_other_cores", "load_start", "load_end",
            "torch_threads", "cpu_count", *(k.lower() for k in THREAD_ENV),
@@ -183,10 +184,18 @@ def validate(cfg: DictConfig) -> None:
         cfg.clock = "ref" if cfg.model.device == "cpu" else "wall"
     if cfg.clock not in CLOCKS:
         raise ValueError(f"clock must be one of {CLOCKS} or auto, got clock={cfg.clock!r}")
-    if cfg.clock == "ref" and (not isinstance(cfg.reference_tokens, int) or cfg.reference_tokens < 1):
-        raise ValueError(
-            f"clock=ref needs reference_tokens >= 1, got reference_tokens={cfg.reference_tokens!r}"
-        )
+    if cfg.clock == "ref":
+        refs = cfg.reference_tokens
+        if not isinstance(refs, DictConfig):
+            raise ValueError(
+                f"reference_tokens must be {{prefill: N, decode: M}}, got reference_tokens={refs!r}"
+            )
+        for phase in ("prefill", "decode"):
+            n = refs.get(phase)
+            if not isinstance(n, int) or n < 1:
+                raise ValueError(
+                    f"clock=ref needs reference_tokens.{phase} >= 1, got reference_tokens.{phase}={n!r}"
+                )
     if cfg.threads is not None and (not isinstance(cfg.threads, int) or cfg.threads < 1):
         raise ValueError(f"threads must be a positive integer or null, got threads={cfg.threads!r}")
     if not isinstance(cfg.noise_threshold, int | float) or cfg.noise_threshold < 0:
@@ -232,7 +241,7 @@ def spec_of(cfg: DictConfig, c: Config) -> dict[str, Any]:
         chunk_size=cfg.chunk_size,
         seed=cfg.seed,
         model=OmegaConf.to_container(cfg.model, resolve=True),
-        reference_tokens=cfg.reference_tokens if cfg.clock == "ref" else 0,
+        reference_tokens=OmegaConf.to_container(cfg.reference_tokens) if cfg.clock == "ref" else {},
     )
 
 

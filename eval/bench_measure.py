@@ -33,13 +33,14 @@ def load(model_cfg: dict[str, Any], seed: int):
 
 def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
     """Run one configuration `spec` (method, params, input_tokens, batch_size, decode_tokens,
-    chunk_size, seed, model, and optionally reference_tokens) on a loaded model; returns the result
-    row (timings, memory, KV bytes, noise, thread settings).
+    chunk_size, seed, model, and optionally reference_tokens {prefill: N, decode: M}) on a loaded
+    model; returns the result row (timings, memory, KV bytes, noise, thread settings).
 
-    `reference_tokens` > 0: the reference clock (`eval.bench_noise.Reference`) runs beside the
-    prefill's layers and each decode step, and the row adds prefill_ref / tpot_ref / ref_cpu_s; the
-    reference's own wall time is taken off prefill_s, ttft_s and each step of tpot_s, so those stay
-    the generation's (what the reference leaves behind, e.g. colder caches, is not)."""
+    `reference_tokens`: the reference clock (`eval.bench_noise.Reference`, an N-token forward after
+    each prefill layer, an M-token one after each decode step; 0 or absent: none), and the row adds
+    prefill_ref / tpot_ref and the references' CPU; their wall time is taken off prefill_s, ttft_s
+    and each step of tpot_s, so those stay the generation's (what a reference leaves behind, e.g.
+    colder caches, is not)."""
     import torch
 
     from snapkv import build_method, generate_ids
@@ -59,19 +60,23 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
         device=str(model.device),
         **thread_settings(),
     )
-    ref_tokens = spec.get("reference_tokens") or 0
-    reference = Reference(model, vocab, ref_tokens, spec["seed"]) if ref_tokens else None
+    ref_tokens = spec.get("reference_tokens") or {}
+    refs: dict[str, Reference | None] = {}
+    for i, phase in enumerate(("prefill", "decode")):
+        n = ref_tokens.get(phase) or 0
+        refs[phase] = Reference(model, vocab, n, spec["seed"] + i) if n else None
     try:
-        with CpuNoise() as noise, PhaseProbe(model, reference) as phases:
+        with CpuNoise() as noise, PhaseProbe(model, refs["prefill"], refs["decode"]) as phases:
             _, res = generate_ids(
                 model, ids, None, method, max_new_tokens=spec["decode_tokens"], stop_ids=set(),
                 chunk_size=spec["chunk_size"],
             )  # fmt: skip
         row.update(**phases.fields())
         prefill_s, ttft_s, tpot_s = res.prefill_s, res.ttft_s, res.tpot_s
-        if reference is not None:
+        if refs["prefill"] is not None:
             taken = phases.ref_wall("prefill")
             prefill_s, ttft_s = prefill_s - taken, ttft_s - taken
+        if refs["decode"] is not None:
             steps = [s - w for s, w in zip(res.decode_s, phases.ref_wall("decode"), strict=True)]
             tpot_s = statistics.median(steps) if steps else None
         row.update(

@@ -83,13 +83,18 @@ class Reference:
     token ids through the same model, no cache, `logits_to_keep=1`, with no compression session
     current (`snapkv.hooks.suspended`), so it touches nothing the measured generation holds.
 
-    Why: on a shared VM the same decode step's CPU time drifts 20-35% within seconds and between
-    processes (measured here on 2 vCPUs: one process's 20-step medians 65-92 ms for the same
-    full@512 step; memory bandwidth other tenants take shows in no counter of this guest). A
-    forward of the same model timed next to it drifts with it: the step's time over the adjacent
-    reference's varied 0.635-0.668 across four processes whose raw medians spanned 65.7-88.1 ms.
-    `PhaseProbe` runs it after every decode step and after every decoder layer of a prefill, and a
-    time divided by its neighbour reference is in "reference units": the ratio of two
+    Why: on a shared VM the same work's CPU time drifts 20-35% within seconds and between
+    processes (memory bandwidth and cache other tenants take show in no counter of this guest).
+    A forward of the same model timed next to it drifts with it; measured here on 2 vCPUs with a
+    single-threaded job on the other core:
+    - decode (16-token reference after each step): the same full@512 step's raw medians spanned
+      65.7-88.1 ms over four processes, the step over its reference 0.635-0.668;
+    - prefill (after each of the 30 layers of an 8K prefill, six processes, three of them with a
+      bursty third process): raw 49.9-53.4 CPU-s; in units of a 16-token reference 377-391 (3.6%,
+      the burst shifting it up), of a 128-token reference 134.1-136.9 (2.1%, the burst not) -- a
+      prefill is compute-bound GEMMs, and a longer reference is the same kind of work.
+    `PhaseProbe` runs one after every decode step and one after every decoder layer of a prefill;
+    a time divided by its neighbour reference is in "reference units", and the ratio of two
     configurations in those units cancels the machine's speed at the moments each one ran.
     """
 
@@ -136,18 +141,21 @@ class PhaseProbe:
     (cores other processes kept busy during those forwards). With one thread a forward's CPU time is
     its work: other processes that take the core away lengthen the wall time, not this.
 
-    With a `Reference`: after every decoder layer of a prefill forward and after every decode
-    forward it runs the reference, and adds `prefill_ref` (the prefill in reference units: each
-    layer's CPU over its own reference's, summed, plus the rest of the forward over the median
-    reference), `tpot_ref` (median over decode steps of step CPU / next reference CPU), `ref_cpu_s`
-    (median reference CPU) and `ref_tokens`. Every other field has the reference's time taken off;
-    `ref_wall(phase)` is the reference wall time inside the prefill, or inside each decode step, for
+    With references (`Reference`): `prefill_reference` runs after every decoder layer of a prefill
+    forward, `decode_reference` after every decode forward, and the fields add `prefill_ref` (the
+    prefill in reference units: each layer's CPU over its own reference's, summed, plus the rest
+    of the forward over the median reference), `tpot_ref` (median over decode steps of step CPU /
+    the next reference's CPU), `ref_prefill_cpu_s` / `ref_decode_cpu_s` (median reference CPU) and
+    `ref_prefill_tokens` / `ref_decode_tokens`. Every other field has the references' time taken
+    off; `ref_wall(phase)` is their wall time inside the prefill, or inside each decode step, for
     the caller to take off its own clocks.
     """
 
-    def __init__(self, model, reference: Reference | None = None):
+    def __init__(
+        self, model, prefill_reference: Reference | None = None, decode_reference: Reference | None = None
+    ):
         self.model = model
-        self.reference = reference
+        self.prefill_reference, self.decode_reference = prefill_reference, decode_reference
         self.calls: list[_Call] = []
         self._busy = False  # a reference forward is running: every hook stands aside
 
@@ -169,8 +177,8 @@ class PhaseProbe:
         other = max(0.0, _busy_s() - b0 - tb - own)
         call = _Call(self._tokens, wall, own, other, self._layers, ref_wall=tw)
         self.calls.append(call)
-        if self.reference is not None and call.tokens == 1:
-            w, c, _ = self._run_reference()
+        if self.decode_reference is not None and call.tokens == 1:
+            w, c, _ = self._run_reference(self.decode_reference)
             call.ref_wall, call.ref_cpu = w, c
 
     def _layer_pre(self, module, args, kwargs) -> None:
@@ -181,14 +189,14 @@ class PhaseProbe:
         if self._busy or self._tokens <= 1:
             return
         cpu = time.process_time() - self._layer_start
-        w, c, b = self._run_reference()
+        w, c, b = self._run_reference(self.prefill_reference)
         self._layers.append((cpu, c))
         self._taken = [self._taken[0] + w, self._taken[1] + c, self._taken[2] + b]
 
-    def _run_reference(self) -> tuple[float, float, float]:
+    def _run_reference(self, reference: Reference) -> tuple[float, float, float]:
         self._busy = True
         try:
-            return self.reference.run()
+            return reference.run()
         finally:
             self._busy = False
 
@@ -197,7 +205,7 @@ class PhaseProbe:
             self.model.register_forward_pre_hook(self._pre, with_kwargs=True),
             self.model.register_forward_hook(self._post, with_kwargs=True),
         ]
-        if self.reference is not None:
+        if self.prefill_reference is not None:
             layers = getattr(self.model.get_decoder(), "layers", None)
             if layers is None:
                 raise ValueError(
@@ -236,22 +244,27 @@ class PhaseProbe:
             "prefill_other_cores": cores(pre),
             "decode_other_cores": cores(dec),
         }
-        if self.reference is not None:
-            refs = [r for c in pre for _, r in c.layers] + [c.ref_cpu for c in dec if c.ref_cpu]
-            mid = spread(refs)
+        if self.prefill_reference is not None:
+            refs = spread(r for c in pre for _, r in c.layers)
             prefill_ref = None
-            if pre and mid:
+            if pre and refs:
                 prefill_ref = sum(
                     sum(cpu / r for cpu, r in c.layers if r > 0)
-                    + (c.own - sum(cpu for cpu, _ in c.layers)) / mid.median
+                    + (c.own - sum(cpu for cpu, _ in c.layers)) / refs.median
                     for c in pre
                 )
-            step = spread(c.own / c.ref_cpu for c in dec if c.ref_cpu)
             out.update(
                 prefill_ref=prefill_ref,
+                ref_prefill_cpu_s=refs.median if refs else None,
+                ref_prefill_tokens=self.prefill_reference.tokens,
+            )
+        if self.decode_reference is not None:
+            step = spread(c.own / c.ref_cpu for c in dec if c.ref_cpu)
+            refs = spread(c.ref_cpu for c in dec if c.ref_cpu)
+            out.update(
                 tpot_ref=step.median if step else None,
-                ref_cpu_s=mid.median if mid else None,
-                ref_tokens=self.reference.tokens,
+                ref_decode_cpu_s=refs.median if refs else None,
+                ref_decode_tokens=self.decode_reference.tokens,
             )
         return out
 

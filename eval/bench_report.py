@@ -160,7 +160,8 @@ def config_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "tpot_s",
             "prefill_cpu_s",
             "tpot_cpu_s",
-            "ref_cpu_s",
+            "ref_prefill_cpu_s",
+            "ref_decode_cpu_s",
             "peak_mem_bytes",
             "kv_bytes",
             "other_cores",
@@ -185,17 +186,18 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
     lengths = sorted({int(r["input_tokens"]) for r in ok}) or [0]
     lines = [
         f"per configuration: median over {len(kept)} kept of {len(rounds)} rounds "
-        "(±: IQR / median; ref ms: CPU of one reference forward, the machine's speed meanwhile; "
+        "(±: IQR / median; ref ms: CPU of one prefill / decode reference forward, the machine's speed meanwhile; "
         "other cores: CPU other processes used meanwhile)",
         f"{'method':>13} {'batch':>5} {'length':>7} {'ok':>4} {'prefill s':>14} {'TPOT ms':>14} "
-        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'ref ms':>12} {'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
+        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'ref ms':>17} {'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
     ]
     for rec in config_table(rows):
         lines.append(
             f"{rec['method']:>13} {rec['batch_size']:>5} {rec['input_tokens']:>7} {rec['ok']:>2}/{rec['n']:<1} "
             f"{_fmt(rec['prefill_s']):>14} {_fmt(rec['tpot_s'], 1e3, 1):>14} "
             f"{_fmt(rec['prefill_cpu_s']):>14} {_fmt(rec['tpot_cpu_s'], 1e3, 1):>14} "
-            f"{_fmt(rec['ref_cpu_s'], 1e3, 1):>12} {_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
+            f"{_fmt(rec['ref_prefill_cpu_s'], 1e3, 0, False) + ' / ' + _fmt(rec['ref_decode_cpu_s'], 1e3, 0, False):>17} "
+            f"{_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
             f"{_fmt(rec['other_cores'], 1, 2, False):>11}"
         )
     max_other = {

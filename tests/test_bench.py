@@ -40,8 +40,9 @@ def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
     assert all(float(r["other_cores"]) >= 0 for r in rows)
     assert all(float(r["prefill_cpu_s"]) > 0 and float(r["tpot_cpu_s"]) > 0 for r in rows)
     # the reference clock (the CPU default): every row in reference units, the reference's CPU beside
-    assert all(float(r[c]) > 0 for r in rows for c in ("prefill_ref", "tpot_ref", "ref_cpu_s"))
-    assert {r["ref_tokens"] for r in rows} == {"16"}
+    refs = ("prefill_ref", "tpot_ref", "ref_prefill_cpu_s", "ref_decode_cpu_s")
+    assert all(float(r[c]) > 0 for r in rows for c in refs)
+    assert {(r["ref_prefill_tokens"], r["ref_decode_tokens"]) for r in rows} == {("128", "16")}
     by = {(r["method"], int(r["input_tokens"])): r for r in rows if r["round"] == "0"}
     # exact KV bytes: 2 layers x 2 kv heads x 16 head_dim x 2 (K,V) x 4 bytes per kept token
     assert int(by[("snapkv", 256)]["kv_bytes"]) == 48 * 2 * 2 * 16 * 2 * 4
@@ -112,14 +113,14 @@ def test_reference_forwards_change_nothing_the_generation_holds(method):
     model = tiny_model("llama", layers=3)
     params = {"snapkv": dict(budget=16, window=4), "h2o": dict(budget=16), "streamingllm": dict(budget=16)}
 
-    def run(reference):
-        with PhaseProbe(model, reference) as probe:
+    def run(prefill_reference=None, decode_reference=None):
+        with PhaseProbe(model, prefill_reference, decode_reference) as probe:
             ids, res = generate_ids(model, random_ids(40), None, build_method(method, **params[method]),
                                     max_new_tokens=6, stop_ids=set(), chunk_size=16, keep_logits=True)  # fmt: skip
         return ids, res, probe
 
-    ids0, res0, _ = run(None)
-    ids1, res1, probe = run(Reference(model, vocab=128, tokens=5))
+    ids0, res0, _ = run()
+    ids1, res1, probe = run(Reference(model, vocab=128, tokens=7), Reference(model, vocab=128, tokens=5))
     assert ids1.tolist() == ids0.tolist()
     assert all(torch.equal(a, b) for a, b in zip(res0.logits, res1.logits, strict=True))
     assert res1.kv_tokens_per_layer == res0.kv_tokens_per_layer
@@ -129,7 +130,13 @@ def test_reference_forwards_change_nothing_the_generation_holds(method):
     assert [len(c.layers) for c in probe.calls] == [3, 3, 3, 0, 0, 0, 0, 0]
     assert all(c.ref_cpu > 0 for c in probe.calls[3:]) and all(c.ref_cpu is None for c in probe.calls[:3])
     f = probe.fields()
-    assert f["prefill_ref"] > 0 and f["tpot_ref"] > 0 and f["ref_cpu_s"] > 0 and f["ref_tokens"] == 5
+    assert (
+        f["prefill_ref"] > 0
+        and f["tpot_ref"] > 0
+        and f["ref_prefill_cpu_s"] > 0
+        and f["ref_decode_cpu_s"] > 0
+    )
+    assert (f["ref_prefill_tokens"], f["ref_decode_tokens"]) == (7, 5)
     # the reference's own time is off the probe's CPU and off the wall time the caller takes off
     assert len(probe.ref_wall("decode")) == 5 and probe.ref_wall("prefill") > 0
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())  # all removed
@@ -145,7 +152,7 @@ def test_reference_units_cancel_a_machine_that_runs_slower():
         tokens = 16
 
     def probe(k):
-        p = PhaseProbe(model=None, reference=Ref())
+        p = PhaseProbe(None, Ref(), Ref())
         p.calls = [
             _Call(
                 8192, 50 * k, 50 * k, 0.0, layers=[(20 * k, 0.1 * k), (25 * k, 0.125 * k)]
@@ -158,8 +165,8 @@ def test_reference_units_cancel_a_machine_that_runs_slower():
         return p.fields()
 
     a, b = probe(1.0), probe(1.4)
-    # layers 20/0.1 + 25/0.125 = 400 references; the 5 s outside over the median reference 0.1
-    assert a["prefill_ref"] == pytest.approx(400 + 5 / 0.1)
+    # layers 20/0.1 + 25/0.125 = 400 references; the 5 s outside over the median prefill reference
+    assert a["prefill_ref"] == pytest.approx(400 + 5 / 0.1125)
     assert a["tpot_ref"] == pytest.approx(0.8)  # median of 0.8, 0.9, 0.8
     assert b["prefill_ref"] == pytest.approx(a["prefill_ref"]) and b["tpot_ref"] == pytest.approx(
         a["tpot_ref"]
@@ -182,7 +189,8 @@ def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
         (["model=random:nope"], "nope"),
         (["rounds=0"], "rounds"),
         (["noise_threshold=-1"], "noise_threshold"),
-        (["clock=ref", "reference_tokens=0"], "reference_tokens"),
+        (["clock=ref", "reference_tokens.decode=0"], "reference_tokens.decode"),
+        (["reference_tokens=16"], "reference_tokens"),
         (["clock=sundial"], "sundial"),
         (["configs=[full@512,snapkv]"], "snapkv"),
         (["configs=[streamingllm@512]"], "streamingllm"),

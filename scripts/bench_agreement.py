@@ -30,7 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     runs = []
+    stems = [p.stem for p in args.csv]
     for path in args.csv:
+        name = path.stem if stems.count(path.stem) == 1 else f"{path.parent.name}/{path.stem}"
         if not path.is_file():
             print(f"bench_agreement: no such file: csv={str(path)!r}", file=sys.stderr)
             return 2
@@ -40,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_agreement: no rows in csv={str(path)!r}", file=sys.stderr)
             return 2
         clock = default_clock(rows) if args.clock == "auto" else args.clock
-        runs.append(summarise_run(f"{path.stem} ({clock})", rows, clock))
+        runs.append(summarise_run(f"{name} ({clock})", rows, clock))
     text, _ = agreement(runs, args.tolerance)
     print(text)
     return 0

@@ -494,6 +494,46 @@ def test_report_suite_average_and_dagger():
     assert "| **Average** | 75.00 | 25.00 | 50.00 |" in md
 
 
+def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
+    import pandas as pd
+
+    from eval.report import prepare
+    from eval.store import ROW_FIELDS
+    from eval.tables import column_order
+    from eval.tasks.ruler_report import paired_differences, ruler_tables
+
+    def row(task, i, score, method="full", params=None):
+        return {
+            "sample_id": f"{task}-4096-{i}", "task": "ruler", "dataset": task, "model": "m",
+            "method": method, "method_params": params or {}, "query_aware": True, "status": "ok",
+            "score": score, "scores": {}, "method_hash": method, "ruler_task": task,
+            "ruler_length": 4096, "context_length": None, "depth_percent": None,
+        }  # fmt: skip
+
+    full = {("niah_single_1", i): 1.0 for i in range(4)} | {
+        ("vt", i): [0.0, 1.0, 0.5, 0.5][i] for i in range(4)
+    }
+    snap = {("niah_single_1", i): [1.0, 0.0, 1.0, 0.0][i] for i in range(4)} | {
+        ("vt", i): 0.5 for i in range(3)
+    }
+    rows = [row(t, i, v) for (t, i), v in full.items()]
+    rows += [row(t, i, v, "snapkv", {"budget": 64}) for (t, i), v in snap.items()]  # vt sample 3 missing
+    rows += [row(t, i, v, "streamingllm", {"budget": 64}) for (t, i), v in full.items()]  # same as full
+    df = prepare(pd.DataFrame([{**dict.fromkeys(ROW_FIELDS), **r} for r in rows]))
+    labels = column_order(df)
+    got = {(a, b): rest for a, b, *rest in paired_differences(df, [(x, labels[0]) for x in labels[1:]])}
+    # snapkv - full on the 7 shared samples: niah 2/4 - 4/4 = -0.5; vt mean(0.5-0, 0.5-1, 0.5-0.5) = 0
+    length, n, diff, interval = got[("snapkv b=64", "full")]
+    assert (length, n) == (4096, 7) and diff == pytest.approx(100 * (-0.5 + 0.0) / 2)
+    lo, hi = (float(x) for x in interval.strip("[]").split(","))
+    assert lo <= diff <= hi and lo < hi
+    assert got[("streamingllm b=64", "full")][1:] == [8, 0.0, "[+0.0, +0.0]"]  # identical answers: no spread
+    again = paired_differences(df, [("snapkv b=64", "full")])
+    assert again[0][2:] == [4096, 7, diff, interval]  # fixed seed: the report rebuilds the same
+    md = "\n\n".join(ruler_tables(df, column_order))
+    assert "paired differences" in md and "| snapkv b=64 | streamingllm b=64 | 4096 | 7 | -25.00 |" in md
+
+
 def test_compare_figure_puts_every_config_beside_the_full_cache(tmp_path):
     import pandas as pd
 

@@ -5,6 +5,12 @@ result rows (`ruler_task`, `ruler_length`, `score`).
 
 Suite average: for each length, the mean over tasks of the per-task means (RULER's "Avg."); marked
 with † when a config lacks some task at that length (not comparable). Scores x100.
+
+Paired differences: every config against the full cache, then the compressed configs against
+each other, on the samples both ran (the same generated sample ids), suite average minus the
+other's with a 95% percentile interval from a
+bootstrap that resamples the shared samples within each task (the tasks stay fixed, as the suite
+average weighs them equally); a fixed seed, so the report rebuilds byte-identical.
 """
 
 from __future__ import annotations
@@ -51,6 +57,46 @@ def suite_average(means: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["model", "config_label", "ruler_length", "score", "complete"])
 
 
+def _suite(scores: np.ndarray, task_of: np.ndarray) -> np.ndarray:
+    """Suite average x100 of `scores` [resamples, samples] (columns grouped by `task_of` codes)."""
+    return 100 * np.mean([scores[:, task_of == t].mean(axis=1) for t in np.unique(task_of)], axis=0)
+
+
+def paired_differences(
+    rows: pd.DataFrame, pairs: list[tuple[str, str]], resamples: int = 2000, seed: int = 0
+) -> list[list]:
+    """Per (config, baseline) pair and length: [config, baseline, length, shared samples, suite avg
+    difference config - baseline, "[lo, hi]"] over the ok samples both ran (a stratified bootstrap
+    within task: module doc). `rows`: one model's RULER rows with `sample_id`, `ruler_task`,
+    `ruler_length`, `score`, `ok`, `config_label`."""
+    ok = rows[rows["ok"]].assign(ruler_length=lambda d: pd.to_numeric(d["ruler_length"]).astype(int))
+    out = []
+    for length in sorted(ok["ruler_length"].unique()):
+        at = ok[ok["ruler_length"] == length]
+        frames = {
+            label: g.drop_duplicates("sample_id").set_index("sample_id")
+            for label, g in at.groupby("config_label")
+        }
+        for label, baseline in pairs:
+            if label not in frames or baseline not in frames:
+                continue
+            a, b = frames[label], frames[baseline]
+            shared = b.index.intersection(a.index).sort_values()
+            if shared.empty:
+                continue
+            task = pd.Categorical(b.loc[shared, "ruler_task"]).codes
+            diff = a.loc[shared, "score"].to_numpy(float) - b.loc[shared, "score"].to_numpy(float)
+            rng = np.random.default_rng(seed)
+            idx = np.empty((resamples, len(shared)), dtype=int)
+            for t in np.unique(task):
+                members = np.flatnonzero(task == t)
+                idx[:, members] = rng.choice(members, size=(resamples, len(members)))
+            lo, hi = np.percentile(_suite(diff[idx], task), [2.5, 97.5])
+            point = float(_suite(diff[None, :], task)[0])
+            out.append([label, baseline, int(length), len(shared), point, f"[{lo:+.1f}, {hi:+.1f}]"])
+    return out
+
+
 def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
     """The report's "RULER" tables (none without RULER rows): per model, the suite average (config x
     length) and per config the task x length table. ``column_order(part)``: config labels in order."""
@@ -89,6 +135,21 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
             + md_table(["method"] + [str(x) for x in lengths] + ["avg"], table)
             + note
         )
+        full = [c for c in labels if part.loc[part["config_label"] == c, "method"].iloc[0] == "full"]
+        if full and len(labels) > 1 and "sample_id" in part:
+            rest = [c for c in labels if c != full[0]]
+            pairs = [(c, full[0]) for c in rest] + [(a, b) for i, a in enumerate(rest) for b in rest[i + 1 :]]
+            paired = paired_differences(part, pairs)
+            if paired:
+                out.append(
+                    f"### ruler — {model}: paired differences\n\nSuite average x100 of a config minus "
+                    "another's on the samples both ran (every config against the full cache, then the "
+                    "compressed configs against each other), with a 95% interval from 2000 bootstrap "
+                    "resamples of the samples within each task.\n\n"
+                    + md_table(
+                        ["method", "minus", "length", "shared samples", "difference", "95% interval"], paired
+                    )
+                )
         m = means[means["model"] == model]
         for label in labels:
             sub = m[m["config_label"] == label]

@@ -326,10 +326,18 @@ class RunSummary:
     other_cores: Spread | None
 
 
-def summarise_run(name: str, rows: Sequence[dict[str, Any]], clock: str = "cpu") -> RunSummary:
+def summarise_run(
+    name: str, rows: Sequence[dict[str, Any]], clock: str = "cpu", all_rounds: bool = False
+) -> RunSummary:
+    """One run's ratios over its kept rounds (the summary's rule: rounds flagged noisy left out,
+    unless all are), or over every round with `all_rounds`."""
     kept, rounds = kept_rounds(_ok(rows))
     other = spread(_float(r.get("other_cores")) for r in _ok(rows))
-    per_round = kept_ratios(rows, clock)
+    if all_rounds:
+        kept = rounds
+        per_round = {k: list(per.values()) for k, per in round_ratios(rows, clock).items()}
+    else:
+        per_round = kept_ratios(rows, clock)
     spreads = {k: spread(v) for k, v in per_round.items()}
     return RunSummary(name, spreads, per_round, len(kept), len(rounds), other)
 

@@ -1,7 +1,7 @@
 """Do several benchmark runs agree? Per run: the four target ratios (median [Q1, Q3] over its
 rounds) and the noise it ran under; per ratio: max/min - 1 of the runs' medians against a tolerance.
 
-    python scripts/bench_agreement.py results/bench/validation8k/run{1,2,3}.csv [--tolerance 0.10]
+    python scripts/bench_agreement.py results/bench/validation8k_ref/run{1,2,3}.csv [--tolerance 0.10] [--all-rounds]
 
 Exit code 0 whether or not the runs agree (the table is the result); 2 for a missing or empty CSV.
 """
@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="which timings (default auto: ref where the rows have reference-clock values, else cpu)",
     )
+    p.add_argument(
+        "--all-rounds",
+        action="store_true",
+        help="use every round, the ones flagged noisy too (default: the summary's kept rounds)",
+    )
     args = p.parse_args(argv)
     runs = []
     stems = [p.stem for p in args.csv]
@@ -42,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_agreement: no rows in csv={str(path)!r}", file=sys.stderr)
             return 2
         clock = default_clock(rows) if args.clock == "auto" else args.clock
-        runs.append(summarise_run(f"{name} ({clock})", rows, clock))
+        runs.append(summarise_run(f"{name} ({clock})", rows, clock, args.all_rounds))
     text, _ = agreement(runs, args.tolerance)
     print(text)
     return 0

@@ -285,6 +285,12 @@ def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
     assert not agree and "NOT within 10%" in text and "4 of 5 (quiet)" in text and "5 of 5 (all)" in text
     assert "target <= 1.02: IQR on its side in 2 of 3 runs" in text
     assert "pooled median" in text and "rounds a run" in text
+    # --all-rounds: the noisy round counts too
+    c_all = summarise_run(
+        "c", _rows({**times, ("snapkv", 8192): 20.4 * 1.2}, 5, noisy=lambda r: r == 0), "wall", True
+    )
+    assert (c_all.kept, c_all.rounds) == (5, 5) and len(c_all.per_round["prefill h2o/full(L)"]) == 5
+    assert c.kept == 4 and len(c.per_round["prefill h2o/full(L)"]) == 4
     # the script: one table, exit 0 whether or not they agree; 2 for a missing file
     path = tmp_path / "run1.csv"
     rows = _rows(times, 3)

@@ -109,9 +109,12 @@ def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[st
     return out
 
 
-def kept_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, list[float]]:
-    """Each target's per-round ratios over the kept rounds only."""
-    kept, _ = kept_rounds(rows)
+def kept_ratios(
+    rows: Sequence[dict[str, Any]], clock: str = "wall", all_rounds: bool = False
+) -> dict[str, list[float]]:
+    """Each target's per-round ratios over the kept rounds only (every round with `all_rounds`)."""
+    kept, rounds = kept_rounds(rows)
+    kept = rounds if all_rounds else kept
     return {k: [v for r, v in per.items() if r in kept] for k, per in round_ratios(rows, clock).items()}
 
 
@@ -171,6 +174,11 @@ def config_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return table
 
 
+def _ratio(s: Spread | None, na: str = "n/a", sep: str = ", ") -> str:
+    """A ratio as `median [Q1, Q3]` (`na` when there is none)."""
+    return na if s is None else f"{s.median:.3f} [{s.q1:.3f}{sep}{s.q3:.3f}]"
+
+
 def _fmt(s: Spread | None, scale: float = 1.0, digits: int = 2, noise: bool = True) -> str:
     if s is None:
         return "-"
@@ -226,7 +234,7 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
     fields = dict(long=lengths[-1], short=lengths[0], budget=cfg.budget)
     for t in TARGETS:
         s = spreads[t.key]
-        shown = "n/a (configuration not run)" if s is None else f"{s.median:.3f} [{s.q1:.3f}, {s.q3:.3f}]"
+        shown = _ratio(s, "n/a (configuration not run)")
         lines.append(
             f"  {t.label.format(**fields)}: {shown}  target {t.direction} {t.bound}  {verdict(t, spreads[t.key])}"
         )
@@ -234,10 +242,7 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         raw = ratio_spreads(rows, "cpu")
         lines.append(
             "  the same rounds in raw CPU time (no reference): "
-            + "; ".join(
-                f"{t.key} {'n/a' if raw[t.key] is None else f'{raw[t.key].median:.3f} [{raw[t.key].q1:.3f}, {raw[t.key].q3:.3f}]'}"
-                for t in TARGETS
-            )
+            + "; ".join(f"{t.key} {_ratio(raw[t.key])}" for t in TARGETS)
         )
     per_round = kept_ratios(rows, cfg.clock)
     needed = []
@@ -261,7 +266,7 @@ def last_line(rows: Sequence[dict[str, Any]], clock: str = "wall") -> str:
     parts = []
     for t in TARGETS:
         s = spreads[t.key]
-        value = "n/a" if s is None else f"{s.median:.3f} [{s.q1:.3f},{s.q3:.3f}]"
+        value = _ratio(s, sep=",")
         parts.append(f"{t.key} {value} {t.direction}{t.bound} {verdict(t, s).split(' ')[0]}")
     return f"RATIOS ({clock}) " + " | ".join(parts) + f" | rounds {len(kept)}/{len(rounds)}"
 
@@ -333,11 +338,8 @@ def summarise_run(
     unless all are), or over every round with `all_rounds`."""
     kept, rounds = kept_rounds(_ok(rows))
     other = spread(_float(r.get("other_cores")) for r in _ok(rows))
-    if all_rounds:
-        kept = rounds
-        per_round = {k: list(per.values()) for k, per in round_ratios(rows, clock).items()}
-    else:
-        per_round = kept_ratios(rows, clock)
+    per_round = kept_ratios(rows, clock, all_rounds)
+    kept = rounds if all_rounds else kept
     spreads = {k: spread(v) for k, v in per_round.items()}
     return RunSummary(name, spreads, per_round, len(kept), len(rounds), other)
 
@@ -352,7 +354,7 @@ def agreement(runs: Sequence[RunSummary], tolerance: float = 0.10) -> tuple[str,
         cells = [run.name]
         for t in TARGETS:
             s = run.spreads.get(t.key)
-            cells.append("n/a" if s is None else f"{s.median:.3f} [{s.q1:.3f}, {s.q3:.3f}]")
+            cells.append(_ratio(s))
         cells.append("n/a" if run.other_cores is None else f"{run.other_cores.median:.2f}")
         quiet = "quiet" if run.kept < run.rounds else "all"
         cells.append(f"{run.kept} of {run.rounds} ({quiet})")

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     runs = []
-    stems = [p.stem for p in args.csv]
+    stems = [path.stem for path in args.csv]
     for path in args.csv:
         name = path.stem if stems.count(path.stem) == 1 else f"{path.parent.name}/{path.stem}"
         if not path.is_file():

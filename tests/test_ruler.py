@@ -463,20 +463,31 @@ def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):
     assert list(results.glob("ruler_*.png"))
 
 
-def test_report_suite_average_and_dagger():
+def _report_df(rows):
+    """Result rows -> the prepared frame the report reads (every store field present)."""
     import pandas as pd
 
     from eval.report import prepare
+    from eval.store import ROW_FIELDS
+
+    return prepare(pd.DataFrame([{**dict.fromkeys(ROW_FIELDS), **r} for r in rows]))
+
+
+def _ruler_row(task, length, score, method="full", params=None, index=0):
+    """One ok RULER result row of sample `index` of `task` at `length` (one hash per method)."""
+    return {
+        "sample_id": f"{task}-{length}-{index}", "task": "ruler", "dataset": task, "model": "m",
+        "method": method, "method_params": params or {}, "query_aware": True, "status": "ok",
+        "score": score, "scores": {}, "method_hash": method, "ruler_task": task,
+        "ruler_length": length, "context_length": None, "depth_percent": None,
+    }  # fmt: skip
+
+
+def test_report_suite_average_and_dagger():
     from eval.tables import column_order
     from eval.tasks.ruler_report import ruler_tables
 
-    def row(task, length, score, method="full", params=None):
-        return {
-            "sample_id": f"{task}-{length}", "task": "ruler", "dataset": task, "model": "m",
-            "method": method, "method_params": params or {}, "query_aware": True, "status": "ok",
-            "score": score, "scores": {}, "method_hash": method, "ruler_task": task,
-            "ruler_length": length, "context_length": None, "depth_percent": None,
-        }  # fmt: skip
+    row = _ruler_row
 
     rows = [
         row("niah_single_1", 4096, 1.0),
@@ -485,9 +496,7 @@ def test_report_suite_average_and_dagger():
         row("vt", 8192, 0.5),
     ]
     rows += [row("niah_single_1", 4096, 0.2, "snapkv", {"budget": 128})]
-    from eval.store import ROW_FIELDS
-
-    df = prepare(pd.DataFrame([{**dict.fromkeys(ROW_FIELDS), **r} for r in rows]))
+    df = _report_df(rows)
     md = "\n\n".join(ruler_tables(df, column_order))
     assert "| full | 75.00 | 25.00 | 50.00 |" in md  # suite averages per length, then their mean
     assert "| snapkv b=128 | 20.00† |" in md  # vt missing at 4096
@@ -495,20 +504,11 @@ def test_report_suite_average_and_dagger():
 
 
 def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
-    import pandas as pd
-
-    from eval.report import prepare
-    from eval.store import ROW_FIELDS
     from eval.tables import column_order
     from eval.tasks.ruler_report import paired_differences, ruler_tables
 
     def row(task, i, score, method="full", params=None):
-        return {
-            "sample_id": f"{task}-4096-{i}", "task": "ruler", "dataset": task, "model": "m",
-            "method": method, "method_params": params or {}, "query_aware": True, "status": "ok",
-            "score": score, "scores": {}, "method_hash": method, "ruler_task": task,
-            "ruler_length": 4096, "context_length": None, "depth_percent": None,
-        }  # fmt: skip
+        return _ruler_row(task, 4096, score, method, params, index=i)
 
     full = {("niah_single_1", i): 1.0 for i in range(4)} | {
         ("vt", i): [0.0, 1.0, 0.5, 0.5][i] for i in range(4)
@@ -519,7 +519,7 @@ def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
     rows = [row(t, i, v) for (t, i), v in full.items()]
     rows += [row(t, i, v, "snapkv", {"budget": 64}) for (t, i), v in snap.items()]  # vt sample 3 missing
     rows += [row(t, i, v, "streamingllm", {"budget": 64}) for (t, i), v in full.items()]  # same as full
-    df = prepare(pd.DataFrame([{**dict.fromkeys(ROW_FIELDS), **r} for r in rows]))
+    df = _report_df(rows)
     labels = column_order(df)
     got = {(a, b): rest for a, b, *rest in paired_differences(df, [(x, labels[0]) for x in labels[1:]])}
     # snapkv - full on the 7 shared samples: niah 2/4 - 4/4 = -0.5; vt mean(0.5-0, 0.5-1, 0.5-0.5) = 0

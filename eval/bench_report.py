@@ -44,12 +44,13 @@ def _ok(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in rows if r.get("status") == "ok"]
 
 
-def kept_rounds(rows: Sequence[dict[str, Any]]) -> tuple[list[int], list[int]]:
-    """(rounds used by the summary, all rounds): the rounds not flagged noisy, or all of them when
-    every round is."""
+def kept_rounds(rows: Sequence[dict[str, Any]], all_rounds: bool = False) -> tuple[list[int], list[int]]:
+    """(rounds used by the summary, all rounds) over the ok rows (a round of error rows only has no
+    timings): the rounds not flagged noisy, or all of them when every round is or with `all_rounds`."""
+    rows = _ok(rows)
     rounds = sorted({int(r["round"]) for r in rows})
     quiet = sorted({int(r["round"]) for r in rows if not _truthy(r.get("noisy"))})
-    return (quiet or rounds), rounds
+    return (rounds if all_rounds else quiet or rounds), rounds
 
 
 def _truthy(v: Any) -> bool:
@@ -113,8 +114,7 @@ def kept_ratios(
     rows: Sequence[dict[str, Any]], clock: str = "wall", all_rounds: bool = False
 ) -> dict[str, list[float]]:
     """Each target's per-round ratios over the kept rounds only (every round with `all_rounds`)."""
-    kept, rounds = kept_rounds(rows)
-    kept = rounds if all_rounds else kept
+    kept, _ = kept_rounds(rows, all_rounds)
     return {k: [v for r, v in per.items() if r in kept] for k, per in round_ratios(rows, clock).items()}
 
 
@@ -336,10 +336,9 @@ def summarise_run(
 ) -> RunSummary:
     """One run's ratios over its kept rounds (the summary's rule: rounds flagged noisy left out,
     unless all are), or over every round with `all_rounds`."""
-    kept, rounds = kept_rounds(_ok(rows))
+    kept, rounds = kept_rounds(rows, all_rounds)
     other = spread(_float(r.get("other_cores")) for r in _ok(rows))
     per_round = kept_ratios(rows, clock, all_rounds)
-    kept = rounds if all_rounds else kept
     spreads = {k: spread(v) for k, v in per_round.items()}
     return RunSummary(name, spreads, per_round, len(kept), len(rounds), other)
 

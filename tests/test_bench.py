@@ -268,6 +268,11 @@ def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
     )
     rows = _rows(times, 3, noisy=lambda r: True)
     assert kept_rounds(rows) == ([0, 1, 2], [0, 1, 2])
+    # a round whose rows all failed has no timings: it is no round (the only quiet one here)
+    rows = _rows(times, 3, noisy=lambda r: r != 0)
+    rows = [dict(x, status="error") if x["round"] == 0 else x for x in rows]
+    assert kept_rounds(rows) == ([1, 2], [1, 2]) and kept_rounds(rows, all_rounds=True) == ([1, 2], [1, 2])
+    assert ratio_spreads(rows)["prefill h2o/full(L)"].n == 2
 
 
 def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):

@@ -31,4 +31,4 @@ run: install  ## the default job (offline): needle grid on SmolLM2 with SnapKV, 
 	$(PY) run.py
 
 report:  ## rebuild tables/plots of a results dir: make report DIR=results/needle
-	$(PY) -m eval.report $(DIR)
+	$(PY) scripts/report.py $(DIR)

@@ -31,13 +31,13 @@ from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 # Project modules are imported inside the functions: launchers that pickle `main` (submitit) load
-# it in a fresh process before the checkout is on sys.path.
+# it in a fresh process before the checkout is on sys.path. For the same reason Hydra's config path
+# is spelled here rather than taken from eval.conf (which finds the same folder).
+CONF_DIR = Path(__file__).resolve().parent / "conf"
 
 # Bad input surfaces as one of these (unknown names, out-of-range values, missing files or data,
 # malformed jsonl, missing mandatory config values); anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, OmegaConfBaseException)
-# Absolute, so that the entry point also works when imported (tests) or started from another directory.
-CONF_DIR = Path(__file__).resolve().parent / "conf"
 # Config groups whose options are files conf/<group>/<option>.yaml, checked before Hydra composes.
 CHECKED_GROUPS = ("model", "method", "task", "experiment")
 logger = logging.getLogger("run")
@@ -53,6 +53,8 @@ def check_group_options(args: list[str]) -> None:
     """ValueError naming an unknown option of a config group (`method=bogus`), sweeps included."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    from eval.conf import options
+
     overrides = [a for a in args if "=" in a and not a.startswith("-")]
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
@@ -62,7 +64,7 @@ def check_group_options(args: list[str]) -> None:
         if o.key_or_group not in CHECKED_GROUPS:
             continue
         values = list(o.sweep_string_iterator()) if o.is_sweep_override() else [o.value()]
-        known = sorted(p.stem for p in (CONF_DIR / o.key_or_group).glob("*.yaml"))
+        known = options(o.key_or_group)
         for v in values:
             if v is not None and str(v) not in known:
                 raise ValueError(f"unknown {o.key_or_group} {str(v)!r}; known: {', '.join(known)}")

@@ -14,13 +14,12 @@ on the command line (`method.window=16`) apply to the asked-for method only, and
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, open_dict
+
+from eval.conf import load_option, options
 
 logger = logging.getLogger(__name__)
-
-METHOD_DIR = Path(__file__).resolve().parents[1] / "conf" / "method"
 
 
 def compare_names(cfg: DictConfig) -> list[str]:
@@ -33,7 +32,7 @@ def compare_names(cfg: DictConfig) -> list[str]:
         raise ValueError(
             f"compare must be a list of method names (e.g. [full,streamingllm]), got compare={value!r}"
         )
-    known = sorted(p.stem for p in METHOD_DIR.glob("*.yaml"))
+    known = options("method")
     names = []
     for name in value:
         if not isinstance(name, str) or name not in known:
@@ -50,6 +49,6 @@ def compare_configs(cfg: DictConfig) -> list[DictConfig]:
     for name in compare_names(cfg):
         other = cfg.copy()
         with open_dict(other):
-            other.method = OmegaConf.load(METHOD_DIR / f"{name}.yaml")
+            other.method = load_option("method", name)
         configs.append(other)
     return configs

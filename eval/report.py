@@ -1,4 +1,4 @@
-"""Summarise a results directory: `python -m eval.report RESULTS_DIR [--out DIR] [--trained-context N]`,
+"""Summarise a results directory: `python scripts/report.py RESULTS_DIR [--out DIR] [--trained-context N]`,
 or from code `write_report(results_dir)`.
 
 Writes into `--out` (default: RESULTS_DIR):
@@ -35,7 +35,7 @@ from typing import Any
 
 import pandas as pd
 
-from eval.bench_noise import spread, timing_summary
+from eval.stats import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell
 from eval.tables import column_order as _column_order  # noqa: F401  (scripts/make_figures.py)
@@ -526,7 +526,7 @@ def write_report(results_dir: str | Path, **kwargs: Any) -> Report | None:
 
 # ----------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.report", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="scripts/report.py", description=__doc__.split("\n")[0])
     ap.add_argument("results_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: RESULTS_DIR)")
     ap.add_argument(
@@ -546,7 +546,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(report.markdown)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ its postfix (`prefill 2374 tok` -> `decode 37/512`; `SampleProgress`, fed by `ge
 per stage, at least 30 s apart. The bar is redrawn every second (`BarClock`) so its clock moves
 through a long prefill.
 
-Noise: each row records what the machine was doing while its sample ran (`eval.bench_noise`):
+Noise: each row records what the machine was doing while its sample ran (`eval.machine`):
 `other_cores` (cores other processes kept busy), `load_1m` and the thread settings, measured around
 `generate` (outside its timings). Timings in rows are bookkeeping; see eval/report.py's cost table.
 
@@ -43,7 +43,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from eval.bench_noise import CpuNoise, thread_settings
+from eval.machine import CpuNoise, thread_settings
 from eval.provenance import git_state, utc_now, versions
 from eval.spec import RunSpec
 from eval.store import ROW_FIELDS, ResultStore, shard

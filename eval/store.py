@@ -56,7 +56,7 @@ docstring). Nothing here knows a particular task.
 | `attn_impl` | str | attention implementation (`sdpa`, `eager`, `flash_attention_2`) |
 | `dtype` | str | model dtype (`bfloat16`, ...) |
 | `device` | str | device the sample ran on (`cuda:0`, `cpu`, ...) |
-| `other_cores` | float \\| null | cores other processes kept busy while the sample ran (`eval.bench_noise.CpuNoise`: Δ machine busy CPU - Δ this process's CPU, / Δ wall; 0 = quiet) |
+| `other_cores` | float \\| null | cores other processes kept busy while the sample ran (`eval.machine.CpuNoise`: Δ machine busy CPU - Δ this process's CPU, / Δ wall; 0 = quiet) |
 | `load_1m` | float \\| null | 1-minute load average when the sample finished |
 | `torch_threads` | int \\| null | `torch.get_num_threads()` while the sample ran |
 | `cpu_count` | int \\| null | `os.cpu_count()` of the machine |

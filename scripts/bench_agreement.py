@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from eval.bench_report import agreement, default_clock, summarise_run  # noqa: E402
+from eval.bench.report import agreement, default_clock, summarise_run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Speed and memory benchmark (prefill, TTFT, TPOT, peak memory) in interleaved rounds; the logic
-is `eval.bench` and the configuration conf/bench.yaml (composed with conf/model/*, conf/method/*).
+is `eval.bench.run` and the configuration conf/bench.yaml (composed with conf/model/*, conf/method/*).
 
     python scripts/bench_speed.py                          # the CPU speed targets, 5 rounds
     python scripts/bench_speed.py 'lengths=[512,8192]' 'methods=[full,snapkv,h2o]' configs=null \
@@ -21,6 +21,6 @@ if __name__ == "__main__":
     # Spinning workers measure the kernels, not the scheduler. Set before torch loads OpenMP (the
     # workers inherit it); an explicit setting wins and is recorded in every row.
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
-    from eval.bench import main
+    from eval.bench.run import main
 
     sys.exit(main(sys.argv[1:]))

@@ -41,7 +41,7 @@ def load(path: Path) -> pd.DataFrame:
 
 
 def reports(root: Path) -> list[Path]:
-    """Re-run `python -m eval.report` on every results folder (those holding result rows)."""
+    """Re-run `python scripts/report.py` on every results folder (those holding result rows)."""
     done = []
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
         if any(sub.rglob("*.jsonl")) and sub.name not in ("figures", "observation", "bench", "gpu"):
@@ -94,7 +94,7 @@ def latency(root: Path, out: Path) -> list[Path]:
     if not csvs:
         print("latency: no bench CSVs (python scripts/bench_speed.py ... out=results/bench/NAME.csv)")
         return []
-    from eval.bench_report import plot
+    from eval.bench.report import plot
 
     written = []
     for path in csvs:
@@ -154,10 +154,10 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
 
 
 def digits(root: Path, out: Path) -> list[Path]:
-    """The digits figures (`eval.digits_plots`) from results/digits/."""
+    """The digits figures (`eval.analysis.digits`) from results/digits/."""
     import json
 
-    from eval.digits_plots import digits_ablation_figure, kept_positions_figure
+    from eval.analysis.digits import digits_ablation_figure, kept_positions_figure
 
     sub, written = root / "digits", []
     if (sub / "kept_positions.csv").is_file():
@@ -166,7 +166,7 @@ def digits(root: Path, out: Path) -> list[Path]:
         written.append(out / "digits_kept_positions.png")
         fig.savefig(written[-1], dpi=150)
     else:
-        print("digits: no kept positions (python -m eval.kept_positions)")
+        print("digits: no kept positions (python scripts/kept_positions.py)")
     df = load(sub)
     d = df[(df["task"] == "needle") & df["ok"] & (df["method"] == "snapkv")] if not df.empty else df
     if d.empty:
@@ -188,7 +188,7 @@ def observation(root: Path, out: Path) -> list[Path]:
     if not (obs.is_dir() and any(obs.glob("*.csv"))):
         print("observation: no CSVs (python scripts/observation.py)")
         return []
-    from eval.observation import replot
+    from eval.analysis.observation import replot
 
     return replot(obs)
 

@@ -1,5 +1,5 @@
-"""Entry point of the SnapKV paper's observation analysis: `eval.observation` does the work, configured
-from conf/observation.yaml and conf/model/ (see there). Same as `python -m eval.observation`.
+"""Entry point of the SnapKV paper's observation analysis: `eval.analysis.observation` does the work, configured
+from conf/observation.yaml and conf/model/ (see there). Same as `python scripts/observation.py`.
 
     python scripts/observation.py [key=value ...] [model=NAME]
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a file from a checkout
 
-from eval.observation import main  # noqa: E402
+from eval.analysis.observation import main  # noqa: E402
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

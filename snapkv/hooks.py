@@ -266,7 +266,7 @@ def session(model, method: Method, cache: CompressedCache | None = None) -> Iter
 def suspended() -> Iterator[None]:
     """Run forwards with no session current, inside a compressed generation: the wrappers pass every
     call straight to the model's attention, so a side computation (the benchmark's reference
-    forward, `eval.bench_noise.Reference`) neither reads nor changes the session's cache."""
+    forward, `eval.bench.clock.Reference`) neither reads nor changes the session's cache."""
     token = _ACTIVE.set(None)
     try:
         yield

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from eval.spec import RunSpec
 from eval.tasks import TASKS
-from eval.tasks.longbench import model_max_length
+from eval.tasks.longbench.task import model_max_length
 from snapkv import METHODS, build_method
 from snapkv.models import DTYPES, RANDOM_SHAPES
 

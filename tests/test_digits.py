@@ -133,7 +133,7 @@ def test_conf_snapkv_has_span_off():
 
 
 def test_kept_fractions_count_what_each_head_kept():
-    from eval.kept_positions import kept_fractions
+    from eval.analysis.kept_positions import kept_fractions
 
     model = tiny_model("llama", layers=2)
     ids = random_ids(80)
@@ -148,7 +148,7 @@ def test_kept_fractions_count_what_each_head_kept():
 def test_digits_ablation_figure_bars_are_the_means():
     import pandas as pd
 
-    from eval.digits_plots import digits_ablation_figure
+    from eval.analysis.digits import digits_ablation_figure
 
     p7, p7s, full = dict(budget=512, kernel_size=7), dict(budget=512, kernel_size=7, span=8), {"budget": None}
     rows = pd.DataFrame(
@@ -170,7 +170,7 @@ def test_digits_ablation_figure_bars_are_the_means():
 
 
 def test_kept_positions_cli_rejects_an_unknown_key_before_loading(capsys):
-    from eval.kept_positions import main
+    from eval.analysis.kept_positions import main
 
     assert main(["lenght=2000"]) == 2
     assert "'lenght'" in capsys.readouterr().err

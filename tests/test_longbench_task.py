@@ -16,9 +16,9 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from eval.tasks import longbench_config as cfg
+from eval.tasks.longbench import prompts as cfg
 from eval.tasks.base import Sample
-from eval.tasks.longbench import (
+from eval.tasks.longbench.task import (
     LongBenchTask,
     model_max_length,
     read_jsonl,
@@ -299,7 +299,9 @@ def test_score_delegates_to_metrics(monkeypatch):
         calls.append((dataset, prediction, answers, all_classes))
         return 0.5
 
-    monkeypatch.setitem(sys.modules, "eval.metrics", types.SimpleNamespace(score_sample=score_sample))
+    monkeypatch.setitem(
+        sys.modules, "eval.tasks.longbench.metrics", types.SimpleNamespace(score_sample=score_sample)
+    )
     sample = Sample("id", "trec", "ctx", "q", ["Location"], 64, False, all_classes=["Location", "Person"])
     assert LongBenchTask(datasets=["trec"]).score(sample, "Location\nmore") == 0.5
     assert calls == [("trec", "Location\nmore", ["Location"], ["Location", "Person"])]

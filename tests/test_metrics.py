@@ -1,4 +1,4 @@
-"""LongBench metrics (eval.metrics) and the scorer CLI (eval.score_longbench).
+"""LongBench metrics (eval.tasks.longbench.metrics) and the scorer CLI (eval.tasks.longbench.score).
 
 The golden test re-scores real LongBench predictions of llama2-7b-chat-4k from
 `<repo>/../shared/data/longbench_golden/` and must reproduce its result.json to the last digit.
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eval.metrics import (
+from eval.tasks.longbench.metrics import (
     CATEGORIES,
     DATASET2CATEGORY,
     DATASET2METRIC,
@@ -34,7 +34,7 @@ from eval.metrics import (
     scorer_e,
     summarize,
 )
-from eval.score_longbench import main
+from eval.tasks.longbench.score import main
 
 REPO = Path(__file__).resolve().parents[1]
 GOLDEN = REPO.parent / "shared" / "data" / "longbench_golden" / "llama2-7b-chat-4k"
@@ -54,7 +54,7 @@ def _env() -> dict[str, str]:
 
 def _cli(args: list[str]) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "eval.score_longbench", *args],
+        [sys.executable, str(REPO / "scripts" / "score_longbench.py"), *args],
         cwd=REPO,
         env=_env(),
         stdout=subprocess.PIPE,

@@ -18,7 +18,7 @@ from pypi_index import LocalIndex
 
 from eval.tasks import haystack as hs
 from eval.tasks.base import Sample
-from eval.tasks.needle import (
+from eval.tasks.needle.task import (
     NEEDLES,
     NeedleTask,
     count_prompt_tokens,

@@ -1,4 +1,4 @@
-"""Observation mode (snapkv/observe.py) and its analysis CLI (eval/observation.py, conf/observation.yaml,
+"""Observation mode (snapkv/observe.py) and its analysis CLI (eval/analysis/observation.py, conf/observation.yaml,
 scripts/observation.py), on tiny random models."""
 
 from __future__ import annotations
@@ -269,9 +269,9 @@ def test_common_prefix():
 
 
 def _cli():
-    import eval.observation
+    import eval.analysis.observation
 
-    return eval.observation
+    return eval.analysis.observation
 
 
 def test_cli_end_to_end_on_a_random_tiny_model(tmp_path):
@@ -340,7 +340,7 @@ def test_observation_is_configured_from_conf_like_run_py():
     assert cfg.chat_template is True and cfg.top_p == 0.05
     assert "DEFAULTS" not in vars(_cli())
     script = (ROOT / "scripts" / "observation.py").read_text()
-    assert len(script.splitlines()) < 25 and "from eval.observation import main" in script
+    assert len(script.splitlines()) < 25 and "from eval.analysis.observation import main" in script
     old = {"model": "smollm2-135m-instruct", "dtype": "float32", "window": 8, "top_p": 0.1}
     analysis = _cli().analysis_config(old)  # a summary.json written before the move still replots
     assert analysis.window == 8 and analysis.top_p == 0.1 and "model" not in analysis

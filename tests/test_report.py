@@ -1,6 +1,7 @@
 import math
 import sys
 import types
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -99,9 +100,9 @@ def results_dir(tmp_path):
 
 @pytest.fixture
 def fake_metrics(monkeypatch):
-    mod = types.ModuleType("eval.metrics")
+    mod = types.ModuleType("eval.tasks.longbench.metrics")
     mod.DATASET2CATEGORY = {"qasper": "Single-Doc QA", "hotpotqa": "Multi-Doc QA"}
-    monkeypatch.setitem(sys.modules, "eval.metrics", mod)
+    monkeypatch.setitem(sys.modules, "eval.tasks.longbench.metrics", mod)
 
 
 def test_method_label():
@@ -225,7 +226,7 @@ def test_report_end_to_end(results_dir, tmp_path, capsys, fake_metrics):
 
 
 def test_report_without_metrics_module_omits_categories(results_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "eval.metrics", None)  # import fails
+    monkeypatch.setitem(sys.modules, "eval.tasks.longbench.metrics", None)  # import fails
     out = tmp_path / "out"
     assert main([str(results_dir), "--out", str(out), "--no-plots"]) == 0
     report = (out / "report.md").read_text()
@@ -235,7 +236,7 @@ def test_report_without_metrics_module_omits_categories(results_dir, tmp_path, m
 
 
 def test_report_marks_average_over_missing_datasets(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "eval.metrics", None)
+    monkeypatch.setitem(sys.modules, "eval.tasks.longbench.metrics", None)
     rows = [base_row("q0", "longbench", "qasper", "full", {}, 0.5)]
     rows += [base_row(f"{ds}0", "longbench", ds, "snapkv", SNAP, 0.25) for ds in ("qasper", "hotpotqa")]
     write(tmp_path / "r", rows)
@@ -259,11 +260,12 @@ def test_report_empty_dir_exit_2(tmp_path, capsys):
     assert main([str(tmp_path / "missing")]) == 2
 
 
-def test_report_cli_module_empty_dir(tmp_path):
+def test_report_cli_empty_dir(tmp_path):
     import subprocess
 
+    script = Path(__file__).resolve().parents[1] / "scripts" / "report.py"
     proc = subprocess.run(
-        [sys.executable, "-m", "eval.report", str(tmp_path)], capture_output=True, text=True, check=False
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, check=False
     )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and proc.stderr.strip().startswith("error:")
@@ -329,7 +331,7 @@ def test_needle_compare_one_panel_per_config_one_scale():
 def test_compare_colour_bar_names_the_needle_metric():
     """The score's metric is the `scores` key equal to `score` on every row (sf needle: word_recall,
     although exact agrees wherever both are 0 or 1); undecided or absent: "score"."""
-    from eval.tasks.needle import _score_metric
+    from eval.tasks.needle.task import _score_metric
 
     g = pd.DataFrame(
         {

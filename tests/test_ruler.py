@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 
 from eval.tasks import haystack as hs
-from eval.tasks.ruler import RulerTask, find_pregenerated, prompt_tokens, render, split_input
-from eval.tasks.ruler_config import (
+from eval.tasks.ruler.config import (
     FAMILIES,
     TASKS,
     family_of,
     string_match_all,
     string_match_part,
 )
-from eval.tasks.ruler_generate import _zeta, common_words, cwe_words
+from eval.tasks.ruler.generate import _zeta, common_words, cwe_words
+from eval.tasks.ruler.task import RulerTask, find_pregenerated, prompt_tokens, render, split_input
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (
@@ -485,7 +485,7 @@ def _ruler_row(task, length, score, method="full", params=None, index=0):
 
 def test_report_suite_average_and_dagger():
     from eval.tables import column_order
-    from eval.tasks.ruler_report import ruler_tables
+    from eval.tasks.ruler.report import ruler_tables
 
     row = _ruler_row
 
@@ -505,7 +505,7 @@ def test_report_suite_average_and_dagger():
 
 def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
     from eval.tables import column_order
-    from eval.tasks.ruler_report import paired_differences, ruler_tables
+    from eval.tasks.ruler.report import paired_differences, ruler_tables
 
     def row(task, i, score, method="full", params=None):
         return _ruler_row(task, 4096, score, method, params, index=i)
@@ -540,7 +540,7 @@ def test_compare_figure_puts_every_config_beside_the_full_cache(tmp_path):
     from eval.report import prepare
     from eval.store import ROW_FIELDS
     from eval.tables import column_order
-    from eval.tasks.ruler_report import ruler_compare, ruler_compare_figure, ruler_means
+    from eval.tasks.ruler.report import ruler_compare, ruler_compare_figure, ruler_means
 
     def row(i, task, score, method, params):
         return {**dict.fromkeys(ROW_FIELDS), "sample_id": f"{task}-{i}", "task": "ruler", "dataset": task,

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 import eval.runner as runner
 from eval.store import ROW_FIELDS, ResultStore, fields_missing, read_rows
 from eval.tasks import haystack as hs
-from eval.tasks.needle import NEEDLES
+from eval.tasks.needle.task import NEEDLES
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -226,7 +226,7 @@ def test_failing_samples_are_recorded_and_the_run_goes_on(tiny_dir, tmp_path, mo
     results = tmp_path / "results"
     cfg = make_cfg(tiny_dir, results)
     # Which sample fails is decided by its needle sentence (its magic number differs per cell).
-    from eval.tasks.needle import NeedleTask
+    from eval.tasks.needle.task import NeedleTask
 
     task = NeedleTask(haystack="noise", lengths=LENGTHS, depths=DEPTHS, seed=42)
     bad = {

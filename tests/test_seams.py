@@ -13,8 +13,8 @@ from typing import ClassVar
 import pytest
 
 from eval import provenance
-from eval.score_longbench import main as score_main
 from eval.tasks import TASKS, Task, register_task
+from eval.tasks.longbench.score import main as score_main
 from snapkv.errors import first_line, one_line
 from snapkv.methods import METHODS, register
 from snapkv.methods.snapkv import SnapKV
@@ -28,7 +28,7 @@ def test_task_registry_refuses_a_duplicate_name_and_a_non_task():
         name: ClassVar[str] = "needle"
 
     with pytest.raises(
-        ValueError, match=r"'needle' is already registered by eval\.tasks\.needle\.NeedleTask.*OtherNeedle"
+        ValueError, match=r"'needle' is already registered by eval\.tasks\.needle\.task\.NeedleTask.*OtherNeedle"
     ):
         register_task(OtherNeedle)
     assert TASKS["needle"].__name__ == "NeedleTask"
@@ -63,7 +63,8 @@ def test_method_registry_refuses_a_duplicate_name_and_a_non_method():
 
 # ------------------------------------------------------------------------------------------- helpers
 def test_one_cache_root(monkeypatch, tmp_path):
-    from eval.tasks import haystack, longbench
+    from eval.tasks import haystack
+    from eval.tasks.longbench import task as longbench
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for value, expected in (

@@ -3,7 +3,7 @@ One process, one thread, configurations alternated (so both see the same process
 apart, nearly the same machine): full@`short` then snapkv(budget=`short`)@`long`, `pairs` times;
 prints each TPOT (median CPU-time decode step) and each pair's ratio, then the median ratio.
 
-    python -m eval.bench_pair [model] [short] [long] [pairs]    # default smollm2-135m-instruct 512 1024 6
+    python scripts/bench_pair.py [model] [short] [long] [pairs]    # default smollm2-135m-instruct 512 1024 6
 
 This isolates the method's per-token overhead (cache bookkeeping, gathered layouts) from the
 process-to-process spread that `scripts/bench_speed.py`'s fresh-process rounds include.
@@ -12,7 +12,6 @@ process-to-process spread that `scripts/bench_speed.py`'s fresh-process rounds i
 from __future__ import annotations
 
 import statistics
-import sys
 from typing import Any
 
 
@@ -21,7 +20,7 @@ def main(
 ) -> dict[str, Any]:
     import torch
 
-    from eval.bench_measure import load, measure
+    from eval.bench.measure import load, measure
 
     if short >= long:
         raise ValueError(f"short must be below long (the compressed prompt), got short={short}, long={long}")
@@ -45,8 +44,3 @@ def main(
     print(f"PAIRED TPOT snapkv(b={short})@{long} / full@{short}: median {med:.3f} "
           f"[{min(ratios):.3f}, {max(ratios):.3f}] over {pairs} pairs")  # fmt: skip
     return {"ratios": ratios, "median": med}
-
-
-if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(*(a if i == 0 else int(a) for i, a in enumerate(args)))

@@ -1,6 +1,6 @@
 """Which prompt positions SnapKV keeps around the needle, per layer, for one real needle prompt.
 
-    python -m eval.kept_positions [length=2000] [depth=50] [budget=512] [out=results/digits]
+    python scripts/kept_positions.py [length=2000] [depth=50] [budget=512] [out=results/digits]
 
 One needle prompt (the default magic-number needle, Paul Graham haystack, chat template, the task's
 own sizing) is prefilled once per SnapKV configuration (`CONFIGS`: the raw votes without pooling,
@@ -17,7 +17,7 @@ the paper's kernel 7 max-pool, wider kernels, OUR `span` variant) with snapkv's 
 
 Only this analysis locates the needle's digits (character offsets of the number in the prompt,
 mapped to tokens by the tokenizer's offsets); the methods never see them. The figure is drawn from
-these files by `scripts/make_figures.py` (`eval.digits_plots`), which never runs a model.
+these files by `scripts/make_figures.py` (`eval.analysis.digits`), which never runs a model.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def kept_fractions(model: Any, ids: torch.Tensor, method: Any) -> torch.Tensor:
 
 
 def compute(cfg: Any, model: Any, tokenizer: Any) -> tuple[pd.DataFrame, dict]:
-    from eval.tasks.needle import NeedleTask
+    from eval.tasks.needle.task import NeedleTask
 
     task = NeedleTask(
         haystack=cfg.haystack, lengths=[int(cfg.length)], depths=[float(cfg.depth)], seed=int(cfg.seed)
@@ -163,7 +163,3 @@ def main(argv: list[str]) -> int:
     (out / "kept_positions.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
     log.info("wrote %s and %s", out / "kept_positions.csv", out / "kept_positions.json")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

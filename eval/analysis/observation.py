@@ -2,10 +2,10 @@
 never released: does the observation window at the end of the prompt predict which prompt
 positions the generated tokens attend to?
 
-    python -m eval.observation                                      # SmolLM2, Paul Graham essays
-    python -m eval.observation model=qwen2.5-coder-0.5b-instruct    # any conf/model/ entry
-    python -m eval.observation data_dir=../shared/data/longbench 'datasets=[multi_news]'
-    python -m eval.observation model.name=random:llama-tiny context_tokens=96 new_tokens=16 \
+    python scripts/observation.py                                      # SmolLM2, Paul Graham essays
+    python scripts/observation.py model=qwen2.5-coder-0.5b-instruct    # any conf/model/ entry
+    python scripts/observation.py data_dir=../shared/data/longbench 'datasets=[multi_news]'
+    python scripts/observation.py model.name=random:llama-tiny context_tokens=96 new_tokens=16 \
         gen_window=8 window=8 input_windows=2 input_window=16 out_dir=/tmp/obs    # smoke run
 
 (`python scripts/observation.py ...` is the same.) Configured from `conf/observation.yaml` (the
@@ -49,7 +49,6 @@ import itertools
 import json
 import logging
 import math
-import os
 import re
 import sys
 import time
@@ -58,11 +57,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from eval.conf import CONF_DIR
 from snapkv.errors import first_line
 
 logger = logging.getLogger(__name__)
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 CONFIG_NAME = "observation"
 
 DEFAULT_INSTRUCTIONS = [
@@ -154,7 +153,7 @@ def load_documents(cfg, tokenizer, vocab: int) -> tuple[list[Document], str]:
         return [Document(f"random{i}", torch.randint(3, vocab, (cfg.context_tokens,), generator=g).tolist(), [])
                 for i in range(cfg.documents)], "random"  # fmt: skip
     if source == "longbench":
-        from eval.tasks.longbench import find_data_file, read_jsonl
+        from eval.tasks.longbench.task import find_data_file, read_jsonl
 
         if not cfg.data_dir:
             raise ValueError(
@@ -708,9 +707,3 @@ def main(argv: list[str]) -> int:
     print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
     print(f"wrote {cfg.out_dir}")
     return 0
-
-
-if __name__ == "__main__":
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")  # see scripts/bench_speed.py
-    sys.exit(main(sys.argv[1:]))

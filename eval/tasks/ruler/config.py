@@ -4,7 +4,7 @@ Ported from RULER (Hsieh et al. 2024, https://arxiv.org/abs/2404.06654; NVIDIA/R
 Copyright (c) 2024 NVIDIA CORPORATION): `scripts/data/synthetic/constants.py` (templates, answer
 prefixes, tokens_to_generate), `scripts/synthetic.yaml` (the 13 tasks' arguments) and
 `scripts/eval/synthetic/constants.py` (string_match_all / string_match_part). The definitions are
-restated here, not copied; see `eval/tasks/ruler_generate.py` for the generators.
+restated here, not copied; see `eval/tasks/ruler/generate.py` for the generators.
 
 One wording choice: RULER's variable-tracking answer prefix was first published with the typo
 "assgined" and later corrected to "assigned"; the corrected text is used here (pre-generated files

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eval.tasks.ruler_config import DOCUMENT_PROMPT, FAMILIES, NIAH_NEEDLE, NOISE
+from eval.tasks.ruler.config import DOCUMENT_PROMPT, FAMILIES, NIAH_NEEDLE, NOISE
 
 # niah.py: needle depths, 40 points from 0 to 100 % (numpy's round-half-to-even, as RULER).
 DEPTHS: list[int] = [int(d) for d in np.round(np.linspace(0, 100, num=40, endpoint=True))]

@@ -37,7 +37,7 @@ DATASETS: tuple[str, ...] = (
 
 # Datasets LongBench feeds WITHOUT the chat template (few-shot / code-completion prompts: chat models
 # do better on them as raw text, pred.py's comment). For trec, triviaqa and samsum only the first line
-# of the prediction is scored (that rule lives in eval/metrics.py).
+# of the prediction is scored (that rule lives in eval/tasks/longbench/metrics.py).
 NO_CHAT_TEMPLATE: frozenset[str] = frozenset({"trec", "triviaqa", "samsum", "lcc", "repobench-p"})
 
 # Prompt template per dataset: `template.format(**record)` with `{context}` and `{input}`.

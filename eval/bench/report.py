@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eval.bench_noise import THREAD_ENV, Spread, spread
+from eval.machine import THREAD_ENV
+from eval.stats import Spread, spread
 
 
 @dataclass(frozen=True)

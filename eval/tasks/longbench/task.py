@@ -38,7 +38,7 @@ import pandas as pd
 
 from eval.tables import column_order, md_table, score_table
 from eval.tasks.base import Sample, Task
-from eval.tasks.longbench_config import (
+from eval.tasks.longbench.prompts import (
     DATASET2MAXLEN,
     DATASET2PROMPT,
     DATASETS,
@@ -306,7 +306,7 @@ class LongBenchTask(Task):
         )
 
     def score(self, sample: Sample, prediction: str) -> float:
-        from eval.metrics import score_sample  # lazy: metrics pulls in rouge
+        from eval.tasks.longbench.metrics import score_sample  # lazy: metrics pulls in rouge
 
         return score_sample(sample.dataset, prediction, sample.answers, sample.all_classes)
 
@@ -342,7 +342,9 @@ class LongBenchTask(Task):
 
 def _categories() -> dict[str, str] | None:
     try:
-        from eval.metrics import DATASET2CATEGORY  # lazy: optional, owned by the metrics module
+        from eval.tasks.longbench.metrics import (
+            DATASET2CATEGORY,  # lazy: optional, owned by the metrics module
+        )
     except Exception as e:  # noqa: BLE001 - any failure just drops the category rows
         logger.warning("note: LongBench category rows omitted (%s: %s)", type(e).__name__, e)
         return None

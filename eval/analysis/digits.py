@@ -1,6 +1,6 @@
 """Figures of the "digits as single tokens" analysis (never runs a model).
 
-- `kept_positions_figure`: from `eval.kept_positions`' CSV/JSON: per SnapKV config, layers x token
+- `kept_positions_figure`: from `eval.analysis.kept_positions`' CSV/JSON: per SnapKV config, layers x token
   positions around the needle (and at the end of the prompt, where the observation window is), cell
   = share of the layer's KV heads that kept the position; the 7 digits and the window are marked.
 - `digits_ablation_figure`: needle exact and partial credit (x100) per config and context length,

@@ -6,8 +6,8 @@ memory per method, input length and batch size, configured from conf/bench.yaml.
 A run is R rounds; each round runs every configuration once, in an order rotated by one per round,
 so a burst of background load lands on different configurations in different rounds. Every ratio is
 computed per round from configurations of that round, then summarised as median and IQR over the
-rounds (`eval.bench_report`). Every configuration also records the CPU other processes used while it
-ran (`eval.bench_noise`), the load average and the thread settings; rounds above `noise_threshold`
+rounds (`eval.bench.report`). Every configuration also records the CPU other processes used while it
+ran (`eval.machine`), the load average and the thread settings; rounds above `noise_threshold`
 are flagged and left out of the summary. On CPU every configuration runs in a fresh process (peak
 RSS only resets per process); on CUDA in-process with the allocator peak reset per configuration.
 Raw per-round rows go to the CSV `out`.
@@ -28,14 +28,13 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from eval import bench_measure
-from eval.bench_noise import THREAD_ENV
+from eval.bench import measure
+from eval.conf import CONF_DIR, load_option, options
+from eval.machine import THREAD_ENV
 from snapkv.errors import first_line
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF_DIR = ROOT / "conf"
 COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "prefill_s", "ttft_s", "tpot_s",
            "prefill_cpu_s", "tpot_cpu_s", "prefill_ref", "tpot_ref", "ref_prefill_cpu_s", "ref_decode_cpu_s",
            "ref_prefill_tokens", "ref_decode_tokens", "peak_mem_bytes", "kv_bytes", "kv_bytes_full", "kv_tokens", "status",
@@ -63,7 +62,7 @@ class Config:
 
 
 def _model_options() -> list[str]:
-    return sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
+    return options("model")
 
 
 def _check_model_name(name: str) -> None:
@@ -88,10 +87,9 @@ def _check_model_name(name: str) -> None:
 def _method_node(name: str) -> dict[str, Any]:
     from snapkv import METHODS
 
-    path = CONF_DIR / "method" / f"{name}.yaml"
-    if name not in METHODS or not path.exists():
+    if name not in METHODS or name not in options("method"):
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}")
-    return OmegaConf.to_container(OmegaConf.load(path))
+    return OmegaConf.to_container(load_option("method", name))
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str]], dict[str, str]]:
@@ -246,14 +244,16 @@ def spec_of(cfg: DictConfig, c: Config) -> dict[str, Any]:
 
 
 def run_subprocess(spec: dict[str, Any], timeout_s: float, threads: int | None = None) -> dict[str, Any]:
-    """Measure one configuration in a fresh `python -m eval.bench_measure` process (`threads`: its
+    """Measure one configuration in a fresh `python -m eval.bench.measure` process (`threads`: its
     OMP_NUM_THREADS, set before torch loads; None: inherited)."""
-    cmd = [sys.executable, "-m", "eval.bench_measure", json.dumps(spec)]
+    cmd = [sys.executable, "-m", "eval.bench.measure", json.dumps(spec)]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
     base = dict(method=spec["method"], batch_size=spec["batch_size"], input_tokens=spec["input_tokens"],
                 model=spec["model"]["name"], dtype=spec["model"]["dtype"], device=spec["model"]["device"])  # fmt: skip
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT, env=env)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout_s, cwd=CONF_DIR.parent, env=env
+        )
     except subprocess.TimeoutExpired:
         return dict(base, status="error", error=f"timeout after {timeout_s}s")
     for line in proc.stdout.splitlines():
@@ -286,8 +286,8 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
                 row = run_subprocess(spec, cfg.timeout_s, cfg.threads)
             else:
                 if model is None:
-                    model, vocab = bench_measure.load(spec["model"], cfg.seed)
-                row = bench_measure.measure(model, vocab, spec)
+                    model, vocab = measure.load(spec["model"], cfg.seed)
+                row = measure.measure(model, vocab, spec)
             row.update({"round": r, "order": order})
             round_rows.append(row)
             _print_row(row, time.perf_counter() - t)
@@ -334,7 +334,7 @@ def main(argv: list[str]) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from eval import bench_report
+    from eval.bench import report as bench_report
 
     try:
         cfg = compose(argv)

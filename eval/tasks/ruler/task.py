@@ -3,7 +3,7 @@ tasks generated at any length in the model's own tokenizer, or RULER's own pre-g
 
 Credits: templates, answer prefixes, task arguments, generation lengths and metrics are RULER's
 (NVIDIA/RULER, Apache-2.0, Copyright (c) 2024 NVIDIA CORPORATION), restated in
-`eval/tasks/ruler_config.py` and `eval/tasks/ruler_generate.py` (which lists the few deliberate
+`eval/tasks/ruler/config.py` and `eval/tasks/ruler/generate.py` (which lists the few deliberate
 differences from RULER's scripts).
 
 Generated samples. For each requested length L, task and index i < ``samples``, the content is
@@ -61,7 +61,7 @@ import pandas as pd
 from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack
 from eval.tasks.registry import register_task
-from eval.tasks.ruler_config import (
+from eval.tasks.ruler.config import (
     FAMILIES,
     METRIC_NAMES,
     METRICS,
@@ -72,7 +72,7 @@ from eval.tasks.ruler_config import (
     family_of,
     postprocess_pred,
 )
-from eval.tasks.ruler_generate import (
+from eval.tasks.ruler.generate import (
     Prompt,
     QASource,
     _zeta,
@@ -272,7 +272,7 @@ class RulerTask(Task):
 
     Row columns: ruler_task, ruler_family, ruler_length, ruler_index, actual_tokens, haystack,
     source. Report: suite average per length and a task x length table per config (section
-    "RULER"), and a task x length heatmap per config (`eval.tasks.ruler_report`).
+    "RULER"), and a task x length heatmap per config (`eval.tasks.ruler.report`).
     """
 
     name: ClassVar[str] = "ruler"
@@ -637,17 +637,17 @@ class RulerTask(Task):
         fam = family_of(sample.dataset)
         return {METRIC_NAMES[fam.metric]: self.score(sample, prediction)}
 
-    # ---- reporting (eval.tasks.ruler_report)
+    # ---- reporting (eval.tasks.ruler.report)
     @classmethod
     def report_tables(cls, df: pd.DataFrame) -> list[str]:
         from eval.tables import column_order
-        from eval.tasks.ruler_report import ruler_tables
+        from eval.tasks.ruler.report import ruler_tables
 
         return ruler_tables(df, column_order)
 
     @classmethod
     def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
         from eval.tables import column_order
-        from eval.tasks.ruler_report import ruler_compare, ruler_heatmaps
+        from eval.tasks.ruler.report import ruler_compare, ruler_heatmaps
 
         return ruler_heatmaps(df, options.out) + ruler_compare(df, options.out, column_order)

@@ -1,5 +1,5 @@
 """One benchmark configuration, measured in this process; also the worker entry point
-(`python -m eval.bench_measure SPEC_JSON`) that `eval.bench` starts once per configuration on CPU,
+(`python -m eval.bench.measure SPEC_JSON`) that `eval.bench.run` starts once per configuration on CPU,
 so that peak RSS starts from a fresh process.
 
 Inputs are random token ids (speed does not depend on content); EOS is disabled so every run
@@ -15,7 +15,8 @@ import statistics
 import sys
 from typing import Any
 
-from eval.bench_noise import CpuNoise, PhaseProbe, Reference, thread_settings
+from eval.bench.clock import PhaseProbe, Reference
+from eval.machine import CpuNoise, thread_settings
 from snapkv.errors import first_line
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
     chunk_size, seed, model, and optionally reference_tokens {prefill: N, decode: M}) on a loaded
     model; returns the result row (timings, memory, KV bytes, noise, thread settings).
 
-    `reference_tokens`: the reference clock (`eval.bench_noise.Reference`, an N-token forward after
+    `reference_tokens`: the reference clock (`eval.bench.clock.Reference`, an N-token forward after
     each prefill layer, an M-token one after each decode step; 0 or absent: none), and the row adds
     prefill_ref / tpot_ref and the references' CPU; their wall time is taken off prefill_s, ttft_s
     and each step of tpot_s, so those stay the generation's (what a reference leaves behind, e.g.

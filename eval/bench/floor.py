@@ -2,7 +2,7 @@
 layer's attention at `length` tokens (SmolLM2 shapes by default: 9 query / 3 KV heads, d=64), one
 thread (CPU time: robust to other processes).
 
-    python -m eval.bench_floor [length]
+    python scripts/bench_floor.py [length]
 
 Prints the model's sdpa (flash kernel, output only), the QK^T GEMM alone over the causal half,
 QK^T + exp + column sums (what exact column sums cost given sdpa's log-sum-exp), and the fused
@@ -11,7 +11,6 @@ exact pass H2O uses (`snapkv.methods.base.blockwise_attention`: output + column 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
@@ -55,7 +54,3 @@ def main(length: int = 8192, heads: int = 9, kv: int = 3, d: int = 64) -> str:
         f"QK^T + exp + column sums {col:.3f} s ({col / sd:.2f}x) | fused output + column sums "
         f"{fused:.3f} s ({fused / sd:.2f}x)"
     )
-
-
-if __name__ == "__main__":
-    print(main(*(int(a) for a in sys.argv[1:2])))

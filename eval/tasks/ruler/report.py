@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from eval.tasks.ruler_config import TASKS
+from eval.tasks.ruler.config import TASKS
 
 
 def is_ruler(df: pd.DataFrame) -> pd.Series:

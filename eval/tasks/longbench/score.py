@@ -1,4 +1,4 @@
-"""Score LongBench-format predictions: `python -m eval.score_longbench PRED_DIR [--e]`.
+"""Score LongBench-format predictions: `python scripts/score_longbench.py PRED_DIR [--e]`.
 
 Reads `PRED_DIR/<dataset>.jsonl` (one JSON object per line with `pred`, `answers`, `all_classes`
 and, for `--e`, `length`), writes `PRED_DIR/result.json` as LongBench's eval.py does (dataset ->
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.metrics import DATASET2METRIC, scorer, scorer_e
+from eval.tasks.longbench.metrics import DATASET2METRIC, scorer, scorer_e
 
 RESULT_FILE = "result.json"
 REQUIRED_KEYS = ("pred", "answers", "all_classes")
@@ -136,7 +136,7 @@ def strict_json(scores: dict) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 2 bad input)."""
     parser = argparse.ArgumentParser(
-        prog="python -m eval.score_longbench",
+        prog="python scripts/score_longbench.py",
         description="Score LongBench prediction files PRED_DIR/<dataset>.jsonl into PRED_DIR/result.json.",
     )
     parser.add_argument("pred_dir", type=Path, metavar="PRED_DIR", help="folder of <dataset>.jsonl files")
@@ -158,7 +158,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     print(json.dumps(scores, ensure_ascii=False, indent=4, allow_nan=False))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Carry kit for the lent GPU machine, which reaches no package index: the wheels the harness needs
-# that its image lacks (hydra-core, omegaconf, antlr4-python3-runtime, gguf, rouge; pytest with its
-# two plugins' base in case it is missing), for Python 3.12 on x86-64 Linux, in the git-ignored
-# folder .whl/ that the device tool carries. Versions = the ones installed here (what the tests ran
-# with), else the newest.
+# Carry kit for a GPU machine that reaches no package index: the wheels the harness needs that its
+# image lacks (hydra-core, omegaconf, antlr4-python3-runtime, gguf, rouge; pytest with its two
+# plugins' base in case it is missing), for Python 3.12 on x86-64 Linux, in the git-ignored folder
+# .whl/ that is copied there with the checkout. Versions = the ones installed here (what the tests
+# ran with), else the newest.
 #
 #   bash scripts/carry_kit.sh                  # here (package index reachable): fill .whl/, check it
 #   bash scripts/carry_kit.sh --install [DIR]  # there, offline: install into DIR (default /tmp/site)
@@ -27,7 +27,7 @@ if [ "${1:-}" = "--install" ]; then
   exit 0
 fi
 
-# name: what the harness imports that the GPU image (device KINDS.md, read 2026-11-17) lacks.
+# name: what the harness imports that the GPU image (Python 3.12, torch 2.11, transformers 5.17) lacks.
 MAIN=(hydra-core omegaconf antlr4-python3-runtime gguf rouge)
 PYTEST=(pytest pluggy iniconfig)
 pin() { "$PY" -c "import importlib.metadata as m, sys
@@ -89,10 +89,10 @@ for w in kit:
     print(f"  {w.stat().st_size / 2**10:8.0f} KiB  {w.relative_to(sys.argv[1])}")
 total = tree_bytes + kit_bytes
 print(f"carry kit: {len(kit)} wheels, {kit_bytes / 2**20:.2f} MiB; with the tree ({tree_bytes / 2**20:.2f} MiB): "
-      f"{total / 2**20:.2f} MiB of the 64 MiB the device tool carries")  # fmt: skip
+      f"{total / 2**20:.2f} MiB of the 64 MiB limit")  # fmt: skip
 if total > 64 * 2**20:
     bad.append(f"kit + tree = {total / 2**20:.1f} MiB > 64 MiB")
 if bad:
     sys.exit("carry kit check failed:\n  " + "\n  ".join(bad))
 PY
-echo "carry kit ready in $KIT/ (device run: carry [\".whl\"]; gpu_check.sh installs it)"
+echo "carry kit ready in $KIT/ (copy it to the GPU machine with the checkout; gpu_check.sh installs it)"

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, one prepared run on a lent H200 (device tool; 15 min of device time in all, this
-# run budgeted to < 8 min; estimate in README "GPU check"). Leaves in one folder (argument 1, else
-# $OUTDIR, else $OUT, else results/gpu):
+# The GPU check, one prepared run on a CUDA GPU, sized for one H200 (budgeted to < 8 min; estimate
+# in docs/gpu.md). Leaves in one folder (argument 1, else $OUTDIR, else $OUT, else results/gpu):
 #   gpu_tests.log      pytest -m gpu tests/test_gpu.py (CUDA exactness for every method)
 #   gpu_tpot.csv       A. TPOT, prefill, peak memory vs input length 4K..128K, full vs snapkv(2048),
 #                         batch 1 and 2 (random-weight Llama-2-7B shape = LWM-Text-Chat-1M, bf16, sdpa)

@@ -102,7 +102,7 @@ def latency(root: Path, out: Path) -> list[Path]:
         if "round" not in df:  # a one-run CSV from before the interleaved rounds: one round
             df = df.assign(round=0)
         rows = df.to_dict("records")
-        # next to the CSV (where scripts/bench_speed.py first drew them, linked from the README) and
+        # next to the CSV (where scripts/bench_speed.py first drew them, linked from docs/benchmarking.md) and
         # in the figures folder
         written += plot(rows, path)
         if path.parent == bench:  # the validation runs' plots stay next to their CSVs only

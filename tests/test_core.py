@@ -378,9 +378,9 @@ def test_unequal_layer_lengths_get_a_per_layer_mask(arch_name, impl):
 
 
 def _readme_method_example() -> str:
-    """The first python block of README.md's "Adding a method" section."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("### Adding a method", 1)[1]
+    """The first python block of CONTRIBUTING.md's "Adding a method" section."""
+    guide = (Path(__file__).resolve().parents[1] / "CONTRIBUTING.md").read_text()
+    section = guide.split("## Adding a method", 1)[1]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -390,9 +390,9 @@ def test_readme_example_method_is_at_most_thirty_lines_and_keeps_the_smallest_no
     from snapkv.methods import METHODS, Method, register
 
     code = _readme_method_example()
-    assert 3 < len(code.splitlines()) <= 30, code  # the README's promise: a method in a few lines
+    assert 3 < len(code.splitlines()) <= 30, code  # the guide's promise: a method in a few lines
     namespace = {"Method": Method, "register": register, "dataclass": dataclass}
-    exec(compile(code, "README.md:adding-a-method", "exec"), namespace)
+    exec(compile(code, "CONTRIBUTING.md:adding-a-method", "exec"), namespace)
     try:
         assert "knorm" in METHODS
         model = tiny_model("llama")

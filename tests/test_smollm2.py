@@ -1,6 +1,6 @@
 """The real default model (SmolLM2-135M-Instruct, GGUF from PyPI, cached): slow, still run in CI.
 
-Findings these tests pin (DESIGN.md §7, README pitfalls): SmolLM2 tokenizes digits one per token,
+Findings these tests pin (docs/pitfalls.md): SmolLM2 tokenizes digits one per token,
 so a 7-digit needle spans 7 positions. SnapKV at budget 512 keeps the first digits in most heads
 (the window votes for the start of the number; max-pooling keeps only ±kernel//2 neighbours) and
 answers a prefix of the number; StreamingLLM at the same budget drops a mid-depth needle entirely.

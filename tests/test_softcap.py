@@ -133,7 +133,7 @@ def test_padded_row_decodes_as_the_row_alone(kind, name, params):
 
 
 def test_bf16_fused_h2o_is_close_not_identical_and_unfused_is_exact():
-    """README's bf16 statement: the fused prefill computes in fp32 (differs from the model's own bf16
+    """The bf16 statement of docs/pitfalls.md: the fused prefill computes in fp32 (differs from the model's own bf16
     attention by rounding); fused=False runs the model's attention (bit-identical to the full cache)."""
     model = tiny_model("llama").to(torch.bfloat16)
     ids = random_ids(PROMPT)

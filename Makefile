@@ -6,7 +6,7 @@ COMPAT_HIGH ?= 5.24.0
 # Installed by `make install` when the interpreter has no torch (the CPU build where the index has one).
 TORCH ?= 2.13.0
 
-.PHONY: help install test test-compat lint run report
+.PHONY: help install test test-fast test-compat lint run report
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -14,15 +14,19 @@ help:  ## list targets
 install:  ## torch first unless torch is there, then the package; each step announced, never silent for >10 s (scripts/install.py)
 	@$(PY) scripts/install.py --torch $(TORCH) --extras dev,cluster
 
-test: install  ## install, lint, run every test (slow ones too), then the core suite on both ends of the transformers range
+test: install  ## install, lint, both test tiers, then the version-sensitive tests on the ends of the transformers range
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m pytest
-	$(MAKE) test-compat PY="$(PY)"
+	$(PY) -m pytest -m slow
+	$(MAKE) test-compat PY="$(PY)" SKIP_CURRENT=1
+
+test-fast:  ## the fast tier alone (plain pytest: tiny in-process models, minutes)
+	$(PY) -m pytest
 
 test-compat:  ## version-sensitive tests (.ci/compat.sh) on transformers $(COMPAT_LOW) and $(COMPAT_HIGH) (cached venvs that reuse this interpreter's torch)
-	.ci/compat.sh "$(PY)" $(COMPAT_LOW)
-	.ci/compat.sh "$(PY)" $(COMPAT_HIGH)
+	SKIP_CURRENT=$(SKIP_CURRENT) .ci/compat.sh "$(PY)" $(COMPAT_LOW)
+	SKIP_CURRENT=$(SKIP_CURRENT) .ci/compat.sh "$(PY)" $(COMPAT_HIGH)
 
 lint:  ## ruff lint + format check
 	$(PY) -m ruff check . && $(PY) -m ruff format --check .

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The version-sensitive tests on one transformers version: .ci/compat.sh PYTHON VERSION [PYTEST_ARGS...]
+# SKIP_CURRENT=1: do nothing when PYTHON already has VERSION (its tests ran in the main tiers).
 #
 # Default: the files that drive transformers / huggingface_hub APIs that differ inside the supported
 # range (cache layers and their masks, generate, the cache kwarg of the harness's own forwards,
@@ -23,6 +24,11 @@ tests=("$@")
 tf_version() { "$1" -c "import transformers; print(transformers.__version__)" 2>/dev/null || true; }
 
 if [ "$(tf_version "$py")" = "$version" ]; then
+  # `make test` has just run every file on this interpreter's own transformers: not twice.
+  if [ "${SKIP_CURRENT:-}" = 1 ]; then
+    echo "test-compat: transformers $version is this interpreter's own; its tests already ran"
+    exit 0
+  fi
   run=$py
 else
   venv=.venv-compat/$version

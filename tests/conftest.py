@@ -63,3 +63,31 @@ def arch(request):
 def random_ids(n: int, batch: int = 1, seed: int = 1, vocab: int = 128) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, n), generator=g)
+
+
+# ---- the two tiers -----------------------------------------------------------------------------
+# tests/e2e/ (subprocess runs, real models, the notebook, figure rebuilds) is marked `slow` and left
+# out of a plain `pytest`; `pytest -m slow` runs it alone, `pytest --e2e` runs both tiers, and naming
+# a file or folder under tests/e2e/ runs what it names.
+E2E = Path(__file__).resolve().parent / "e2e"
+
+
+def pytest_addoption(parser):
+    parser.addoption("--e2e", action="store_true", help="also run the end-to-end tier (tests/e2e, marked slow)")
+
+
+def _in_e2e(path: Path) -> bool:
+    return path.resolve() == E2E or E2E in path.resolve().parents
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _in_e2e(item.path):
+            item.add_marker(pytest.mark.slow)
+    named_e2e = any(_in_e2e(Path(str(a).split("::", 1)[0])) for a in config.args)
+    if config.getoption("--e2e") or config.getoption("markexpr") or named_e2e:
+        return
+    fast = [i for i in items if i.get_closest_marker("slow") is None]
+    if len(fast) < len(items):
+        config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("slow") is not None])
+        items[:] = fast

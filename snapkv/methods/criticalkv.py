@@ -116,7 +116,7 @@ class CriticalKV(AdaKV):
         return Method.upgrade_params.__func__(cls, params)  # no rows predate the method
 
     # Each layer's output projection weight (not a field: taken from the model).
-    _out_proj: dict[int, torch.Tensor] | None = None
+    _out_proj = None
 
     def validate(self) -> None:
         super().validate()

@@ -20,8 +20,9 @@ layer budgets, `beta`, `schedule`, `short_prompt`), `adakv` (Ada-KV head budgets
 scores, `alpha`, `allocation`, `normalize`, `layout` as in `snapkv.methods.adakv`: CriticalAdaKV).
 The base score is SnapKV's window vote as a MEAN over the window queries (the original's scale:
 `epsilon` is added to a mean attention weight; SnapKV's sum ranks the same but would shift epsilon).
-The original's `CriticalAdaKVPress` splits budgets with kvpress's rule (`allocation="kvpress"`);
-the default here is Ada-KV's own (`allocation="adakv"`, as `adakv`).
+The original's `CriticalAdaKVPress` splits budgets with kvpress's rule (`allocation="kvpress"`,
+whose safeguard also makes each head's top `int(alpha x budget)` entries part of stage 1); the
+default here is Ada-KV's own (`allocation="adakv"`, as `adakv`).
 
 `W_o` comes from the model (`post_init_from_model`: each attention layer's `o_proj`). The norm is
 computed in fp32 in blocks of entries (the original: in the model's dtype, one head at a time).
@@ -151,6 +152,9 @@ class CriticalKV(AdaKV):
             counts = torch.full((b, kv), budget, dtype=torch.long, device=scores.device)
         # Stage 1: per head, its top int(ratio x n) entries by the base score (the window first).
         first = (counts.double() * self.first_stage_ratio).floor().long()
+        if self.base == "adakv" and self.allocation == "kvpress":
+            # The original's safeguard: each head's top int(alpha x budget) entries are in already.
+            first = first.clamp(min=int(budget * self.alpha))
         ranked = protect(base, 0, w).sort(dim=-1, descending=True, stable=True).indices
         stage1 = torch.arange(length, device=scores.device) < first[..., None]  # [b, kv, L] by rank
         chosen = torch.zeros_like(stage1).scatter_(-1, ranked, stage1)

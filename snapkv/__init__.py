@@ -1,5 +1,6 @@
-"""snapkv-bench's library: KV-cache compression (SnapKV, PyramidKV, Ada-KV, H2O, StreamingLLM, full)
-inside unmodified HuggingFace transformers models, plus generation with timing and memory probes."""
+"""snapkv-bench's library: KV-cache compression (SnapKV, PyramidKV, Ada-KV, CriticalKV, Expected
+Attention, H2O, StreamingLLM, full) inside unmodified HuggingFace transformers models, plus
+generation with timing and memory probes."""
 
 import snapkv.compat  # noqa: F401  (first: a transformers outside the supported range fails here)
 from snapkv.cache import CompressedCache, CompressibleLayer

@@ -44,13 +44,22 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
             gqa_order="pool_first",
         ),
     ),
+    ("adakv", dict(budget=40, window=W, allocation="kvpress")),
+    ("criticalkv", dict(budget=40, window=W, kernel_size=5)),
+    ("criticalkv", dict(budget=40, window=W, base="pyramidkv", first_stage_ratio=0.25)),
+    ("criticalkv", dict(budget=40, window=W, base="adakv", layout="padded")),
+    ("criticalkv", dict(budget=40, window=W, base="adakv", allocation="kvpress", normalize=True)),
+    ("expected_attention", dict(budget=40)),
+    ("expected_attention", dict(budget=40, use_covariance=False, use_vnorm=False, n_future_positions=64)),
+    ("adakv_expected_attention", dict(budget=40, layout="padded")),
+    ("adakv_expected_attention", dict(budget=40, allocation="adakv", epsilon=0.0)),
 ]
 
 # Parameters that are not enumerated switches (numbers, storage layout sizes) or whose other values
 # are covered by dedicated tests (StreamingLLM's compacted positions only run in snapkv.generate).
 NOT_SWITCHES = {
     "budget", "window", "kernel_size", "recent", "recent_ratio", "beta", "alpha", "block_size", "n_sink",
-    "span",
+    "span", "n_future_positions", "epsilon", "first_stage_ratio",
 }  # fmt: skip
 SWITCHES_TESTED_ELSEWHERE = {("streamingllm", "positions"): "test_streamingllm_compacted_*"}
 

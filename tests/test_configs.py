@@ -132,6 +132,24 @@ def test_method_parameters_from_the_command_line(name):
             "method.layout=padded",
             "method.normalize=true",
         ],  # fmt: skip
+        "criticalkv": [
+            "budget=256",
+            "method.base=adakv",
+            "method.first_stage_ratio=0.25",
+            "method.allocation=kvpress",
+        ],
+        "expected_attention": [
+            "budget=256",
+            "method.n_sink=8",
+            "method.use_covariance=false",
+            "method.n_future_positions=128",
+        ],
+        "adakv_expected_attention": [
+            "budget=256",
+            "method.alpha=0.5",
+            "method.layout=padded",
+            "method.allocation=adakv",
+        ],
     }[name]
     cfg = compose_cfg([f"method={name}", *overrides])
     method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))

@@ -36,6 +36,7 @@ def test_catalogue_covers_every_method_and_switch():
     from snapkv.methods import METHODS
     from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
     from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS
+    from snapkv.methods.criticalkv import CRITICAL_BASES
     from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS
 
     choices = {
@@ -48,6 +49,8 @@ def test_catalogue_covers_every_method_and_switch():
         "base": BASES,
         "layout": LAYOUTS,
         ("adakv", "normalize"): NORMALIZE,
+        ("criticalkv", "normalize"): NORMALIZE,
+        ("criticalkv", "base"): CRITICAL_BASES,
     }
     assert {name for name, _ in CATALOGUE} == set(METHODS)
     covered: dict[str, set] = {}

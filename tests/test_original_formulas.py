@@ -223,3 +223,424 @@ def test_adakv_pyramid_base_keeps_adakv_short_prompt_behaviour():
 def test_bad_switch_values_raise_value_error_naming_them(name, params, bad):
     with pytest.raises(ValueError, match=bad):
         build_method(name, **params)
+
+
+# ---- CriticalKV and Expected Attention -------------------------------------------------------------
+#
+# Transcribed (definitions re-written with loops; no code copied) from:
+# - CriticalKV: FFY0/AdaKV-in-NVIDIA-kvpress @ 88f5b1fb245d356c4a37cc734dd47dcd817779f1 (branch
+#   `criticalkv`, the authors' code), `kvpress/presses/criticalkv_press.py`: `CriticalKVPress.vwl1norm`
+#   and `.score` (kept: ScorerPress's top n_kept), `CriticalAdaKVPress.compress`.
+# - Expected Attention: NVIDIA/kvpress @ 8bb29b9c3078452a86d692f29123fa6c793e2b05,
+#   `kvpress/presses/expected_attention_press.py` (`get_query_statistics`, `apply_avg_rope`,
+#   `score`), `kvpress/utils.py` (`get_prerope_query_states`: q_proj of the hidden states, q_norm),
+#   `kvpress/presses/adakv_press.py` (`AdaKVPress.compress`).
+# CriticalKV's base scores are AdaKV's window-mean pooled votes (`naive_pooled_votes` above): the
+# scale the original's SnapKV scores have. Protected entries (window, sinks) get max + 1, as
+# kvpress's ExpectedAttentionPress does (its SnapKVPress pads with the max itself: a tie with the
+# best prefix entry that topk may break either way). The budget is given as entries (n_kept)
+# where kvpress derives it from a compression ratio. Every top-k here breaks ties towards the earlier
+# position (`_top`), as this harness does: torch.topk's choice among equal scores is unspecified,
+# and max-pooled votes have plateaus of equal scores.
+
+FMAX = torch.finfo(torch.float32).max
+
+
+def _mha_model(layers: int = 2):
+    from conftest import COMMON
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=layers, **{**COMMON, "num_key_value_heads": 4})
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+MODELS = {"mha": _mha_model, "gqa": lambda: tiny_model("llama", layers=2)}
+
+
+def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    return ids, mask
+
+
+def _kept_by_method(model, method, rows: list[torch.Tensor]):
+    """Our kept positions `{layer: [row][kv head] -> positions in the row}` after a prefill of
+    `rows` as one batch (left-padded when their lengths differ) inside `snapkv.apply`."""
+    import snapkv
+
+    ids, mask = _left_padded(rows)
+    padded = len({len(r) for r in rows}) > 1
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    with snapkv.apply(model, method), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask if padded else None, **{cache_kwarg(model): cache})
+    out = {}
+    for idx, layer in cache.compressible_layers():
+        b, h, _ = layer.dims
+        per_row = []
+        for r in range(b):
+            off = 0 if layer.prompt_pads is None else int(layer.prompt_pads[r])
+            heads = []
+            for kvh in range(h):
+                if layer.per_head:
+                    pos = layer.head_positions()[r, kvh, : int(layer.lengths[r, kvh])]
+                else:
+                    pos = layer.positions[r, kvh, 0 if layer.pads is None else int(layer.pads[r]) :]
+                heads.append((pos - off).tolist())
+            per_row.append(heads)
+        out[idx] = per_row
+    return out
+
+
+def _layer_inputs(model, ids: torch.Tensor):
+    """Per decoder layer of one row `[1, L]`: (attention module, its input hidden states, the full
+    cache's keys and values `[1, kv_heads, L, d]`)."""
+    from transformers import DynamicCache
+
+    layers = model.model.layers
+    hidden = {}
+    hooks = [
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs: hidden.__setitem__(m.layer_idx, kwargs["hidden_states"]), with_kwargs=True
+        )
+        for layer in layers
+    ]
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return [
+        (lay.self_attn, hidden[i], cache.layers[i].keys, cache.layers[i].values)
+        for i, lay in enumerate(layers)
+    ]
+
+
+def _top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest entries of the 1-D `x`; ties to the earlier index."""
+    return x.sort(descending=True, stable=True).indices[:k]
+
+
+def _topk_rows(scores: torch.Tensor, k: int) -> list[list[int]]:
+    """ScorerPress: per head the top-k positions of `scores` `[heads, L]`, ascending."""
+    return [sorted(_top(scores[h], k).tolist()) for h in range(scores.shape[0])]
+
+
+# ---- Expected Attention (kvpress ExpectedAttentionPress, AdaKVPress) -----------------------------
+
+
+@torch.no_grad()
+def naive_expected_attention(
+    model, module, hidden, keys, values, n_future, n_sink, cov, vnorm, eps, scale=None
+):
+    """`ExpectedAttentionPress.score` for one row -> `[kv_heads, L]` (sinks at max + 1). `scale`:
+    the logit scaling (the original: 1 / sqrt(head_dim))."""
+    heads, d = model.config.num_attention_heads, module.head_dim
+    length = hidden.shape[1]
+    # Pre-RoPE queries of the hidden states after the sinks (get_prerope_query_states).
+    q = module.q_proj(hidden[:, n_sink:]).view(1, length - n_sink, heads, d).transpose(1, 2)
+    if hasattr(module, "q_norm"):
+        q = module.q_norm(q)
+    mu = q.mean(dim=2)  # [1, heads, d]
+    sigma = None
+    if cov:
+        centred = q - mu[:, :, None]
+        sigma = sum(centred[:, :, s, :, None] * centred[:, :, s, None, :] for s in range(length - n_sink)) / (
+            length - n_sink
+        )
+    # Averaged RoPE matrix over the next n_future positions (apply_avg_rope).
+    rotary = model.model.rotary_emb
+    kw = {"layer_type": "full_attention"} if hasattr(rotary, "layer_types") else {}
+    cos, sin = rotary(mu, torch.arange(length, length + n_future)[None], **kw)
+    half = d // 2
+    perm = torch.zeros(d, d)
+    perm[half:, :half], perm[:half, half:] = torch.eye(half), -torch.eye(half)
+    rot = sum(torch.diag(cos[0, p]) + torch.diag(sin[0, p]) @ perm for p in range(n_future)) / n_future
+    mu = mu @ rot.T
+    if cov:
+        sigma = rot @ sigma @ rot.T
+    kv = keys.shape[1]
+    k = keys[:, :, n_sink:].repeat_interleave(heads // kv, dim=1)  # repeat_kv: [1, heads, n, d]
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    n = k.shape[2]
+    logits = (
+        torch.stack([torch.stack([mu[0, h] @ k[0, h, j] for j in range(n)]) for h in range(heads)]) * scale
+    )
+    if cov:
+        quad = torch.stack(
+            [torch.stack([k[0, h, j] @ sigma[0, h] @ k[0, h, j] for j in range(n)]) for h in range(heads)]
+        )
+        logits = logits + quad * scale * scale / 2
+    probs = logits.softmax(dim=-1).view(kv, heads // kv, n).mean(dim=1)
+    if vnorm:
+        probs = (probs + eps) * values[0, :, n_sink:].norm(dim=-1)
+    return torch.cat([probs.new_full((kv, n_sink), float(probs.max()) + 1), probs], dim=-1)
+
+
+def naive_adakv_press_keep(scores: torch.Tensor, n_kept: int, alpha: float) -> list[list[int]]:
+    """`AdaKVPress.compress` for one row: each head's top int(n_kept x alpha) first, then the
+    bottom H x (L - n_kept) entries over all heads pruned. Kept positions per head, ascending."""
+    heads, length = scores.shape
+    s = scores.clone()
+    n_safe = int(n_kept * alpha)
+    for h in range(heads):
+        s[h, _top(scores[h], n_safe)] = FMAX
+    pruned = set(_top(-s.reshape(-1), heads * (length - n_kept)).tolist())
+    return [[j for j in range(length) if h * length + j not in pruned] for h in range(heads)]
+
+
+def _ea_expected(model, name, params, row: torch.Tensor, budget: int):
+    """The original's kept positions per layer for one row `[L]`."""
+    out = {}
+    length = row.shape[0]
+    for idx, (module, hidden, keys, values) in enumerate(_layer_inputs(model, row[None])):
+        if length <= budget:  # not compressed
+            out[idx] = [list(range(length))] * keys.shape[1]
+            continue
+        scale = module.scaling if params.get("scale") == "module" else None
+        scores = naive_expected_attention(
+            model, module, hidden, keys, values, params.get("n_future_positions", 512),
+            params.get("n_sink", 4), params.get("use_covariance", True), params.get("use_vnorm", True),
+            params.get("epsilon", 0.0 if name == "expected_attention" else 1e-2), scale,
+        )  # fmt: skip
+        if name == "expected_attention":
+            out[idx] = _topk_rows(scores, budget)
+        else:
+            out[idx] = naive_adakv_press_keep(scores, budget, params.get("alpha", 0.2))
+    return out
+
+
+EA_CASES = [
+    ("expected_attention", {}),
+    ("expected_attention", dict(use_covariance=False, n_future_positions=16, epsilon=0.05)),
+    ("expected_attention", dict(use_vnorm=False, n_sink=2)),
+    ("adakv_expected_attention", {}),
+    ("adakv_expected_attention", dict(alpha=0.5, n_sink=2, layout="padded")),
+]
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+@pytest.mark.parametrize("name,params", EA_CASES)
+@pytest.mark.parametrize("rows", ["single", "batch2", "padded"])
+def test_expected_attention_selects_as_kvpress(kind, name, params, rows):
+    """Kept positions == the transcription of kvpress's ExpectedAttentionPress (plain: ScorerPress's
+    top-k; adakv_expected_attention: AdaKVPress), at L = budget - 1, budget, budget + 1 and a longer
+    prompt; in a batch of two and in a left-padded batch, each row as if alone."""
+    model = MODELS[kind]()
+    budget = 24
+    method = build_method(name, budget=budget, **params)
+    lengths = {"single": [budget - 1, budget, budget + 1, 70], "batch2": [50], "padded": [70]}[rows]
+    for length in lengths:
+        if rows == "single":
+            batch = [random_ids(length)[0]]
+        elif rows == "batch2":
+            batch = [random_ids(length, seed=s)[0] for s in (1, 2)]
+        else:
+            batch = [random_ids(n, seed=s)[0] for n, s in ((length, 1), (budget + 1, 2), (budget - 3, 3))]
+        got = _kept_by_method(model, method, batch)
+        for r, row in enumerate(batch):
+            want = _ea_expected(model, name, params, row, budget)
+            for idx in want:
+                assert got[idx][r] == want[idx], f"L={len(row)}, row {r}, layer {idx}"
+
+
+def test_expected_attention_on_a_qk_norm_model_with_per_layer_type_rope():
+    """Gemma 3 (q_norm before RoPE; a rotary embedding per layer type; query_pre_attn_scalar
+    scaling): the pre-RoPE statistics and the future rotation follow the model. Compared with the
+    transcription using the module's scaling, where the original uses 1 / sqrt(head_dim)."""
+    model = tiny_model("gemma3")
+    row = random_ids(60)[0]
+    method = build_method("expected_attention", budget=24)
+    got = _kept_by_method(model, method, [row])
+    layers = dict(enumerate(_layer_inputs(model, row[None])))
+    for idx, kept in got.items():
+        module, hidden, keys, values = layers[idx]
+        scores = naive_expected_attention(
+            model, module, hidden, keys, values, 512, 4, True, True, 0.0, module.scaling
+        )
+        assert kept[0] == _topk_rows(scores, 24), f"layer {idx}"
+
+
+def test_query_statistics_of_chunks_merge_to_those_of_all_queries():
+    from snapkv.methods.expected_attention import QueryStats
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 50, 8, generator=g) * 5 + 100  # a large mean: no cancellation allowed
+    merged = (
+        QueryStats.of(q[:, :, :7]).merged(QueryStats.of(q[:, :, 7:30])).merged(QueryStats.of(q[:, :, 30:]))
+    )
+    whole = QueryStats.of(q)
+    assert merged.count == 50
+    torch.testing.assert_close(merged.mean, whole.mean)
+    torch.testing.assert_close(merged.m2, whole.m2, rtol=1e-4, atol=1e-3)
+
+
+# ---- CriticalKV (the authors' CriticalKVPress, CriticalAdaKVPress) -------------------------------
+
+
+def naive_vwl1norm(module, values: torch.Tensor, heads: int) -> torch.Tensor:
+    """`CriticalKVPress.vwl1norm` for one row: per query head ||v W_o^h||_1, mean over the group ->
+    `[kv_heads, L]`."""
+    kv, length, d = values.shape[1:]
+    w_o = module.o_proj.weight.T.reshape(heads, d, -1)  # [heads, d, hidden]
+    v = values.repeat_interleave(heads // kv, dim=1)  # repeat_kv
+    norms = torch.stack([(v[0, h] @ w_o[h]).abs().sum(dim=-1) for h in range(heads)])  # [heads, L]
+    return norms.view(kv, heads // kv, length).mean(dim=1)
+
+
+def naive_criticalkv_keep(scores, norms, n_kept: int, ratio: float, eps: float) -> list[list[int]]:
+    """`CriticalKVPress.score`, then ScorerPress's top n_kept, per head."""
+    kept = []
+    for h in range(scores.shape[0]):
+        first = _top(scores[h], int(n_kept * ratio))
+        s = (scores[h] + eps) * norms[h]
+        s[first] = FMAX
+        kept.append(sorted(_top(s, n_kept).tolist()))
+    return kept
+
+
+def naive_critical_adakv_keep(scores, norms, n_kept, alpha, ratio, eps, counts=None) -> list[list[int]]:
+    """`CriticalAdaKVPress.compress` for one row. `counts` (entries per head, protected included):
+    given, they replace the original's allocation (kvpress's safeguard + global top-k)."""
+    heads, length = scores.shape
+    s = scores.clone()
+    if counts is None:
+        n_safe = int(n_kept * alpha)
+        for h in range(heads):
+            s[h, _top(s[h], n_safe)] = FMAX
+        top = _top(s.reshape(-1), n_kept * heads) // length
+        counts = [int((top == h).sum()) for h in range(heads)]
+    for h in range(heads):  # stage 1
+        # Ties among the safeguarded entries (all at FMAX) go by their score: topk's choice among
+        # them is unspecified, and stage 1 is meant to keep the top entries by score.
+        order = _top(scores[h], length)
+        s[h, order[_top(s[h, order], int(counts[h] * ratio))]] = FMAX
+    s = (s + eps) * norms  # stage 2
+    for h in range(heads):
+        s[h, _top(s[h], counts[h])] = FMAX
+    if sum(counts) == heads * n_kept:  # the original's bottom-k prune over all heads
+        pruned = set(_top(-s.reshape(-1), heads * (length - n_kept)).tolist())
+        return [[j for j in range(length) if h * length + j not in pruned] for h in range(heads)]
+    return [sorted(_top(s[h], counts[h]).tolist()) for h in range(heads)]
+
+
+def _critical_expected(model, params, row: torch.Tensor, budgets: dict[int, int]):
+    """The original's kept positions per layer for one row `[L]`; `budgets`: each layer's n_kept
+    (PyramidKV's layer budgets are tested against KVCache-Factory above)."""
+    w, kernel = params["window"], params["kernel_size"]
+    ratio, eps, alpha = (
+        params.get("first_stage_ratio", 0.5),
+        params.get("epsilon", 1e-4),
+        params.get("alpha", 0.2),
+    )
+    heads = model.config.num_attention_heads
+    attns = eager_attentions(model, row[None])
+    out = {}
+    for idx, (module, _, _, values) in enumerate(_layer_inputs(model, row[None])):
+        length, kv = row.shape[0], values.shape[1]
+        if length <= params["budget"]:
+            out[idx] = [list(range(length))] * kv
+            continue
+        votes = torch.tensor(naive_pooled_votes(attns[idx], kv, w, kernel))  # [kv, L - w]
+        scores = torch.cat([votes, votes.new_full((kv, w), float(votes.max()) + 1)], dim=-1).float()
+        norms = naive_vwl1norm(module, values, heads)
+        n_kept = budgets[idx]
+        if params.get("base", "snapkv") != "adakv":
+            out[idx] = naive_criticalkv_keep(scores, norms, n_kept, ratio, eps)
+        elif params.get("allocation") == "kvpress":
+            out[idx] = naive_critical_adakv_keep(scores, norms, n_kept, alpha, ratio, eps)
+        else:  # Ada-KV's own allocation (AdaKV's code, transcribed above), then the two stages
+            counts = [c + w for c in naive_adakv_counts(votes.tolist(), n_kept - w, alpha, False)]
+            out[idx] = naive_critical_adakv_keep(scores, norms, n_kept, alpha, ratio, eps, counts)
+    return out
+
+
+CRITICAL_CASES = [
+    dict(base="snapkv"),
+    dict(base="snapkv", first_stage_ratio=0.25, epsilon=1e-2),
+    dict(base="pyramidkv"),
+    dict(base="adakv", allocation="kvpress", alpha=0.5),
+    dict(base="adakv", layout="padded"),
+]
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+@pytest.mark.parametrize("params", CRITICAL_CASES, ids=lambda p: "-".join(f"{k}={v}" for k, v in p.items()))
+@pytest.mark.parametrize("rows", ["single", "batch2", "padded"])
+def test_criticalkv_selects_as_the_authors_code(kind, params, rows):
+    """Kept positions == the transcription of the authors' CriticalKVPress (ScorerPress's top-k) /
+    CriticalAdaKVPress over AdaKV's pooled window votes, at L = budget - 1, budget, budget + 1 and a
+    longer prompt; in a batch of two and in a left-padded batch, each row as if alone."""
+    model = MODELS[kind]()
+    params = dict(budget=24, window=4, kernel_size=5, **params)
+    method = build_method("criticalkv", **params)
+    lengths = {"single": [23, 24, 25, 64], "batch2": [50], "padded": [64]}[rows]
+    for length in lengths:
+        if rows == "single":
+            batch = [random_ids(length)[0]]
+        elif rows == "batch2":
+            batch = [random_ids(length, seed=s)[0] for s in (1, 2)]
+        else:
+            batch = [random_ids(n, seed=s)[0] for n, s in ((length, 1), (25, 2), (21, 3))]
+        got = _kept_by_method(model, method, batch)
+        for r, row in enumerate(batch):
+            alone = _kept_by_method(model, method, [row])  # the row's layer budgets (pyramid)
+            budgets = {idx: max(len(h) for h in kept[0]) for idx, kept in alone.items()}
+            if params["base"] == "adakv":
+                budgets = {idx: params["budget"] for idx in budgets}
+            want = _critical_expected(model, params, row, budgets)
+            for idx in want:
+                assert got[idx][r] == want[idx], f"L={len(row)}, row {r}, layer {idx}"
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_projected_value_norms_equal_the_per_head_loop(kv_heads):
+    from types import SimpleNamespace
+
+    from snapkv.methods.criticalkv import projected_value_norms
+
+    g = torch.Generator().manual_seed(kv_heads)
+    values = torch.randn(2, kv_heads, 30, 8, generator=g)
+    proj = torch.nn.Linear(4 * 8, 16, bias=False)
+    module = SimpleNamespace(o_proj=proj)
+    got = projected_value_norms(values, proj.weight)
+    for r in range(2):
+        want = naive_vwl1norm(module, values[r : r + 1], 4)
+        torch.testing.assert_close(got[r], want.detach())
+
+
+@pytest.mark.parametrize(
+    "name,params,bad",
+    [
+        ("criticalkv", dict(budget=64, base="h2o"), "base='h2o'"),
+        ("criticalkv", dict(budget=64, first_stage_ratio=1.5), "first_stage_ratio=1.5"),
+        ("criticalkv", dict(budget=64, epsilon=-1.0), "epsilon=-1.0"),
+        ("criticalkv", dict(budget=64, base="adakv", allocation="even"), "allocation='even'"),
+        ("criticalkv", dict(budget=16, window=16), "window"),
+        ("expected_attention", dict(budget=4, n_sink=4), "n_sink=4"),
+        ("expected_attention", dict(budget=64, n_future_positions=0), "n_future_positions=0"),
+        ("expected_attention", dict(budget=64, epsilon=-0.1), "epsilon=-0.1"),
+        ("expected_attention", dict(budget=64, use_vnorm="yes"), "use_vnorm='yes'"),
+        ("adakv_expected_attention", dict(budget=64, alpha=2), "alpha=2"),
+        ("adakv_expected_attention", dict(budget=64, layout="ragged"), "layout='ragged'"),
+    ],
+)
+def test_criticalkv_and_expected_attention_bad_values_raise_value_error_naming_them(name, params, bad):
+    with pytest.raises(ValueError, match=bad):
+        build_method(name, **params)
+
+
+def test_criticalkv_and_expected_attention_refuse_models_without_what_they_need():
+    from snapkv.methods.criticalkv import output_projections
+    from snapkv.rope import Rotary
+
+    bare = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="o_proj"):
+        output_projections(bare)
+    with pytest.raises(ValueError, match="rotary embedding"):
+        Rotary(bare)

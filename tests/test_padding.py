@@ -27,6 +27,10 @@ METHODS = [
     ("adakv", dict(budget=40, window=8, layout="varlen")),
     ("adakv", dict(budget=40, window=8, layout="padded")),
     ("adakv", dict(budget=40, window=8, base="pyramidkv", normalize=True, alpha=0.5)),
+    ("criticalkv", dict(budget=40, window=8, kernel_size=5)),
+    ("criticalkv", dict(budget=40, window=8, base="adakv", allocation="kvpress")),
+    ("expected_attention", dict(budget=40)),
+    ("adakv_expected_attention", dict(budget=40, layout="padded")),
 ]
 
 

@@ -19,6 +19,11 @@ The two formulas, each a named switch (defaults: the Ada-KV code's, `FFY0/AdaKV`
   The heads' total can fall short of `h x P` (by `h x frac(alpha*P)` plus rounding: at P=32,
   alpha=0.2 about 0.4 entries per head). `allocation="exact"`: `f = ceil(alpha * P)`, head h keeps
   `f + (P - f) * c_h / P` rounded by largest remainder: the total is exactly `h x P`, each >= f.
+  `allocation="kvpress"`: kvpress's `AdaKVPress` (its leaderboard entries): each head first keeps
+  its own top `f` entries, then the rest of the layer's `h x P` go to the global top over all
+  heads' remaining entries (the total is exactly `h x P`). kvpress counts the protected entries
+  (window, sinks) inside its floor `int(alpha x budget)`, so here `f = max(int(alpha x budget) -
+  protected, 0)`.
 - `normalize=True`: AdaKV's normalisation, each head's scores MULTIPLIED by the share of its score
   mass in its own top-P (`sum(top-P scores) / sum(scores)`) before the global top-k.
   `normalize="sum"`: each head's scores DIVIDED by their sum (every head's scores sum to 1).
@@ -50,7 +55,7 @@ from snapkv.methods.pyramidkv import PyramidKV
 from snapkv.methods.registry import register
 
 BASES = ("snapkv", "pyramidkv")
-ALLOCATIONS = ("adakv", "exact")
+ALLOCATIONS = ("adakv", "exact", "kvpress")
 NORMALIZE = (False, True, "sum")
 
 
@@ -60,12 +65,15 @@ def head_budgets(
     alpha: float,
     normalize: bool | str = False,
     allocation: str = "adakv",
+    protected: int = 0,
 ) -> torch.Tensor:
     """Ada-KV's allocation: `[batch, kv_heads]` selectable entries per head.
 
     scores `[batch, kv_heads, n]` (n > per_head) of the selectable (non-window) entries; `normalize`
-    and `allocation` as in the module docstring. With `allocation="exact"` the heads' budgets sum to
-    `kv_heads * per_head` per batch row, each >= ceil(alpha * per_head).
+    and `allocation` as in the module docstring; `protected`: the entries each head keeps beside
+    its selectable ones (only `allocation="kvpress"` counts them, in its floor). With
+    `allocation="exact"` or `"kvpress"` the heads' budgets sum to `kv_heads * per_head` per batch
+    row; `"exact"` gives each at least ceil(alpha * per_head).
     """
     b, h, n = scores.shape
     s = scores.float()
@@ -75,10 +83,17 @@ def head_budgets(
         s = s * (top_mass / s.sum(dim=-1, keepdim=True).clamp_min(tiny))
     elif normalize == "sum":
         s = s / s.sum(dim=-1, keepdim=True).clamp_min(tiny)
+    if allocation == "kvpress":
+        # Each head's own top `floor` entries are in first (kvpress's safeguard), then the global top.
+        floor = max(int((per_head + protected) * alpha) - protected, 0)
+        own = s.sort(dim=-1, descending=True, stable=True).indices[..., :floor]
+        s = s.scatter(-1, own, math.inf)
     # Global top-(h * P) over all heads of the row; stable sort: ties to the lower (head, position).
     top = s.reshape(b, h * n).sort(dim=-1, descending=True, stable=True).indices[:, : h * per_head]
     chosen = torch.zeros(b, h, dtype=torch.long, device=s.device)
     chosen.scatter_add_(1, top // n, torch.ones_like(top))
+    if allocation == "kvpress":
+        return chosen
     if allocation == "adakv":
         # The original's arithmetic: int floor, an fp32 product, torch.round (half to even).
         return torch.round(chosen * (1 - alpha) + int(per_head * alpha)).long()
@@ -89,6 +104,36 @@ def head_budgets(
     left = h * per_head - ints.sum(dim=-1, keepdim=True)  # [b, 1], < h
     rank = rem.sort(dim=-1, descending=True, stable=True).indices.argsort(dim=-1)
     return ints + (rank < left).long()
+
+
+def keep_top_per_head(layer, scores: torch.Tensor, counts: torch.Tensor) -> None:
+    """Keep, per (batch row, KV head), its `counts[b, h]` top-scored entries on per-head storage.
+
+    scores `[batch, kv_heads, stored]` (protected entries: +inf), counts `[batch, kv_heads]` (int64,
+    protected entries included). Ties go to the earlier position (stable sort)."""
+    if not isinstance(layer, HeadwiseLayer):
+        raise ValueError(
+            "per-head budgets need per-head storage: build the cache with "
+            "CompressedCache(config, layer_factory=method.cache_layer) (snapkv.generate and "
+            f"snapkv.apply do), got {type(layer).__name__}"
+        )
+    n, m = scores.shape[-1], int(counts.max())
+    order = scores.float().sort(dim=-1, descending=True, stable=True).indices[..., :m]
+    live = torch.arange(m, device=scores.device) < counts[..., None]
+    # Kept entries first (ascending), then fill past each head's count (ignored by keep_per_head).
+    indices = order.masked_fill(~live, n).sort(dim=-1).values.clamp(max=n - 1)
+    layer.keep_per_head(indices, counts)
+
+
+def validate_head_allocation(method) -> None:
+    """ValueError for a bad `alpha`, `allocation` or `layout` of a method with Ada-KV head budgets."""
+    alpha = method.alpha
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got alpha={alpha!r}")
+    if method.allocation not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got allocation={method.allocation!r}")
+    if method.layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got layout={method.layout!r}")
 
 
 @register
@@ -107,7 +152,7 @@ class AdaKV(PyramidKV):
     short_prompt: str = "clip"  # base=pyramidkv only: clip (AdaKV) | uniform (KVCache-Factory)
     base: str = "snapkv"  # snapkv | pyramidkv: the layer budgets
     alpha: float = 0.2  # floor share: each head keeps >= alpha * (layer budget - window) + window
-    allocation: str = "adakv"  # adakv: int floor, per-head round | exact: ceil floor, exact total
+    allocation: str = "adakv"  # adakv: int floor, per-head round | exact: ceil floor, exact total | kvpress
     normalize: bool | str = False  # True: AdaKV's top-P mass ratio | "sum": divide by the sum
     layout: str = "varlen"  # varlen | padded
 
@@ -125,44 +170,32 @@ class AdaKV(PyramidKV):
     def pyramid(self) -> bool:
         return self.base == "pyramidkv"
 
+    # The values `base` takes (CriticalKV, a subclass, adds its own).
+    bases: ClassVar[tuple[str, ...]] = BASES
+
     def validate(self) -> None:
-        if self.base not in BASES:
-            raise ValueError(f"base must be one of {BASES}, got base={self.base!r}")
+        if self.base not in self.bases:
+            raise ValueError(f"base must be one of {self.bases}, got base={self.base!r}")
         super().validate()
-        if (
-            isinstance(self.alpha, bool)
-            or not isinstance(self.alpha, int | float)
-            or not 0 <= self.alpha <= 1
-        ):
-            raise ValueError(f"alpha must be in [0, 1], got alpha={self.alpha!r}")
+        validate_head_allocation(self)
         if not (isinstance(self.normalize, bool) or self.normalize == "sum"):
             raise ValueError(f"normalize must be one of {NORMALIZE}, got normalize={self.normalize!r}")
-        if self.allocation not in ALLOCATIONS:
-            raise ValueError(f"allocation must be one of {ALLOCATIONS}, got allocation={self.allocation!r}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got layout={self.layout!r}")
 
     def cache_layer(self, index: int, num_layers: int) -> HeadwiseLayer:
         return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)
 
     def prune(self, layer, scores: torch.Tensor, budget: int) -> None:
-        if not isinstance(layer, HeadwiseLayer):
-            raise ValueError(
-                "adakv needs per-head storage: build the cache with "
-                "CompressedCache(config, layer_factory=method.cache_layer) (snapkv.generate and "
-                f"snapkv.apply do), got {type(layer).__name__}"
-            )
         length, w = scores.shape[-1], self.window  # scores [b, kv, L]; the window's entries: 0
         prefix = scores[..., : length - w]
-        counts = head_budgets(prefix, budget - w, self.alpha, self.normalize, self.allocation)  # [b, kv]
-        # Per head: its top counts[b, h] prefix entries (ascending), then the window.
-        m = int(counts.max())
-        order = prefix.float().sort(dim=-1, descending=True, stable=True).indices[..., :m]
-        slot = torch.arange(m + w, device=scores.device)
-        live = slot[:m] < counts[..., None]
-        top = order.masked_fill(~live, length).sort(dim=-1).values  # kept first, ascending
-        top = torch.cat([top, top.new_full(top.shape[:-1] + (w,), length)], dim=-1)  # [b, kv, m + w]
-        window_idx = length - w + (slot - counts[..., None])  # the window right after a head's kept
-        in_window = (slot >= counts[..., None]) & (slot < counts[..., None] + w)
-        indices = torch.where(in_window, window_idx, top).clamp(max=length - 1)
-        layer.keep_per_head(indices, counts + w)
+        counts = head_budgets(prefix, budget - w, self.alpha, self.normalize, self.allocation, w)  # [b, kv]
+        # Per head: its top counts[b, h] prefix entries, then the whole window.
+        keep_top_per_head(layer, protect(scores, 0, w), counts + w)
+
+
+def protect(scores: torch.Tensor, first: int, last: int) -> torch.Tensor:
+    """`scores` `[..., n]` (as fp32) with the `first` leading and `last` trailing entries at +inf."""
+    out = scores.float().clone()
+    out[..., :first] = math.inf
+    if last:
+        out[..., out.shape[-1] - last :] = math.inf
+    return out

@@ -1,0 +1,168 @@
+"""CriticalKV: "Identify Critical KV Cache in LLM Inference from an Output Perturbation Perspective"
+(https://arxiv.org/abs/2502.03805), by the Ada-KV authors. Their code: `CriticalKVPress` and
+`CriticalAdaKVPress` in FFY0/AdaKV-in-NVIDIA-kvpress, branch `criticalkv`,
+`kvpress/presses/criticalkv_press.py`, read at 88f5b1fb245d356c4a37cc734dd47dcd817779f1 (merged
+into NVIDIA/kvpress unchanged in substance).
+
+An entry's contribution to the attention output is its attention weight times its projected value
+`v W_o^h` (the head's slice of the output projection); the paper bounds the output perturbation of
+an eviction by the L1 norm of that product. Selection runs in two stages per KV head, on top of a
+base method's scores and budgets (`base`):
+
+1. Stage 1 keeps the top `int(first_stage_ratio x n)` entries of the head's budget `n` by the base
+   score (window included: the window's entries always rank first, as in the original where the
+   window gets the maximum score).
+2. Stage 2 fills the rest of the budget by `(score + epsilon) x ||v W_o^h||_1`, the L1 norm averaged
+   over the query heads h of the GQA group.
+
+`base` (one switch): `snapkv` (uniform budgets: CriticalKV over SnapKV), `pyramidkv` (PyramidKV's
+layer budgets, `beta`, `schedule`, `short_prompt`), `adakv` (Ada-KV head budgets over SnapKV
+scores, `alpha`, `allocation`, `normalize`, `layout` as in `snapkv.methods.adakv`: CriticalAdaKV).
+The base score is SnapKV's window vote as a MEAN over the window queries (the original's scale:
+`epsilon` is added to a mean attention weight; SnapKV's sum ranks the same but would shift epsilon).
+The original's `CriticalAdaKVPress` splits budgets with kvpress's rule (`allocation="kvpress"`,
+whose safeguard also makes each head's top `int(alpha x budget)` entries part of stage 1); the
+default here is Ada-KV's own (`allocation="adakv"`, as `adakv`).
+
+`W_o` comes from the model (`post_init_from_model`: each attention layer's `o_proj`). The norm is
+computed in fp32 in blocks of entries (the original: in the model's dtype, one head at a time).
+Head budgets are per batch row (the original's `CriticalAdaKVPress` sums the heads' counts over
+the batch). Nothing is evicted while decoding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from snapkv.cache import CompressibleLayer
+from snapkv.headwise import HeadwiseLayer
+from snapkv.methods.adakv import AdaKV, head_budgets, keep_top_per_head, protect
+from snapkv.methods.base import Method
+from snapkv.methods.registry import register
+
+CRITICAL_BASES = ("snapkv", "pyramidkv", "adakv")
+# fp32 bytes of one block of projected values `[batch, heads, entries, hidden]`.
+BLOCK_BYTES = 64 * 2**20
+
+
+def output_projections(model) -> dict[int, torch.Tensor]:
+    """Each attention layer's output projection weight `[hidden, heads * head_dim]` by layer index
+    (the modules with a `layer_idx` and an `o_proj` linear layer). ValueError if there are none."""
+    found: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        idx, proj = getattr(module, "layer_idx", None), getattr(module, "o_proj", None)
+        if isinstance(idx, int) and isinstance(proj, torch.nn.Linear):
+            if idx in found and found[idx] is not proj.weight:
+                raise ValueError(f"two attention modules with layer_idx={idx} have an o_proj")
+            found[idx] = proj.weight
+    if not found:
+        raise ValueError(
+            f"criticalkv needs each attention layer's output projection (`o_proj`); "
+            f"{type(model).__name__} has none"
+        )
+    return found
+
+
+def projected_value_norms(values: torch.Tensor, out_proj: torch.Tensor) -> torch.Tensor:
+    """`||v W_o^h||_1` per entry, averaged over the query heads h of each GQA group.
+
+    values `[batch, kv_heads, n, head_dim]`; out_proj the layer's `o_proj` weight
+    `[hidden, heads * head_dim]` (the output is `o_proj(concat_h out_h)`, so head h's slice is
+    `W_o^h = out_proj[:, h*d:(h+1)*d]^T`). Returns `[batch, kv_heads, n]` (fp32)."""
+    b, kv, n, d = values.shape
+    hidden = out_proj.shape[0]
+    heads = out_proj.shape[1] // d
+    # [kv, group, d, hidden]: each KV head's query heads' W_o^h
+    w = out_proj.to(values.device, torch.float32).view(hidden, heads, d).permute(1, 2, 0)
+    w = w.reshape(kv, heads // kv, d, hidden)
+    out = torch.empty(b, kv, n, dtype=torch.float32, device=values.device)
+    step = max(1, BLOCK_BYTES // (4 * b * heads * hidden))
+    for s in range(0, n, step):
+        proj = torch.einsum("bknd,kgdo->bkgno", values[:, :, s : s + step].float(), w)
+        out[..., s : s + step] = proj.abs().sum(dim=-1).mean(dim=2)
+    return out
+
+
+@register
+@dataclass
+class CriticalKV(AdaKV):
+    name = "criticalkv"
+    bases: ClassVar[tuple[str, ...]] = CRITICAL_BASES
+
+    budget: int | None = 1024  # entries per KV head per layer, window included (pyramidkv / adakv: the mean)
+    window: int = 32
+    kernel_size: int = 7
+    pooling: str = "max"  # max | avg | none
+    gqa_reduce: str = "mean"  # mean | max | sum
+    gqa_order: str = "reduce_first"  # reduce_first | pool_first
+    beta: float = 20  # base=pyramidkv only
+    schedule: str = "exact"  # base=pyramidkv only: exact | floor
+    short_prompt: str = "uniform"  # base=pyramidkv only: uniform (KVCache-Factory) | clip
+    base: str = "snapkv"  # snapkv | pyramidkv | adakv: whose scores and budgets stage 1 uses
+    alpha: float = 0.2  # base=adakv only: floor share of each head
+    allocation: str = "adakv"  # base=adakv only: adakv | exact | kvpress (CriticalAdaKVPress's)
+    normalize: bool | str = False  # base=adakv only: False | True | "sum"
+    layout: str = "varlen"  # base=adakv only: varlen | padded
+    first_stage_ratio: float = 0.5  # share of each head's budget chosen by the base score alone
+    epsilon: float = 1e-4  # stage 2 ranks by (score + epsilon) x ||v W_o||_1
+
+    legacy_params: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        return Method.upgrade_params.__func__(cls, params)  # no rows predate the method
+
+    # Each layer's output projection weight (not a field: taken from the model).
+    _out_proj = None
+
+    def validate(self) -> None:
+        super().validate()
+        r = self.first_stage_ratio
+        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r <= 1:
+            raise ValueError(f"first_stage_ratio must be in [0, 1], got first_stage_ratio={r!r}")
+        eps = self.epsilon
+        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
+            raise ValueError(f"epsilon must be a number >= 0, got epsilon={eps!r}")
+
+    def post_init_from_model(self, model) -> None:
+        self._out_proj = output_projections(model)
+
+    def cache_layer(self, index: int, num_layers: int) -> CompressibleLayer:
+        if self.base == "adakv":
+            return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)
+        return CompressibleLayer(index=index, num_layers=num_layers)
+
+    def prune(self, layer, scores: torch.Tensor, budget: int) -> None:
+        if self._out_proj is None or layer.index not in self._out_proj:
+            raise ValueError(
+                f"criticalkv has no output projection for layer {layer.index}: it runs inside "
+                "snapkv.generate / snapkv.apply (post_init_from_model)"
+            )
+        length, w = scores.shape[-1], self.window
+        b, kv = scores.shape[:2]
+        base = scores / w  # SnapKV's summed votes -> the window mean (the original's scale)
+        if self.base == "adakv":
+            prefix = base[..., : length - w]
+            counts = head_budgets(prefix, budget - w, self.alpha, self.normalize, self.allocation, w) + w
+        else:
+            counts = torch.full((b, kv), budget, dtype=torch.long, device=scores.device)
+        # Stage 1: per head, its top int(ratio x n) entries by the base score (the window first).
+        first = (counts.double() * self.first_stage_ratio).floor().long()
+        if self.base == "adakv" and self.allocation == "kvpress":
+            # The original's safeguard: each head's top int(alpha x budget) entries are in already.
+            first = first.clamp(min=int(budget * self.alpha))
+        ranked = protect(base, 0, w).sort(dim=-1, descending=True, stable=True).indices
+        stage1 = torch.arange(length, device=scores.device) < first[..., None]  # [b, kv, L] by rank
+        chosen = torch.zeros_like(stage1).scatter_(-1, ranked, stage1)
+        # Stage 2: the rest by (score + epsilon) x ||v W_o||_1; stage 1's entries and the window stay.
+        norms = projected_value_norms(layer.values, self._out_proj[layer.index])
+        final = ((base.float() + self.epsilon) * norms).masked_fill(chosen, math.inf)
+        final = protect(final, 0, w)
+        if self.base == "adakv":
+            keep_top_per_head(layer, final, counts)
+        else:
+            layer.keep(self.select(final, budget))

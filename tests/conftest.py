@@ -73,7 +73,9 @@ E2E = Path(__file__).resolve().parent / "e2e"
 
 
 def pytest_addoption(parser):
-    parser.addoption("--e2e", action="store_true", help="also run the end-to-end tier (tests/e2e, marked slow)")
+    parser.addoption(
+        "--e2e", action="store_true", help="also run the end-to-end tier (tests/e2e, marked slow)"
+    )
 
 
 def _in_e2e(path: Path) -> bool:

@@ -22,12 +22,6 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from snapkv import compat
 
-# Bookkeeping a checkpoint restores as is (references; none of it is modified in place).
-_MARKED_ATTRS = (
-    "seen", "state", "compressed", "compacted", "decode_evicted", "pads", "prompt_pads", "last_kept",
-    "softcap", "sinks",
-)  # fmt: skip
-
 
 class LayerMark:
     """A compressible layer's state at a checkpoint (`CompressibleLayer.checkpoint`).
@@ -42,7 +36,19 @@ class LayerMark:
     def __init__(self, layer: CompressibleLayer):
         self.owner = layer  # row views of padded batches (shallow copies) share the mark, never own it
         self.stored, self.seen = layer.stored, layer.seen
-        self.attrs = {name: getattr(layer, name) for name in _MARKED_ATTRS}
+        # Bookkeeping restored as is (references: none of these tensors is modified in place).
+        self.attrs = dict(
+            seen=layer.seen,
+            state=layer.state,
+            compressed=layer.compressed,
+            compacted=layer.compacted,
+            decode_evicted=layer.decode_evicted,
+            pads=layer.pads,
+            prompt_pads=layer.prompt_pads,
+            last_kept=layer.last_kept,
+            softcap=layer.softcap,
+            sinks=layer.sinks,
+        )
         self.method_state = copy.deepcopy(layer.method_state)
         self.has_scores = layer.scores is not None
         self.scores = layer.scores if layer.decode_eviction else None
@@ -233,8 +239,11 @@ class CompressibleLayer(DynamicLayer):
             self.scores = self.scores[..., : mark.stored]
         else:
             self.scores = None
-        for name, value in mark.attrs.items():
-            setattr(self, name, value)
+        a = mark.attrs
+        self.seen, self.state, self.decode_evicted = a["seen"], a["state"], a["decode_evicted"]
+        self.compressed, self.compacted = a["compressed"], a["compacted"]
+        self.pads, self.prompt_pads, self.last_kept = a["pads"], a["prompt_pads"], a["last_kept"]
+        self.softcap, self.sinks = a["softcap"], a["sinks"]
         self.method_state = copy.deepcopy(mark.method_state)
 
     def _crop_to(self, mark: LayerMark) -> None:

@@ -224,6 +224,7 @@ def test_decode_eviction_holds_the_marked_entries_once():
     cache.checkpoint()
     assert cache.mark_bytes() == 0  # nothing copied before the first eviction
     assert ask(m, cache, method, Q1).rollback_bytes == want
+    assert cache.mark_bytes() == 0  # rolled back: the layers hold the marked copies themselves
     roomy = build_method("h2o", budget=PROMPT + 20, evict_during_decode=True)
     cache = compress_context(m, context(), roomy)
     scores = sum(_nbytes([layer.scores]) for _, layer in cache.compressible_layers())

@@ -3,22 +3,35 @@ Attention, H2O, StreamingLLM, full) inside unmodified HuggingFace transformers m
 generation with timing and memory probes."""
 
 import snapkv.compat  # noqa: F401  (first: a transformers outside the supported range fails here)
-from snapkv.cache import CompressedCache, CompressibleLayer
-from snapkv.generation import GenerationResult, ProgressCallback, generate, generate_ids, stop_token_ids
+from snapkv.cache import CacheMark, CompressedCache, CompressibleLayer
+from snapkv.generation import (
+    Answer,
+    GenerationResult,
+    ProgressCallback,
+    answer,
+    compress_context,
+    generate,
+    generate_ids,
+    stop_token_ids,
+)
 from snapkv.headwise import HeadwiseLayer
 from snapkv.hooks import apply, hooks_installed, session
 from snapkv.methods import METHODS, Method, build_method, register
 
 __all__ = [
     "METHODS",
+    "Answer",
+    "CacheMark",
     "CompressedCache",
     "CompressibleLayer",
     "GenerationResult",
     "HeadwiseLayer",
     "Method",
     "ProgressCallback",
+    "answer",
     "apply",
     "build_method",
+    "compress_context",
     "generate",
     "generate_ids",
     "hooks_installed",

@@ -6,14 +6,58 @@ of tokens *seen* (so that `position_ids`, `generate()`'s input slicing and the c
 right), while `get_mask_sizes()` has to describe what is really *stored*. transformers' own
 `DynamicSlidingWindowLayer` does exactly this; `CompressibleLayer` does it for arbitrary per-head
 selections.
+
+Compress once, ask many (`CompressedCache.checkpoint()` / `rollback(mark)`): a checkpoint taken
+right after compression lets the cache return exactly (bit for bit) to that state after a question
+was answered. Append-only layers need nothing but their lengths at the mark (the rollback is a crop);
+only what decode-time eviction or a rolling window changes is kept (see `checkpoint`).
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
-from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
+from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from snapkv import compat
+
+
+class LayerMark:
+    """A compressible layer's state at a checkpoint (`CompressibleLayer.checkpoint`).
+
+    `stored` / `seen`: the layer's stored entries and original length at the mark. `scores`: a
+    reference to the accumulated scores `[batch, kv_heads, stored]` (only for layers whose method
+    rescores while decoding, H2O; else the rollback crops them). `kv`: (keys, values, positions) of
+    the marked entries, copied by the first decode-time eviction after the mark (copy-on-write;
+    None while the layer only appended, when a crop restores it).
+    """
+
+    def __init__(self, layer: CompressibleLayer):
+        self.owner = layer  # row views of padded batches (shallow copies) share the mark, never own it
+        self.stored, self.seen = layer.stored, layer.seen
+        # Bookkeeping restored as is (references: none of these tensors is modified in place).
+        self.attrs = dict(
+            seen=layer.seen,
+            state=layer.state,
+            compressed=layer.compressed,
+            compacted=layer.compacted,
+            decode_evicted=layer.decode_evicted,
+            pads=layer.pads,
+            prompt_pads=layer.prompt_pads,
+            last_kept=layer.last_kept,
+            softcap=layer.softcap,
+            sinks=layer.sinks,
+        )
+        self.method_state = copy.deepcopy(layer.method_state)
+        self.has_scores = layer.scores is not None
+        self.scores = layer.scores if layer.decode_eviction else None
+        self.kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def held(self) -> list[torch.Tensor]:
+        """The tensors this mark keeps alive."""
+        tensors = [self.scores, *(self.kv or ()), *self.attrs.values()]
+        return [t for t in tensors if isinstance(t, torch.Tensor)]
 
 
 class CompressibleLayer(DynamicLayer):
@@ -46,8 +90,12 @@ class CompressibleLayer(DynamicLayer):
     # the attention wrapper then lets the layer attend over its own layout.
     per_head = False
 
-    def __init__(self, index: int = 0, num_layers: int = 1, **kwargs):
+    def __init__(self, index: int = 0, num_layers: int = 1, decode_eviction: bool = True, **kwargs):
         super().__init__()
+        # Whether the method may rescore or evict this layer's entries while decoding (H2O,
+        # StreamingLLM; `Method.cache_layer` says): a checkpoint then keeps the scores at the mark.
+        self.decode_eviction = decode_eviction
+        self._mark: LayerMark | None = None
         self.index, self.num_layers = index, num_layers  # for per-layer budgets (PyramidKV-style)
         # Ordinal among the model's compressible layers and their count (set by CompressedCache):
         # per-layer schedules count only these (hybrid models: the full-attention layers).
@@ -131,6 +179,7 @@ class CompressibleLayer(DynamicLayer):
         batches, `snapkv.padding`)."""
         if self.pads is not None and pads is None:
             raise ValueError("keep() on a padded batch needs the kept rows' pads (snapkv.padding)")
+        self._save_marked_entries()
         self.pads = pads
         self.last_kept = indices
         idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
@@ -141,10 +190,76 @@ class CompressibleLayer(DynamicLayer):
             self.scores = self.scores.gather(2, indices)
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise ValueError("a compressed KV cache cannot be cropped (assisted decoding is not supported)")
+        raise ValueError(
+            "a compressed KV cache cannot be cropped (assisted decoding is not supported); to reuse "
+            "a compressed cache for another question use CompressedCache.checkpoint() / rollback()"
+        )
+
+    # ---- checkpoint / rollback (compress once, ask many) ---------------------------------------
+    def checkpoint(self) -> LayerMark:
+        """Mark the current state (prefill done) for `rollback`; replaces an earlier mark. Holds
+        nothing but bookkeeping (and H2O's scores) until a decode-time eviction copies the marked
+        entries (`_save_marked_entries`)."""
+        if self.state != "ready":
+            raise ValueError(
+                f"checkpoint() needs a prefilled (compressed) cache, layer {self.index} is in state "
+                f"{self.state!r}"
+            )
+        self._mark = LayerMark(self)
+        return self._mark
+
+    def _save_marked_entries(self) -> None:
+        """Copy-on-write before the first eviction after a mark: until then the layer only appended,
+        so its first `mark.stored` entries are still exactly the marked ones."""
+        mark = self._mark
+        if mark is None or mark.owner is not self or mark.kv is not None:
+            return
+        s = mark.stored
+        mark.kv = (
+            self.keys[..., :s, :].clone(),
+            self.values[..., :s, :].clone(),
+            self.positions[..., :s].clone(),
+        )
+
+    def rollback(self, mark: LayerMark) -> None:
+        """Return exactly to the state at `mark` (this layer's current mark)."""
+        if mark is not self._mark:
+            raise ValueError(f"stale checkpoint for layer {self.index}: it was replaced or reset since")
+        if self.seen < mark.seen:
+            raise ValueError(
+                f"layer {self.index} holds {self.seen} tokens, fewer than its mark's {mark.seen}"
+            )
+        if mark.kv is not None:  # the layer evicted since the mark: its copy-on-write entries
+            self.keys, self.values, self.positions = mark.kv
+        else:
+            self._crop_to(mark)
+        if mark.scores is not None:
+            self.scores = mark.scores
+        elif mark.has_scores:  # only zero-extended while decoding: the marked scores are a prefix
+            self.scores = self.scores[..., : mark.stored]
+        else:
+            self.scores = None
+        a = mark.attrs
+        self.seen, self.state, self.decode_evicted = a["seen"], a["state"], a["decode_evicted"]
+        self.compressed, self.compacted = a["compressed"], a["compacted"]
+        self.pads, self.prompt_pads, self.last_kept = a["pads"], a["prompt_pads"], a["last_kept"]
+        self.softcap, self.sinks = a["softcap"], a["sinks"]
+        self.method_state = copy.deepcopy(mark.method_state)
+
+    def _crop_to(self, mark: LayerMark) -> None:
+        """Drop the entries appended since `mark` (nothing was evicted since)."""
+        s = mark.stored
+        self.keys, self.values = self.keys[..., :s, :], self.values[..., :s, :]
+        self.positions = self.positions[..., :s]
+
+    def mark_bytes(self) -> int:
+        """Bytes the current mark keeps alive that the layer itself no longer holds (0 for a layer
+        that only appended since)."""
+        return 0 if self._mark is None else _held_bytes(self._mark.held(), self)
 
     def reset(self) -> None:
         super().reset()
+        self._mark = None
         self.seen = 0
         self.positions = self.scores = None
         self.state = "empty"
@@ -155,6 +270,7 @@ class CompressibleLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
+        self._mark = None  # the marked rows are not these rows any more
         if self.pads is not None:  # padded batches: each beam keeps its row's pads
             self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
             self.prompt_pads = self.prompt_pads.index_select(0, beam_idx.to(self.prompt_pads.device))
@@ -165,12 +281,77 @@ class CompressibleLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
+        self._mark = None
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
+        self._mark = None
         super().batch_select_indices(indices)
+
+
+def _held_bytes(held: list[torch.Tensor], layer) -> int:
+    """Bytes of the storages in `held` that `layer`'s own tensors do not share (each counted once)."""
+    live = {t.untyped_storage().data_ptr() for t in vars(layer).values() if isinstance(t, torch.Tensor)}
+    seen, total = set(), 0
+    for t in held:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in live or ptr in seen:
+            continue
+        seen.add(ptr)
+        total += storage.nbytes()
+    return total
+
+
+class _PlainMark:
+    """The state at a checkpoint of a layer that is never compressed (transformers' own layers:
+    sliding window, linear attention state). A plain `DynamicLayer` only appends: its length
+    suffices. Any other kind may drop or rewrite what it holds (a sliding window rolls), so every
+    tensor it holds is copied (for Gemma 3's sliding layers: the window, `sliding_window - 1`
+    entries)."""
+
+    # Layers that replace their tensors on update and never write into them: the copy may become the
+    # layer's own tensor after a rollback.
+    _REPLACE_ONLY = (DynamicLayer, DynamicSlidingWindowLayer)
+
+    def __init__(self, layer):
+        self.crop_only = type(layer) is DynamicLayer
+        state = vars(layer)
+        if self.crop_only:
+            self.length = layer.keys.shape[-2] if isinstance(layer.keys, torch.Tensor) else 0
+            state = {k: v for k, v in state.items() if k not in ("keys", "values")}
+        self.attrs = {
+            k: v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v) for k, v in state.items()
+        }
+
+    def rollback(self, layer) -> None:
+        if self.crop_only and isinstance(layer.keys, torch.Tensor):
+            layer.keys = layer.keys[..., : self.length, :]
+            layer.values = layer.values[..., : self.length, :]
+        share = type(layer) in self._REPLACE_ONLY
+        for k, v in self.attrs.items():
+            if isinstance(v, torch.Tensor):
+                setattr(layer, k, v if share else v.clone())
+            else:
+                setattr(layer, k, copy.deepcopy(v))
+
+    def held_bytes(self, layer) -> int:
+        return _held_bytes([v for v in self.attrs.values() if isinstance(v, torch.Tensor)], layer)
+
+
+class CacheMark:
+    """Handle returned by `CompressedCache.checkpoint()`: valid for any number of `rollback`s until
+    the next `checkpoint()`, `reset()` or batch re-indexing of that cache. `seq_length`: the
+    cache's `get_seq_length()` at the mark (where the next question's positions start)."""
+
+    def __init__(self, seq_length: int, layers: list):
+        self.seq_length = seq_length
+        self.layers = layers
+
+    def __repr__(self) -> str:
+        return f"CacheMark(seq_length={self.seq_length})"
 
 
 def kv_tensors(layer) -> list[torch.Tensor]:
@@ -208,6 +389,89 @@ class CompressedCache(DynamicCache):
         for rank, i in enumerate(self.compressible):
             self.layers[i] = layer_factory(index=i, num_layers=n)
             self.layers[i].rank, self.layers[i].num_compressible = rank, len(self.compressible)
+        self._mark: CacheMark | None = None
+        # Bytes the last `rollback()` had kept alive beyond the cache (for result rows).
+        self.rollback_bytes = 0
+
+    # ---- compress once, ask many -----------------------------------------------------------------
+    def checkpoint(self) -> CacheMark:
+        """Mark the cache's state (after prefill + compression) so that `rollback(mark)` returns to
+        it exactly, e.g. before each question asked about one compressed document. Replaces an
+        earlier mark (one mark per cache).
+
+        What is kept, per layer kind (`mark_bytes()` counts it):
+        - compressible layers (`CompressibleLayer`, per-layer budgets, `HeadwiseLayer` varlen and
+          padded, left-padded batches): their lengths and bookkeeping only; the rollback crops
+          the entries appended since. A decode-time eviction (H2O's original, StreamingLLM) first
+          copies the layer's marked keys / values / positions (copy-on-write, once per mark);
+          H2O's accumulated scores at the mark are kept by reference (they are rewritten every
+          step); a method's per-layer state (`method_state`) is deep-copied.
+        - transformers' own layers (hybrid models' sliding-window layers): a copy of their tensors
+          (the window); plain `DynamicLayer`s only their length.
+
+        ValueError when a compressible layer has not finished its prefill.
+        """
+        layers = [
+            layer.checkpoint() if isinstance(layer, CompressibleLayer) else _PlainMark(layer)
+            for layer in self.layers
+        ]
+        self._mark = CacheMark(self.get_seq_length(), layers)
+        self.rollback_bytes = 0
+        return self._mark
+
+    def rollback(self, mark: CacheMark) -> int:
+        """Return every layer exactly to its state at `mark` (the current mark of this cache; it
+        stays valid). `get_seq_length()` is the marked value again, so the next question's positions
+        start where they did. Returns (and stores in `rollback_bytes`) the bytes the mark had kept
+        alive beyond the cache, measured before restoring. ValueError without a checkpoint or for a
+        stale mark (replaced by a later `checkpoint()`, `reset()` or batch re-indexing, or another
+        cache's)."""
+        if not isinstance(mark, CacheMark):
+            raise ValueError(f"rollback() takes the CacheMark of checkpoint(), got {type(mark).__name__}")
+        if self._mark is None:
+            raise ValueError("rollback() without a checkpoint: call cache.checkpoint() after compression")
+        if mark is not self._mark:
+            raise ValueError(f"stale checkpoint {mark!r}: this cache's current mark is {self._mark!r}")
+        for layer, layer_mark in zip(self.layers, mark.layers):  # all checked before any is changed
+            if isinstance(layer, CompressibleLayer) and layer._mark is not layer_mark:
+                raise ValueError(f"stale checkpoint {mark!r}: layer {layer.index} was reset since")
+        held = self.mark_bytes()
+        for layer, layer_mark in zip(self.layers, mark.layers):
+            if isinstance(layer, CompressibleLayer):
+                layer.rollback(layer_mark)
+            else:
+                layer_mark.rollback(layer)
+        self.rollback_bytes = held
+        return held
+
+    def mark_bytes(self) -> int:
+        """Bytes the current mark keeps alive that the cache itself does not hold (0 without a mark;
+        0 for a model whose layers only appended since the mark)."""
+        if self._mark is None:
+            return 0
+        total = 0
+        for layer, layer_mark in zip(self.layers, self._mark.layers):
+            if isinstance(layer, CompressibleLayer):
+                total += layer.mark_bytes()
+            else:
+                total += layer_mark.held_bytes(layer)
+        return total
+
+    def reset(self) -> None:
+        super().reset()
+        self._mark = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._mark = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._mark = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._mark = None
 
     def compressible_layers(self) -> list[tuple[int, CompressibleLayer]]:
         return [(i, self.layers[i]) for i in self.compressible]

@@ -19,6 +19,11 @@ The callback never runs inside a timed region: prefill start is before the clock
 others after `ttft_s` / each decode step is measured, and between prefill chunks the clock is
 paused (synchronized, on CUDA) while it runs, so a slow callback does not change `prefill_s`,
 `ttft_s` or `tpot_s`.
+
+Compress once, ask many: `compress_context()` prefills and compresses a context (left-padded
+batches allowed) and returns its cache; `answer()` feeds one question on it, decodes greedily and
+rolls the cache back to its state before the question (`CompressedCache.checkpoint` / `rollback`),
+so the next question sees exactly the compressed context again, at the same positions.
 """
 
 from __future__ import annotations
@@ -312,6 +317,151 @@ def generate_ids(
         logits=logits,
     )
     return ids, result
+
+
+@torch.inference_mode()
+def compress_context(
+    model,
+    context_ids: torch.Tensor,
+    method: Method | None = None,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int | None = None,
+) -> CompressedCache:
+    """Prefill `context_ids` `[batch, len]` and compress it with `method`; returns the cache, ready
+    for `answer()` (the context half of `generate_ids(..., query_aware=False)`, same forwards).
+
+    `attention_mask` `[batch, len]`: a left-padded batch (1 = real token; positions as
+    `model.generate` derives them, rows handled as in `snapkv.padding`); one prefill forward then
+    (`chunk_size` must be None).
+    """
+    method = method if method is not None else build_method("full")
+    device = model.device
+    context_ids = context_ids.to(device)
+    batch, n = context_ids.shape
+    if n == 0:
+        raise ValueError("empty prompt: the context has 0 tokens")
+    padded = attention_mask is not None and not bool(attention_mask.bool().all())
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, n):
+        raise ValueError(
+            f"attention_mask must be [batch, len] = {(batch, n)}, got {tuple(attention_mask.shape)}"
+        )
+    if padded and chunk_size:
+        raise ValueError(f"a left-padded batch is prefilled in one forward, got chunk_size={chunk_size}")
+    if padded:
+        method.check_model_generate()  # what padded batches support is what model.generate supports
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    kw = cache_kwarg(model)
+    with session(model, method, cache) as s:
+        if padded:
+            mask = attention_mask.to(device)
+            s.padding, s.phase = mask, "final"
+            pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
+            model(
+                input_ids=context_ids,
+                attention_mask=mask,
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{kw: cache},
+            )
+            return cache
+        spans = _chunks(n, chunk_size, method.min_last_chunk)
+        for i, (a, b) in enumerate(spans):
+            s.phase = "final" if i == len(spans) - 1 else "prefill"
+            pos = torch.arange(a, b, device=device).unsqueeze(0).expand(batch, -1)
+            model(
+                input_ids=context_ids[:, a:b],
+                position_ids=pos,
+                use_cache=True,
+                logits_to_keep=1,
+                **{kw: cache},
+            )
+    return cache
+
+
+@dataclass
+class Answer:
+    """One question answered on a compressed cache (`answer`): the greedy tokens `[batch, new]`,
+    each step's last-position logits `[batch, vocab]` (fp32, CPU; with `keep_logits`), why it
+    stopped, and the bytes the rollback had kept alive beyond the cache (`rollback_bytes`: 0 unless
+    decoding evicted or a sliding window rolled, see `CompressedCache.checkpoint`)."""
+
+    ids: torch.Tensor
+    logits: list[torch.Tensor] | None
+    stop_reason: str
+    rollback_bytes: int
+
+
+@torch.inference_mode()
+def answer(
+    model,
+    cache: CompressedCache,
+    question_ids: torch.Tensor,
+    method: Method | None = None,
+    *,
+    max_new_tokens: int = 32,
+    stop_ids: set[int] | None = None,
+    keep_logits: bool = False,
+) -> Answer:
+    """Answer one question on a compressed context and leave the cache as it was.
+
+    `cache` comes from `compress_context` (with the same `method`); `question_ids` `[batch, q]`
+    (q >= 1; a padded batch's rows need no extra padding, each continues at its own position).
+    Takes `cache.checkpoint()` (replacing an earlier mark), feeds the question, decodes greedily
+    like `generate_ids(..., query_aware=False)` (the method may evict while decoding), then
+    `cache.rollback()`s, also when a forward raises.
+    """
+    method = method if method is not None else build_method("full")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={max_new_tokens}")
+    device = model.device
+    question_ids = question_ids.to(device)
+    batch = question_ids.shape[0]
+    if question_ids.dim() != 2 or question_ids.shape[1] == 0:
+        raise ValueError(f"question_ids must be [batch, q>=1], got shape {tuple(question_ids.shape)}")
+    prompt_pads = next(
+        (layer.prompt_pads for _, layer in cache.compressible_layers() if layer.prompt_pads is not None), None
+    )
+    kw = cache_kwarg(model)
+    stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    mark = cache.checkpoint()
+    with session(model, method, cache) as s:
+        s.phase = "decode"
+
+        def forward(ids: torch.Tensor):
+            start, q = cache.get_seq_length(), ids.shape[1]
+            pos = torch.arange(start, start + q, device=device).unsqueeze(0).expand(batch, -1)
+            extra = {}
+            if prompt_pads is not None:  # a padded row's real positions; its pads stay masked
+                pads = prompt_pads.to(device)
+                pos = pos - pads[:, None]
+                mask = (torch.arange(start + q, device=device)[None, :] >= pads[:, None]).long()
+                s.padding = extra["attention_mask"] = mask
+            return model(
+                input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **extra, **{kw: cache}
+            )
+
+        try:
+            out = forward(question_ids)
+            token = out.logits[:, -1].argmax(-1)
+            logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
+            generated = [token]
+            while len(generated) < max_new_tokens:
+                finished |= torch.isin(token, stop)
+                if bool(finished.all()):
+                    break
+                out = forward(token[:, None])
+                token = out.logits[:, -1].argmax(-1)
+                generated.append(token)
+                if logits is not None:
+                    logits.append(out.logits[:, -1].float().cpu())
+            finished |= torch.isin(token, stop)
+        finally:
+            held = cache.rollback(mark)
+    stop_reason = "eos" if bool(finished.all()) else "length"
+    return Answer(torch.stack(generated, dim=1), logits, stop_reason, held)
 
 
 def generate(

@@ -180,6 +180,31 @@ class HeadwiseLayer(CompressibleLayer):
         out[seg, offset] = self.positions
         return out.view(b, h, self.max_len)
 
+    def _crop_to(self, mark) -> None:
+        """Drop the tokens appended since `mark`: every head got each of them, at its end (varlen:
+        the end of its segment; padded: the last slots), so the marked lengths are today's minus
+        the appended count and nothing but the mark's `seen` is needed."""
+        if not self.per_head:
+            return super()._crop_to(mark)
+        appended = self.seen - mark.seen
+        if appended == 0:
+            return
+        lengths = self.lengths - appended
+        if self.layout == "padded":
+            slots = self.keys.shape[-2] - appended
+            self.keys, self.values = self.keys[..., :slots, :], self.values[..., :slots, :]
+            self.positions, self.valid = self.positions[..., :slots], self.valid[..., :slots]
+        else:
+            # Entry j of segment s (j < its marked length) sits at cu_seqlens[s] + j today.
+            flat = lengths.reshape(-1)
+            seg = torch.repeat_interleave(torch.arange(flat.numel(), device=flat.device), flat)
+            start = torch.cat([flat.new_zeros(1), flat.cumsum(0)[:-1]])
+            keep = (
+                self.cu_seqlens[:-1].long()[seg] + torch.arange(seg.numel(), device=seg.device) - start[seg]
+            )
+            self.keys, self.values, self.positions = self.keys[keep], self.values[keep], self.positions[keep]
+        self._set_lengths(lengths)
+
     def keep(self, indices: torch.Tensor) -> None:
         if self.per_head:
             raise ValueError("per-head storage does not support decode-time eviction (keep)")

@@ -76,7 +76,9 @@ class Method:
     def cache_layer(self, index: int, num_layers: int) -> CompressibleLayer:
         """The cache layer a compressible layer gets (`CompressedCache(config, method.cache_layer)`);
         methods with per-head lengths (Ada-KV) return `snapkv.headwise.HeadwiseLayer`."""
-        return CompressibleLayer(index=index, num_layers=num_layers)
+        return CompressibleLayer(
+            index=index, num_layers=num_layers, decode_eviction=self.evicts_during_decode
+        )
 
     def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
         """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.

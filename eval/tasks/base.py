@@ -39,6 +39,12 @@ class Sample:
     # Task metadata copied into the result row by the default `Task.row_metadata`
     # (needle: context_length, depth_percent, needle, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+    # Several questions about one context: the samples of a context share `context_id` (and the
+    # same `context` text) and are numbered by `question_index` (0, 1, ...) in the order they are
+    # asked; the multi-question protocols compress that context once. None: the sample's context is
+    # its own (every single-question task).
+    context_id: str | None = None
+    question_index: int = 0
 
     @property
     def prompt(self) -> str:
@@ -80,6 +86,11 @@ class Task:
         """Called before the model loads: read the data so a missing/malformed file fails early.
         The number of samples, or None when it is only known with the tokenizer."""
         return None
+
+    def multi_question(self) -> bool:
+        """Whether the task, as configured, asks several questions about each context (samples
+        sharing a `context_id`): the multi-question protocols need it (checked before the model loads)."""
+        return False
 
     def score(self, sample: Sample, prediction: str) -> float:
         """The main metric of one prediction, in [0, 1] (the row's `score`)."""

@@ -1,7 +1,17 @@
 """Compression methods, registered by name. Adding one: a file here with a `@register`ed dataclass
 subclass of `Method` (its hyper-parameters as fields, a `score()`), plus `conf/method/<name>.yaml`."""
 
-from snapkv.methods import adakv, full, h2o, pyramidkv, snapkv, streamingllm  # noqa: F401  (registration)
+from snapkv.methods import (  # noqa: F401  (registration)
+    adakv,
+    chunkkv,
+    full,
+    h2o,
+    knorm,
+    pyramidkv,
+    snapkv,
+    streamingllm,
+    tova,
+)
 from snapkv.methods.base import Method
 from snapkv.methods.registry import METHODS, build_method, register
 

@@ -19,9 +19,11 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
-from reference import eager_attentions
+from conftest import COMMON, random_ids, tiny_model
+from reference import eager_attentions, masked_attention
+from transformers import DynamicCache
 
+import snapkv
 from snapkv import CompressedCache, build_method, generate_ids
 from snapkv.hooks import cache_kwarg, session
 from snapkv.methods.adakv import head_budgets
@@ -223,3 +225,207 @@ def test_adakv_pyramid_base_keeps_adakv_short_prompt_behaviour():
 def test_bad_switch_values_raise_value_error_naming_them(name, params, bad):
     with pytest.raises(ValueError, match=bad):
         build_method(name, **params)
+
+
+# ---- TOVA, K-norm, ChunkKV: shared fixtures ---------------------------------------------------------
+# Selections against naive transcriptions on MHA (4 KV heads) and GQA (2 KV heads for 4 query heads)
+# tiny models, prompts of budget - 1, budget and budget + 1 tokens, a batch of two rows and a
+# left-padded batch (each row against the same prompt alone).
+
+B = 40  # budget of these sections
+LENGTHS_AROUND_BUDGET = [B - 1, B, B + 1, 2 * B + 7]
+
+
+def _tiny(kv_heads: int, layers: int = 3):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=layers, **{**COMMON, "num_key_value_heads": kv_heads})
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def _kept_rows(cache) -> dict[int, list[list[list[int]]]]:
+    """Per layer, per batch row, per KV head: the real positions kept (filler slots left out)."""
+    out = {}
+    for i, layer in cache.compressible_layers():
+        b = layer.positions.shape[0]
+        pads = [0] * b if layer.pads is None else layer.pads.tolist()
+        off = [0] * b if layer.prompt_pads is None else layer.prompt_pads.tolist()
+        out[i] = [[(p[pads[r] :] - off[r]).tolist() for p in layer.positions[r]] for r in range(b)]
+    return out
+
+
+def _padded_kept(model, rows: list[torch.Tensor], method):
+    """Prefill a left-padded batch of `rows` through `snapkv.apply` (the padded-batch path)."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    with snapkv.apply(model, method), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    return _kept_rows(cache)
+
+
+def _check_batches(model, method, naive, length: int) -> None:
+    """`naive(ids [1, L]) -> {layer: [kept per KV head]}` against the method on two rows of length
+    `length` and on a left-padded batch of rows of lengths length, length - 9 and length + 5."""
+    batch = torch.cat([random_ids(length, seed=3), random_ids(length, seed=4)])
+    got = _kept_rows(_prefilled(model, batch, method))
+    for r in range(2):
+        want = naive(batch[r : r + 1])
+        assert {i: rows[r] for i, rows in got.items()} == want, f"row {r}"
+    rows = [random_ids(n, seed=5 + i)[0] for i, n in enumerate((length, max(length - 9, 1), length + 5))]
+    got = _padded_kept(model, rows, method)
+    for r, row in enumerate(rows):
+        want = naive(row[None])
+        assert {i: kept[r] for i, kept in got.items()} == want, f"padded row {r} (length {len(row)})"
+
+
+def naive_evicting_decode(model, ids: torch.Tensor, new_tokens: int, choose):
+    """Greedy decoding on the FULL cache (a plain DynamicCache: nothing is removed) with eager
+    attention limited, per layer and KV head, to a kept set of positions (tests/reference.py's
+    `masked_attention`). After every forward, `choose(layer, candidates, probs, keys, prefill)`
+    returns the new kept sets: candidates [kv_heads][n] (the kept set plus the forward's tokens),
+    probs `[heads, seen]` the forward's last query's attention (0 on hidden positions), keys
+    `[kv_heads, seen, d]`. Returns the tokens and, per forward, {layer: kept sets}."""
+    visible: dict = {}
+    cache = DynamicCache(config=model.config)
+    kept: dict[int, list[list[int]]] = {}
+    tokens, history = [], []
+    impl = model.config._attn_implementation
+    x, pos = ids, 0
+    with masked_attention(visible), torch.no_grad():
+        model.set_attn_implementation("ref_masked")
+        try:
+            for step in range(new_tokens):
+                p = torch.arange(pos, pos + x.shape[1])[None]
+                out = model(
+                    input_ids=x, position_ids=p, use_cache=True, output_attentions=True,
+                    **{cache_kwarg(model): cache},
+                )  # fmt: skip
+                new = list(range(pos, pos + x.shape[1]))
+                pos += x.shape[1]
+                for i, attn in enumerate(out.attentions):
+                    kv = cache.layers[i].keys.shape[1]
+                    cand = [new] * kv if step == 0 else [k + new for k in kept[i]]
+                    keys = cache.layers[i].keys[0].double()
+                    kept[i] = choose(i, cand, attn[0, :, -1].double(), keys, step == 0)
+                history.append({i: [list(k) for k in v] for i, v in kept.items()})
+                x = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(x))
+                for i, v in kept.items():  # the next forward sees the kept entries and itself
+                    visible[i] = torch.tensor([k + [pos] for k in v])[None]
+        finally:
+            model.set_attn_implementation(impl)
+    return tokens, history
+
+
+def _decode_with_history(model, ids, method, new_tokens: int):
+    """The method's own greedy generation, with the kept positions after every forward."""
+    history: list[dict] = []
+    original = snapkv.hooks.Session.after_attention
+
+    def spy(self, module, layer, query, key):
+        original(self, module, layer, query, key)
+        if module.layer_idx == 0:
+            history.append({})
+        history[-1][module.layer_idx] = layer.positions[0].tolist()
+
+    snapkv.hooks.Session.after_attention = spy
+    try:
+        out, res = generate_ids(model, ids, None, method, max_new_tokens=new_tokens)
+    finally:
+        snapkv.hooks.Session.after_attention = original
+    return out[0].tolist(), history, res
+
+
+# ---- TOVA -------------------------------------------------------------------------------------------
+# Transcribed from schwartz-lab-NLP/TOVA @ 9c7d09bfff64cfc92cfb5f9d7e138cb04866e5a7
+# (`src/tova_cache.py`, `TOVACache.reduce`, called after every forward): if the layer holds more than
+# `cache_size` keys, average the last query's attention weights over ALL query heads, keep the top
+# `cache_size` (sorted), the same for every KV head. kvpress' `TOVAPress` (NVIDIA/kvpress @
+# 8bb29b9c3078452a86d692f29123fa6c793e2b05): the same scores, the last token scored max + 1, once.
+
+
+def naive_tova_kept(last_row: torch.Tensor, kv_heads: int, size: int, keep_last: bool) -> list[list[int]]:
+    """`TOVACache.reduce` for one batch row: last_row `[heads, n]` = the last query's weights."""
+    heads, n = last_row.shape
+    if n <= size:
+        return [list(range(n))] * kv_heads
+    mean = [sum(float(last_row[h, j]) for h in range(heads)) / heads for j in range(n)]
+    if keep_last:
+        mean[-1] = max(mean) + 1
+    top = sorted(range(n), key=lambda j: -mean[j])[:size]
+    return [sorted(top)] * kv_heads
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", LENGTHS_AROUND_BUDGET)
+@pytest.mark.parametrize("keep_last", [False, True])
+def test_tova_prefill_selection_is_the_original(kv_heads, length, keep_last):
+    model = _tiny(kv_heads)
+    method = build_method("tova", budget=B, keep_last=keep_last)
+
+    def naive(ids):
+        return {
+            i: naive_tova_kept(attn[0, :, -1], kv_heads, B, keep_last)
+            for i, attn in enumerate(eager_attentions(model, ids))
+        }
+
+    _check_batches(model, method, naive, length)
+
+
+def tova_choose(budget: int, keep_last: bool = False, during_decode: bool = True):
+    def choose(layer, cand, probs, keys, prefill):
+        if not (prefill or during_decode):
+            return cand
+        n = len(cand[0])
+        if n <= budget:
+            return cand
+        last = probs[:, cand[0]]  # the candidates' columns, ascending positions
+        top = naive_tova_kept(last, len(cand), budget, keep_last)[0]
+        return [[cand[0][j] for j in top]] * len(cand)
+
+    return choose
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", [B - 3, B + 1, 2 * B])
+@pytest.mark.parametrize("keep_last,during_decode", [(False, True), (True, False), (True, True)])
+def test_tova_decode_eviction_step_by_step_equals_the_original(kv_heads, length, keep_last, during_decode):
+    """Every forward (prefill, then each decoded token) against the naive masked full-cache loop:
+    the kept positions after each step and the greedy tokens."""
+    model = _tiny(kv_heads)
+    ids = random_ids(length, seed=7)
+    new = 12
+    method = build_method("tova", budget=B, keep_last=keep_last, evict_during_decode=during_decode)
+    tokens, history, res = _decode_with_history(model, ids, method, new)
+    want_tokens, want_history = naive_evicting_decode(
+        model, ids, new, tova_choose(B, keep_last, during_decode)
+    )
+    assert tokens == want_tokens
+    assert len(history) == new  # the prefill and the new - 1 fed tokens
+    for step, (got, want) in enumerate(zip(history, want_history)):
+        assert got == want, f"step {step}"
+    assert res.kv_tokens_end == (B if during_decode else min(length, B) + new - 1)
+
+
+def test_tova_default_evicts_the_newest_token_and_kvpress_mode_keeps_it():
+    """The authors' TOVA scores the newest token like any other (here it is evicted at some steps);
+    keep_last=True (kvpress) never evicts it."""
+    model = _tiny(2)
+    ids = random_ids(2 * B, seed=7)
+    newest_evicted = 0
+    for keep_last in (False, True):
+        method = build_method("tova", budget=B, keep_last=keep_last)
+        _, history, _ = _decode_with_history(model, ids, method, 12)
+        for step, kept in enumerate(history):
+            newest = 2 * B - 1 + step
+            for heads in kept.values():
+                assert all(h == heads[0] for h in heads)  # one kept set per layer
+                if newest not in heads[0]:
+                    assert not keep_last, f"step {step}: keep_last evicted the newest token"
+                    newest_evicted += 1
+    assert newest_evicted > 0

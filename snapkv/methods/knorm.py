@@ -4,7 +4,9 @@
 Keys with a LOW L2 norm draw high attention, so each KV head keeps the `budget` entries whose keys
 have the smallest norm (fp32 norms of the cached, post-RoPE keys). Attention-free: no query, no
 attention weight is needed, so it runs beside any attention implementation (sdpa, flash, eager)
-without materialising a score.
+without materialising a score. Models that normalise their keys (QK-norm: Gemma 3, Qwen3, OLMo 2)
+give every key the norm its `k_norm` weights allow for its direction; at init weights (random test
+models) every key's norm is sqrt(head_dim) up to rounding, and the ranking is noise.
 
 Ported from the authors' code (alessiodevoto/l2compress @ f93d6ca2702d85a2db97d2ef350b44d955609761,
 `cache.py`, `l2_compress`: per layer and head, argsort of the key norms, keep the first

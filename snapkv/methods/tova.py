@@ -73,9 +73,9 @@ class TOVA(Method):
         return last_query_attention(query, key, module, layer)
 
     def observe(self, layer, query, key, module) -> None:
-        # After prefill, each forward's last query scores the stored entries for `evict`; the
-        # scores are replaced (not accumulated) every step.
-        if layer.state == "ready" and self.evict_during_decode:
+        # After prefill, a forward that leaves the layer over budget scores its stored entries with
+        # its last query for `evict`; the scores are replaced (not accumulated) every step.
+        if layer.state == "ready" and self.evict_during_decode and layer.stored > self.budget:
             layer.scores = last_query_attention(query, key, module, layer)
 
     def decode_score(self, layer) -> torch.Tensor:

@@ -76,6 +76,11 @@ QUIET_DEFAULTS: dict[str, Any] = {
     "schedule": "exact",
     "short_prompt": "uniform",
     "allocation": "adakv",
+    "keep_last": False,
+    "skip_layers": [],
+    "prune_after": 0,
+    "chunk_score": "sum",
+    "reuse_layers": 1,
 }
 BUDGET_KEYS = ("budget", "max_capacity_prompt", "kv_budget")
 QUERY_AGNOSTIC_SUFFIX = " q-agnostic"

@@ -111,6 +111,10 @@ class CompressibleLayer(DynamicLayer):
         # Per-layer state a method keeps beside its scores (an object of the method's own type,
         # e.g. H2O's `H2OLayerState`); None until the method sets it, cleared by reset().
         self.method_state: object | None = None
+        # State a method shares across the compressible layers of one cache (ChunkKV's layer-wise
+        # index reuse: the first layer of a group leaves its selection for the next ones). One dict
+        # per CompressedCache; a padded batch's row view gets that row's own dict inside it.
+        self.shared: dict = {}
         self.last_kept: torch.Tensor | None = None  # indices of the last keep() (for re-rotation)
         self.pads: torch.Tensor | None = None  # [batch] leading slots without a real entry
         self.prompt_pads: torch.Tensor | None = None  # [batch] pads of the prompt
@@ -267,6 +271,7 @@ class CompressibleLayer(DynamicLayer):
         self.pads = self.prompt_pads = None
         self.decode_evicted = 0.0
         self.method_state = None
+        self.shared.clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
@@ -386,9 +391,11 @@ class CompressedCache(DynamicCache):
             self.layers = [DynamicLayer() for _ in range(n)]
             self.layer_class_to_replicate = None
         self.compressible = sorted(compressible)
+        shared: dict = {}
         for rank, i in enumerate(self.compressible):
             self.layers[i] = layer_factory(index=i, num_layers=n)
             self.layers[i].rank, self.layers[i].num_compressible = rank, len(self.compressible)
+            self.layers[i].shared = shared
         self._mark: CacheMark | None = None
         # Bytes the last `rollback()` had kept alive beyond the cache (for result rows).
         self.rollback_bytes = 0

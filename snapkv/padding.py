@@ -82,6 +82,7 @@ def row_view(layer: CompressibleLayer, row: int) -> CompressibleLayer:
     view.dims = (1,) + layer.dims[1:]
     view.pads = view.prompt_pads = None
     view.last_kept = None
+    view.shared = layer.shared.setdefault(("row", row), {})  # the row's state across layers
     return view
 
 
@@ -137,6 +138,23 @@ def _merge(layer: CompressibleLayer, views) -> None:
     pads = torch.tensor([width - i.shape[-1] for i, _ in rows], device=dev)
     # Kept even when all zero: transformers' 2-D mask must not be used on the compressed slots.
     layer.keep(indices, pads=pads)
+
+
+def keep_rows(layer: CompressibleLayer, rows: list[torch.Tensor]) -> None:
+    """Keep, in each batch row r, the entries at `rows[r]` `[kv_heads, n_r]` (ascending indices into
+    the stored axis), rows keeping different numbers (ChunkKV: a row that keeps the short trailing
+    chunk keeps fewer). Shorter rows are left-filled with masked slots (`pads`, as a padded batch's
+    are) that copy the row's first kept entry, so every slot's position is one the row keeps."""
+    if layer.pads is not None:
+        raise ValueError("keep_rows() needs a layer without pads (padded batches run per row: row_view)")
+    width = max(r.shape[-1] for r in rows)
+    if all(r.shape[-1] == width for r in rows):
+        layer.keep(torch.stack(rows))
+        return
+    filled = [torch.cat([r[:, :1].expand(-1, width - r.shape[-1]), r], dim=-1) for r in rows]
+    pads = torch.tensor([width - r.shape[-1] for r in rows], device=layer.keys.device)
+    layer.keep(torch.stack(filled), pads=pads)
+    layer.prompt_pads = torch.zeros_like(pads)  # no pad in the prompt: real position = stored position
 
 
 def compress_prefill_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> None:

@@ -53,13 +53,26 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
     ("expected_attention", dict(budget=40, use_covariance=False, use_vnorm=False, n_future_positions=64)),
     ("adakv_expected_attention", dict(budget=40, layout="padded")),
     ("adakv_expected_attention", dict(budget=40, allocation="adakv", epsilon=0.0)),
+    ("tova", dict(budget=40)),  # the authors': evicts after every forward, the newest token included
+    ("tova", dict(budget=40, evict_during_decode=False, keep_last=True)),  # kvpress' TOVAPress
+    ("knorm", dict(budget=40)),
+    ("knorm", dict(budget=40, skip_layers=[0], prune_after=50, evict_during_decode=True)),
+    # 88 prefix positions: 17 chunks of 5 and a trailing one of 3; 6 chunks + the window kept.
+    ("chunkkv", dict(budget=40, window=W, kernel_size=5, chunk_length=5)),
+    (
+        "chunkkv",
+        dict(
+            budget=40, window=W, chunk_length=10, chunk_score="mean", reuse_layers=2, gqa_order="pool_first"
+        ),
+    ),
 ]
 
 # Parameters that are not enumerated switches (numbers, storage layout sizes) or whose other values
 # are covered by dedicated tests (StreamingLLM's compacted positions only run in snapkv.generate).
 NOT_SWITCHES = {
     "budget", "window", "kernel_size", "recent", "recent_ratio", "beta", "alpha", "block_size", "n_sink",
-    "span", "n_future_positions", "epsilon", "first_stage_ratio",
+    "span", "n_future_positions", "epsilon", "first_stage_ratio", "skip_layers", "prune_after",
+    "chunk_length", "reuse_layers",
 }  # fmt: skip
 SWITCHES_TESTED_ELSEWHERE = {("streamingllm", "positions"): "test_streamingllm_compacted_*"}
 

@@ -150,6 +150,14 @@ def test_method_parameters_from_the_command_line(name):
             "method.layout=padded",
             "method.allocation=adakv",
         ],
+        "tova": ["budget=64", "method.evict_during_decode=false", "method.keep_last=true"],
+        "knorm": ["budget=64", "method.prune_after=2048", "method.evict_during_decode=true"],
+        "chunkkv": [
+            "budget=256",
+            "method.chunk_length=20",
+            "method.chunk_score=mean",
+            "method.reuse_layers=2",
+        ],
     }[name]
     cfg = compose_cfg([f"method={name}", *overrides])
     method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))

@@ -1,5 +1,6 @@
 """Results and rows say what decoding did: a prompt shorter than the budget is not compressed at
-prefill, yet H2O and StreamingLLM evict once it has grown past the budget while decoding."""
+prefill, yet the methods that evict while decoding (H2O, StreamingLLM, TOVA, K-norm re-pruning)
+evict once it has grown past the budget."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ DECODE_FIELDS = ("compressed", "evicted_during_decode", "decode_evicted", "kv_to
 
 
 @pytest.mark.parametrize(
-    "name,params", [("h2o", dict(budget=BUDGET)), ("streamingllm", dict(budget=BUDGET, n_sink=4))]
+    "name,params",
+    [
+        ("h2o", dict(budget=BUDGET)),
+        ("streamingllm", dict(budget=BUDGET, n_sink=4)),
+        ("tova", dict(budget=BUDGET)),
+        ("tova", dict(budget=BUDGET, keep_last=True)),
+        ("knorm", dict(budget=BUDGET, evict_during_decode=True)),
+    ],
 )
 def test_short_prompt_rows_report_decode_eviction_and_final_entries(name, params):
     model = tiny_model("llama")
@@ -34,7 +42,13 @@ def test_short_prompt_rows_report_decode_eviction_and_final_entries(name, params
 
 @pytest.mark.parametrize(
     "name,params",
-    [("snapkv", dict(budget=BUDGET, window=8)), ("h2o", dict(budget=BUDGET, evict_during_decode=False))],
+    [
+        ("snapkv", dict(budget=BUDGET, window=8)),
+        ("h2o", dict(budget=BUDGET, evict_during_decode=False)),
+        ("tova", dict(budget=BUDGET, evict_during_decode=False, keep_last=True)),
+        ("knorm", dict(budget=BUDGET)),
+        ("chunkkv", dict(budget=BUDGET, window=8, chunk_length=4)),
+    ],
 )
 def test_methods_that_never_evict_while_decoding_say_so(name, params):
     model = tiny_model("llama")
@@ -43,9 +57,17 @@ def test_methods_that_never_evict_while_decoding_say_so(name, params):
     assert res.kv_tokens_end == PROMPT + NEW - 1  # new tokens are appended
 
 
-def test_compressed_prompt_with_decode_eviction_holds_the_budget():
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("h2o", dict(budget=BUDGET)),
+        ("tova", dict(budget=BUDGET)),
+        ("knorm", dict(budget=BUDGET, evict_during_decode=True)),
+    ],
+)
+def test_compressed_prompt_with_decode_eviction_holds_the_budget(name, params):
     model = tiny_model("llama")
-    method = build_method("h2o", budget=BUDGET)
+    method = build_method(name, **params)
     _, res = generate_ids(model, random_ids(60), None, method, max_new_tokens=NEW)
     assert res.compressed and res.kv_tokens == BUDGET
     assert res.evicted_during_decode and res.decode_evicted == NEW - 1 and res.kv_tokens_end == BUDGET

@@ -19,12 +19,15 @@ from fractions import Fraction
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
-from reference import eager_attentions
+from conftest import COMMON, random_ids, tiny_model
+from reference import eager_attentions, masked_attention, masked_reference_logits, record_visible
+from transformers import DynamicCache
 
+import snapkv
 from snapkv import CompressedCache, build_method, generate_ids
 from snapkv.hooks import cache_kwarg, session
 from snapkv.methods.adakv import head_budgets
+from snapkv.methods.chunkkv import ChunkKV
 
 W = 8
 
@@ -223,6 +226,546 @@ def test_adakv_pyramid_base_keeps_adakv_short_prompt_behaviour():
 def test_bad_switch_values_raise_value_error_naming_them(name, params, bad):
     with pytest.raises(ValueError, match=bad):
         build_method(name, **params)
+
+
+# ---- TOVA, K-norm, ChunkKV: shared fixtures ---------------------------------------------------------
+# Selections against naive transcriptions on MHA (4 KV heads) and GQA (2 KV heads for 4 query heads)
+# tiny models, prompts of budget - 1, budget and budget + 1 tokens, a batch of two rows and a
+# left-padded batch (each row against the same prompt alone).
+
+B = 40  # budget of these sections
+LENGTHS_AROUND_BUDGET = [B - 1, B, B + 1, 2 * B + 7]
+
+
+def _tiny(kv_heads: int, layers: int = 3):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=layers, **{**COMMON, "num_key_value_heads": kv_heads})
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+def _kept_rows(cache) -> dict[int, list[list[list[int]]]]:
+    """Per layer, per batch row, per KV head: the real positions kept (filler slots left out)."""
+    out = {}
+    for i, layer in cache.compressible_layers():
+        b = layer.positions.shape[0]
+        pads = [0] * b if layer.pads is None else layer.pads.tolist()
+        off = [0] * b if layer.prompt_pads is None else layer.prompt_pads.tolist()
+        out[i] = [[(p[pads[r] :] - off[r]).tolist() for p in layer.positions[r]] for r in range(b)]
+    return out
+
+
+def _padded_kept(model, rows: list[torch.Tensor], method):
+    """Prefill a left-padded batch of `rows` through `snapkv.apply` (the padded-batch path)."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    with snapkv.apply(model, method), torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, use_cache=True, **{cache_kwarg(model): cache})
+    return _kept_rows(cache)
+
+
+def distinct_ids(n: int, seed: int) -> torch.Tensor:
+    """`[1, n]` token ids without repeats: at layer 0 a key's norm depends on its token alone (RoPE
+    keeps norms), so a repeated token gives keys whose norms tie up to rounding, and such a tie
+    falls either way when the same prompt is computed in another batch layout."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randperm(125, generator=g)[:n] + 3)[None]
+
+
+def _check_batches(model, method, naive, length: int) -> None:
+    """`naive(ids [1, L]) -> {layer: [kept per KV head]}` against the method on two rows of length
+    `length` and on a left-padded batch of rows of lengths length, length - 9 and length + 5."""
+    batch = torch.cat([distinct_ids(length, seed=3), distinct_ids(length, seed=4)])
+    got = _kept_rows(_prefilled(model, batch, method))
+    for r in range(2):
+        want = naive(batch[r : r + 1])
+        assert {i: rows[r] for i, rows in got.items()} == want, f"row {r}"
+    rows = [distinct_ids(n, seed=5 + i)[0] for i, n in enumerate((length, max(length - 9, 1), length + 5))]
+    got = _padded_kept(model, rows, method)
+    for r, row in enumerate(rows):
+        want = naive(row[None])
+        assert {i: kept[r] for i, kept in got.items()} == want, f"padded row {r} (length {len(row)})"
+
+
+def naive_evicting_decode(model, ids: torch.Tensor, new_tokens: int, choose):
+    """Greedy decoding on the FULL cache (a plain DynamicCache: nothing is removed) with eager
+    attention limited, per layer and KV head, to a kept set of positions (tests/reference.py's
+    `masked_attention`). After every forward, `choose(layer, candidates, probs, keys, prefill)`
+    returns the new kept sets: candidates [kv_heads][n] (the kept set plus the forward's tokens),
+    probs `[heads, seen]` the forward's last query's attention (0 on hidden positions), keys
+    `[kv_heads, seen, d]`. Returns the tokens and, per forward, {layer: kept sets}."""
+    visible: dict = {}
+    cache = DynamicCache(config=model.config)
+    kept: dict[int, list[list[int]]] = {}
+    tokens, history = [], []
+    impl = model.config._attn_implementation
+    x, pos = ids, 0
+    with masked_attention(visible), torch.no_grad():
+        model.set_attn_implementation("ref_masked")
+        try:
+            for step in range(new_tokens):
+                p = torch.arange(pos, pos + x.shape[1])[None]
+                out = model(
+                    input_ids=x, position_ids=p, use_cache=True, output_attentions=True,
+                    **{cache_kwarg(model): cache},
+                )  # fmt: skip
+                new = list(range(pos, pos + x.shape[1]))
+                pos += x.shape[1]
+                for i, attn in enumerate(out.attentions):
+                    kv = cache.layers[i].keys.shape[1]
+                    cand = [new] * kv if step == 0 else [k + new for k in kept[i]]
+                    keys = cache.layers[i].keys[0].double()
+                    kept[i] = choose(i, cand, attn[0, :, -1].double(), keys, step == 0)
+                history.append({i: [list(k) for k in v] for i, v in kept.items()})
+                x = out.logits[:, -1].argmax(-1, keepdim=True)
+                tokens.append(int(x))
+                for i, v in kept.items():  # the next forward sees the kept entries and itself
+                    visible[i] = torch.tensor([k + [pos] for k in v])[None]
+        finally:
+            model.set_attn_implementation(impl)
+    return tokens, history
+
+
+def _decode_with_history(model, ids, method, new_tokens: int):
+    """The method's own greedy generation, with the kept positions after every forward."""
+    history: list[dict] = []
+    original = snapkv.hooks.Session.after_attention
+
+    def spy(self, module, layer, query, key):
+        original(self, module, layer, query, key)
+        if module.layer_idx == 0:
+            history.append({})
+        history[-1][module.layer_idx] = layer.positions[0].tolist()
+
+    snapkv.hooks.Session.after_attention = spy
+    try:
+        out, res = generate_ids(model, ids, None, method, max_new_tokens=new_tokens)
+    finally:
+        snapkv.hooks.Session.after_attention = original
+    return out[0].tolist(), history, res
+
+
+# ---- TOVA -------------------------------------------------------------------------------------------
+# Transcribed from schwartz-lab-NLP/TOVA @ 9c7d09bfff64cfc92cfb5f9d7e138cb04866e5a7
+# (`src/tova_cache.py`, `TOVACache.reduce`, called after every forward): if the layer holds more than
+# `cache_size` keys, average the last query's attention weights over ALL query heads, keep the top
+# `cache_size` (sorted), the same for every KV head. kvpress' `TOVAPress` (NVIDIA/kvpress @
+# 8bb29b9c3078452a86d692f29123fa6c793e2b05): the same scores, the last token scored max + 1, once.
+
+
+def naive_tova_kept(last_row: torch.Tensor, kv_heads: int, size: int, keep_last: bool) -> list[list[int]]:
+    """`TOVACache.reduce` for one batch row: last_row `[heads, n]` = the last query's weights."""
+    heads, n = last_row.shape
+    if n <= size:
+        return [list(range(n))] * kv_heads
+    mean = [sum(float(last_row[h, j]) for h in range(heads)) / heads for j in range(n)]
+    if keep_last:
+        mean[-1] = max(mean) + 1
+    top = sorted(range(n), key=lambda j: -mean[j])[:size]
+    return [sorted(top)] * kv_heads
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", LENGTHS_AROUND_BUDGET)
+@pytest.mark.parametrize("keep_last", [False, True])
+def test_tova_prefill_selection_is_the_original(kv_heads, length, keep_last):
+    model = _tiny(kv_heads)
+    method = build_method("tova", budget=B, keep_last=keep_last)
+
+    def naive(ids):
+        return {
+            i: naive_tova_kept(attn[0, :, -1], kv_heads, B, keep_last)
+            for i, attn in enumerate(eager_attentions(model, ids))
+        }
+
+    _check_batches(model, method, naive, length)
+
+
+def tova_choose(budget: int, keep_last: bool = False, during_decode: bool = True):
+    def choose(layer, cand, probs, keys, prefill):
+        if not (prefill or during_decode):
+            return cand
+        n = len(cand[0])
+        if n <= budget:
+            return cand
+        last = probs[:, cand[0]]  # the candidates' columns, ascending positions
+        top = naive_tova_kept(last, len(cand), budget, keep_last)[0]
+        return [[cand[0][j] for j in top]] * len(cand)
+
+    return choose
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", [B - 3, B + 1, 2 * B])
+@pytest.mark.parametrize("keep_last,during_decode", [(False, True), (True, False), (True, True)])
+def test_tova_decode_eviction_step_by_step_equals_the_original(kv_heads, length, keep_last, during_decode):
+    """Every forward (prefill, then each decoded token) against the naive masked full-cache loop:
+    the kept positions after each step and the greedy tokens."""
+    model = _tiny(kv_heads)
+    ids = random_ids(length, seed=7)
+    new = 12
+    method = build_method("tova", budget=B, keep_last=keep_last, evict_during_decode=during_decode)
+    tokens, history, res = _decode_with_history(model, ids, method, new)
+    want_tokens, want_history = naive_evicting_decode(
+        model, ids, new, tova_choose(B, keep_last, during_decode)
+    )
+    assert tokens == want_tokens
+    assert len(history) == new  # the prefill and the new - 1 fed tokens
+    for step, (got, want) in enumerate(zip(history, want_history)):
+        assert got == want, f"step {step}"
+    assert res.kv_tokens_end == (B if during_decode else min(length, B) + new - 1)
+
+
+def test_tova_default_evicts_the_newest_token_and_kvpress_mode_keeps_it():
+    """The authors' TOVA scores the newest token like any other (here it is evicted at some steps);
+    keep_last=True (kvpress) never evicts it."""
+    model = _tiny(2)
+    ids = random_ids(2 * B, seed=7)
+    newest_evicted = 0
+    for keep_last in (False, True):
+        method = build_method("tova", budget=B, keep_last=keep_last)
+        _, history, _ = _decode_with_history(model, ids, method, 12)
+        for step, kept in enumerate(history):
+            newest = 2 * B - 1 + step
+            for heads in kept.values():
+                assert all(h == heads[0] for h in heads)  # one kept set per layer
+                if newest not in heads[0]:
+                    assert not keep_last, f"step {step}: keep_last evicted the newest token"
+                    newest_evicted += 1
+    assert newest_evicted > 0
+
+
+# ---- K-norm -----------------------------------------------------------------------------------------
+# Transcribed from alessiodevoto/l2compress @ f93d6ca2702d85a2db97d2ef350b44d955609761 (`cache.py`,
+# `l2_compress`): per layer not in `skip_layers` whose cache holds >= `prune_after` entries, per batch
+# row and KV head, the keys sorted by L2 norm (ascending), the first `tokens_to_keep` kept; its
+# language-modelling loop calls it after every token. kvpress' `KnormPress` (NVIDIA/kvpress @
+# 8bb29b9c3078452a86d692f29123fa6c793e2b05): score -||k||, every layer, once.
+
+
+def naive_knorm_kept(keys: torch.Tensor, size: int) -> list[list[int]]:
+    """`l2_compress` on one layer and batch row: keys `[kv_heads, n, d]` -> kept positions per head.
+    The norms are the original's `torch.norm(keys, p=2, dim=-1)` in the cache's dtype (fp32 here):
+    random keys have norms equal to ~1e-7, and a norm summed in another precision breaks such ties
+    differently."""
+    kept = []
+    for h in range(keys.shape[0]):
+        norms = torch.norm(keys[h].float(), p=2, dim=-1).tolist()
+        kept.append(sorted(sorted(range(len(norms)), key=lambda j: norms[j])[:size]))
+    return kept
+
+
+def knorm_choose(budget: int, skip_layers=(), prune_after: int = 0, during_decode: bool = False):
+    def choose(layer, cand, probs, keys, prefill):
+        n = len(cand[0])
+        if layer in skip_layers or n < prune_after or n <= budget or not (prefill or during_decode):
+            return cand
+        kept = []
+        for h, positions in enumerate(cand):
+            top = naive_knorm_kept(keys[h : h + 1, positions], budget)[0]
+            kept.append([positions[j] for j in top])
+        return kept
+
+    return choose
+
+
+KNORM_VARIANTS = [
+    dict(),  # kvpress: every layer, once
+    dict(skip_layers=[0]),  # the authors' needle / passkey scripts
+    dict(skip_layers=[0, 1], prune_after=B + 1),  # eval_lm_quick's layers, a length threshold
+]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", LENGTHS_AROUND_BUDGET)
+@pytest.mark.parametrize("params", KNORM_VARIANTS, ids=str)
+def test_knorm_prefill_selection_is_the_original(kv_heads, length, params):
+    model = _tiny(kv_heads)
+    method = build_method("knorm", budget=B, **params)
+    choose = knorm_choose(B, **params)
+
+    def naive(ids):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        out = {}
+        for i, layer in enumerate(cache.layers):
+            n = layer.keys.shape[2]
+            out[i] = choose(i, [list(range(n))] * kv_heads, None, layer.keys[0], True)
+        return out
+
+    _check_batches(model, method, naive, length)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", [B - 3, 2 * B])
+@pytest.mark.parametrize(
+    "params",
+    [dict(evict_during_decode=True), dict(evict_during_decode=True, skip_layers=[1], prune_after=B + 4)],
+    ids=str,
+)
+def test_knorm_reprune_every_step_equals_the_authors_loop(kv_heads, length, params):
+    """evict_during_decode=True: `l2_compress` after every forward (the authors' LM loop), step by
+    step against the naive masked full-cache loop; with prune_after = B + 4 the cache grows to
+    B + 4 entries between prunes back to B."""
+    model = _tiny(kv_heads)
+    ids = random_ids(length, seed=8)
+    new = 12
+    method = build_method("knorm", budget=B, **params)
+    tokens, history, res = _decode_with_history(model, ids, method, new)
+    skip = params.get("skip_layers", ())
+    want_tokens, want_history = naive_evicting_decode(
+        model, ids, new, knorm_choose(B, skip, params.get("prune_after", 0), during_decode=True)
+    )
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(history, want_history)):
+        assert got == want, f"step {step}"
+    assert res.evicted_during_decode and res.decode_evicted > 0
+
+
+def test_knorm_is_attention_free(monkeypatch):
+    """No attention weight is computed for K-norm: the scoring helpers are never called, and it runs
+    beside eager and sdpa attention alike (the model's own attention output is used unchanged)."""
+    from snapkv.methods import base
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("K-norm computed attention scores")
+
+    for helper in ("window_attention", "blockwise_attention", "causal_column_sums", "softmax_scores"):
+        monkeypatch.setattr(base, helper, refuse)
+    ids = random_ids(2 * B, seed=9)
+    outs = []
+    for attn in ("sdpa", "eager"):
+        model = tiny_model("llama", attn=attn)
+        method = build_method("knorm", budget=B, evict_during_decode=True)
+        out, res = generate_ids(model, ids, None, method, max_new_tokens=6)
+        assert res.compressed and res.kv_tokens == B and res.attn_impl == attn
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize(
+    "params,bad",
+    [
+        (dict(skip_layers=0), "skip_layers=0"),
+        (dict(skip_layers=[-1]), r"skip_layers=\[-1\]"),
+        (dict(prune_after=-2), "prune_after=-2"),
+        (dict(evict_during_decode="yes"), "evict_during_decode='yes'"),
+        (dict(budget=None), "budget=None"),
+    ],
+)
+def test_knorm_bad_parameters_raise_value_error_naming_them(params, bad):
+    with pytest.raises(ValueError, match=bad):
+        build_method("knorm", **{"budget": B, **params})
+
+
+def test_knorm_skip_layers_beyond_the_model_is_an_error():
+    model = tiny_model("llama")  # 3 layers
+    with pytest.raises(ValueError, match=r"\[5\]"):
+        generate_ids(model, random_ids(60), None, build_method("knorm", budget=B, skip_layers=[0, 5]))
+
+
+# ---- ChunkKV ----------------------------------------------------------------------------------------
+# Transcribed from kvpress' `ChunkKVPress` (NVIDIA/kvpress @ 8bb29b9c3078452a86d692f29123fa6c793e2b05,
+# `kvpress/presses/chunkkv_press.py`, the paper's published code): per-position scores summed over
+# the KV heads, `kv_len // chunk_length` complete chunks from position 0 plus the trailing
+# `kv_len % chunk_length` positions as one more chunk, a chunk's mean (kvpress) or sum (the paper),
+# the top chunks kept, indices sorted. Applied here to the prefix, the window kept whole, and per
+# batch row (kvpress uses row 0's chunks for every row); the per-position scores are SnapKV's,
+# transcribed with loops from the eager attention weights (a window sum where kvpress' SnapKVPress
+# takes the window mean: the same ranking).
+
+
+def naive_snapkv_scores(attn, kv_heads, window, kernel, pooling, reduce, order) -> list[list[float]]:
+    """Per KV head, SnapKV's scores of the prefix positions of one row `[1, heads, L, L]`."""
+    _, h, length, _ = attn.shape
+    g, prefix = h // kv_heads, length - window
+
+    def pooled(v):
+        half = kernel // 2
+        if pooling == "max":
+            return [max(v[max(0, j - half) : j + half + 1]) for j in range(prefix)]
+        if pooling == "avg":  # zero padding counted, as F.avg_pool1d's default
+            return [sum(v[max(0, j - half) : j + half + 1]) / kernel for j in range(prefix)]
+        return list(v)
+
+    def reduced(rows):
+        cols = list(zip(*rows))
+        return {
+            "mean": [sum(c) / g for c in cols],
+            "max": [max(c) for c in cols],
+            "sum": [sum(c) for c in cols],
+        }[reduce]
+
+    out = []
+    for kvh in range(kv_heads):
+        votes = [
+            [float(attn[0, qh, prefix:, j].sum()) for j in range(prefix)]
+            for qh in range(kvh * g, (kvh + 1) * g)
+        ]
+        out.append(pooled(reduced(votes)) if order == "reduce_first" else reduced([pooled(v) for v in votes]))
+    return out
+
+
+def naive_chunkkv_kept(scores, length, window, budget, chunk_length, how) -> list[int]:
+    """ChunkKVPress.compress steps 2-4 on one row's prefix scores (per KV head), window appended."""
+    if length <= budget:
+        return list(range(length))
+    c, prefix = chunk_length, length - window
+    per_pos = [sum(head[j] for head in scores) for j in range(prefix)]
+    complete, remaining = divmod(prefix, c)
+    chunks = [per_pos[i * c : (i + 1) * c] for i in range(complete)]
+    if remaining:
+        chunks.append(per_pos[prefix - remaining :])
+    chunk_scores = [sum(ch) / (len(ch) if how == "mean" else 1) for ch in chunks]
+    top = sorted(range(len(chunks)), key=lambda i: -chunk_scores[i])[: (budget - window) // c]
+    kept = sorted(j for i in top for j in range(i * c, min((i + 1) * c, prefix)))
+    return kept + list(range(prefix, length))
+
+
+CHUNKKV_VARIANTS = [
+    dict(window=W, kernel_size=5, chunk_length=5),  # max-pool, reduce_first, chunk sums
+    # kvpress' SnapKVPress scores (avg-pool 5, per query head then the group mean), chunk means
+    dict(window=W, kernel_size=5, pooling="avg", gqa_order="pool_first", chunk_length=10, chunk_score="mean"),
+    dict(window=W, pooling="none", gqa_reduce="max", chunk_length=4, reuse_layers=2),  # index reuse
+]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", LENGTHS_AROUND_BUDGET)
+@pytest.mark.parametrize("params", CHUNKKV_VARIANTS, ids=str)
+def test_chunkkv_selection_is_the_original(kv_heads, length, params):
+    model = _tiny(kv_heads, layers=4)
+    method = build_method("chunkkv", budget=B, **params)
+
+    def naive(ids):
+        out = {}
+        for i, attn in enumerate(eager_attentions(model, ids)):
+            leader = i - i % method.reuse_layers  # layer-wise index reuse: the group's first layer
+            if leader != i:
+                out[i] = out[leader]
+                continue
+            scores = naive_snapkv_scores(
+                attn, kv_heads, W, method.kernel_size, method.pooling, method.gqa_reduce, method.gqa_order
+            )
+            kept = naive_chunkkv_kept(scores, ids.shape[1], W, B, method.chunk_length, method.chunk_score)
+            out[i] = [kept] * kv_heads  # one kept set per layer
+        return out
+
+    _check_batches(model, method, naive, length)
+
+
+def test_chunkkv_each_row_chooses_its_own_chunks():
+    """kvpress applies batch row 0's chunks to every row; here each row keeps its own best chunks."""
+    from snapkv.methods.chunkkv import chunk_selection
+
+    scores = torch.zeros(2, 2, 30 + 4)  # prefix 30 = chunks [0,10) [10,20) [20,30); window 4
+    scores[0, :, 12] = 1.0  # row 0 prefers chunk 1
+    scores[1, 1, 25] = 1.0  # row 1 prefers chunk 2 (one head's score suffices: heads are summed)
+    rows = chunk_selection(scores, window=4, chunk_length=10, n_chunks=1)
+    window = list(range(30, 34))
+    assert rows[0].tolist() == list(range(10, 20)) + window
+    assert rows[1].tolist() == list(range(20, 30)) + window  # kvpress: row 0's chunk 1 here
+
+
+def test_chunkkv_trailing_chunk_holds_the_last_positions_and_mean_favours_it():
+    from snapkv.methods.chunkkv import chunk_selection
+
+    # prefix 23 = chunks [0,10) [10,20) and the trailing [20,23); window 2
+    scores = torch.full((1, 1, 25), 0.1)
+    scores[..., 20:23] = 0.3  # trailing chunk: sum 0.9 < 1.0 of a full chunk, mean 0.3 > 0.1
+    summed = chunk_selection(scores, window=2, chunk_length=10, n_chunks=1, how="sum")[0]
+    meaned = chunk_selection(scores, window=2, chunk_length=10, n_chunks=1, how="mean")[0]
+    assert summed.tolist() == list(range(0, 10)) + [23, 24]  # tie between full chunks: the earlier
+    assert meaned.tolist() == [20, 21, 22, 23, 24]  # the short chunk: fewer entries than the budget
+
+
+class _RowZeroTakesTheTrailingChunk(ChunkKV):
+    """Test-only: row 0's trailing (short) prefix chunk gets the top score, so batch rows keep
+    different numbers of entries."""
+
+    def score(self, layer, query, key, module):
+        scores = super().score(layer, query, key, module)
+        prefix = scores.shape[-1] - self.window
+        scores[0, :, prefix - prefix % self.chunk_length : prefix] += 100.0
+        return scores
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+def test_chunkkv_rows_keeping_different_numbers_decode_as_the_masked_full_cache(query_aware):
+    model = tiny_model("mistral")
+    ids = random_ids(96, batch=2)
+    ctx, q = ids[:, :80], ids[:, 80:]
+    method = _RowZeroTakesTheTrailingChunk(budget=B, window=W, kernel_size=5, chunk_length=5)
+    (out, res), records = record_visible(
+        model,
+        lambda: generate_ids(
+            model, ctx, q, method, max_new_tokens=6, keep_logits=True, query_aware=query_aware
+        ),
+    )
+    # Prefix of the compressed prompt: 88 (query-aware) or 72 (agnostic) positions, chunks of 5.
+    prefix = (96 if query_aware else 80) - W
+    rest = prefix % 5
+    cache = _prefilled(model, ids if query_aware else ctx, method)
+    for _, layer in cache.compressible_layers():
+        assert layer.pads.tolist() == [5 - rest, 0]  # row 0 keeps the short chunk: fewer entries
+        assert layer.positions[0, 0, -W - rest : -W].tolist() == list(range(prefix - rest, prefix))
+    assert res.kv_tokens == (2 * (30 + W) - (5 - rest)) / 2  # 6 whole chunks of 5 per row, one short
+    fed = ([] if query_aware else [q]) + [out[:, i : i + 1] for i in range(out.shape[1] - 1)]
+    ref = masked_reference_logits(model, [ids if query_aware else ctx], fed, records)[-len(res.logits) :]
+    for step, (a, b) in enumerate(zip(res.logits, ref)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=f"step {step}")
+
+
+def test_chunkkv_reused_layers_keep_the_group_leaders_positions_without_scoring():
+    model = tiny_model("llama", layers=5)
+    ids = random_ids(96)
+    scored = []
+
+    class _Spy(ChunkKV):
+        def score(self, layer, query, key, module):
+            scored.append(layer.index)
+            return super().score(layer, query, key, module)
+
+    method = _Spy(budget=B, window=W, chunk_length=5, reuse_layers=2)
+    cache = _prefilled(model, ids, method)
+    pos = {i: layer.positions for i, layer in cache.compressible_layers()}
+    assert scored == [0, 2, 4]
+    assert torch.equal(pos[1], pos[0]) and torch.equal(pos[3], pos[2])
+    assert not torch.equal(pos[2], pos[0])
+
+
+@pytest.mark.parametrize(
+    "params,bad",
+    [
+        (dict(chunk_length=0), "chunk_length=0"),
+        (dict(chunk_length=40), "chunk_length=40"),  # budget - window = 32 < 40: no whole chunk
+        (dict(chunk_score="max"), "chunk_score='max'"),
+        (dict(reuse_layers=0), "reuse_layers=0"),
+        (dict(budget=None), "budget=None"),
+    ],
+)
+def test_chunkkv_bad_parameters_raise_value_error_naming_them(params, bad):
+    with pytest.raises(ValueError, match=bad):
+        build_method("chunkkv", **{"budget": B, "window": W, **params})
+
+
+@pytest.mark.parametrize(
+    "params,bad",
+    [
+        (dict(keep_last="yes"), "keep_last='yes'"),
+        (dict(evict_during_decode=1), "evict_during_decode=1"),
+        (dict(budget=None), "budget=None"),
+    ],
+)
+def test_tova_bad_parameters_raise_value_error_naming_them(params, bad):
+    with pytest.raises(ValueError, match=bad):
+        build_method("tova", **{"budget": B, **params})
 
 
 # ---- CriticalKV and Expected Attention -------------------------------------------------------------

@@ -31,6 +31,10 @@ METHODS = [
     ("criticalkv", dict(budget=40, window=8, base="adakv", allocation="kvpress")),
     ("expected_attention", dict(budget=40)),
     ("adakv_expected_attention", dict(budget=40, layout="padded")),
+    ("tova", dict(budget=40)),
+    ("tova", dict(budget=40, evict_during_decode=False, keep_last=True)),
+    ("knorm", dict(budget=40, evict_during_decode=True, skip_layers=[1])),
+    ("chunkkv", dict(budget=40, window=8, chunk_length=5, reuse_layers=2)),
 ]
 
 
@@ -63,6 +67,11 @@ def generate(model, method, ids, mask=None, **kw):
 @pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
 @pytest.mark.parametrize("name,params", METHODS)
 def test_padded_row_decodes_as_the_row_alone(arch_name, name, params):
+    if name == "knorm" and arch_name == "gemma3":
+        pytest.skip(
+            "Gemma 3 normalises its keys (k_norm, at its init weights here): every key's L2 norm is "
+            "sqrt(head_dim) up to rounding, so K-norm's choice is rounding noise"
+        )
     model = tiny_model(arch_name)
     rows = [random_ids(n, seed=i + 1)[0] for i, n in enumerate(LENGTHS)]
     ids, mask = left_padded(rows)

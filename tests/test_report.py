@@ -494,3 +494,23 @@ def test_configs_that_share_a_label_are_told_apart(tmp_path):
     write(d2, rows[:1])
     assert main([str(d2), "--out", str(tmp_path / "r2")]) == 0
     assert list(pd.read_csv(tmp_path / "r2" / "summary.csv")["label"]) == ["full"]
+
+
+def test_method_label_leaves_tova_knorm_chunkkv_switches_at_their_defaults_out():
+    from snapkv import build_method
+
+    def label(name, **params):
+        return method_label(name, build_method(name, budget=128, **params).params())
+
+    assert label("tova") == "tova b=128"
+    assert label("tova", keep_last=True, evict_during_decode=False) == (
+        "tova b=128 evict_during_decode=false keep_last=true"
+    )
+    assert label("knorm") == "knorm b=128 evict_during_decode=false"
+    assert label("knorm", skip_layers=[0, 1], prune_after=2048) == (
+        "knorm b=128 evict_during_decode=false prune_after=2048 skip_layers=0,1"
+    )
+    assert label("chunkkv") == "chunkkv b=128 w=32 k=7 chunk_length=10 max"
+    assert label("chunkkv", chunk_score="mean", reuse_layers=4) == (
+        "chunkkv b=128 w=32 k=7 chunk_length=10 chunk_score=mean reuse_layers=4 max"
+    )

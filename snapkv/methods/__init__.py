@@ -3,13 +3,16 @@ subclass of `Method` (its hyper-parameters as fields, a `score()`), plus `conf/m
 
 from snapkv.methods import (  # noqa: F401  (registration)
     adakv,
+    chunkkv,
     criticalkv,
     expected_attention,
     full,
     h2o,
+    knorm,
     pyramidkv,
     snapkv,
     streamingllm,
+    tova,
 )
 from snapkv.methods.base import Method
 from snapkv.methods.registry import METHODS, build_method, register

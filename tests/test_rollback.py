@@ -49,19 +49,32 @@ def assert_same_answer(a, b):
         assert torch.equal(x, y), f"step {step}"
 
 
+def assert_same_value(x, y, where: str) -> None:
+    """Equal tensors (values, shapes), recursively through dicts, lists and tuples; == otherwise."""
+    if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+        assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), where
+        assert x.shape == y.shape and torch.equal(x, y), where
+    elif isinstance(x, dict) and isinstance(y, dict):
+        assert x.keys() == y.keys(), where
+        for k in x:
+            assert_same_value(x[k], y[k], f"{where}[{k!r}]")
+    elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+        assert type(x) is type(y) and len(x) == len(y), where
+        for k, (u, v) in enumerate(zip(x, y)):
+            assert_same_value(u, v, f"{where}[{k}]")
+    else:
+        assert x == y, f"{where}: {x!r} != {y!r}"
+
+
 def assert_same_state(cache, ref):
-    """Every layer holds what `ref`'s does: equal tensors (values, shapes), equal bookkeeping."""
+    """Every layer holds what `ref`'s does: equal tensors (values, shapes), equal bookkeeping (the
+    layers' shared dict included: ChunkKV's layer-wise index reuse keeps its choice there)."""
     assert cache.get_seq_length() == ref.get_seq_length()
     for i, (a, b) in enumerate(zip(cache.layers, ref.layers)):
         assert type(a) is type(b)
         names = set(vars(a)) | set(vars(b))
         for name in sorted(names - {"_mark", "method_state"}):
-            x, y = getattr(a, name, None), getattr(b, name, None)
-            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-                assert isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor), f"layer {i}.{name}"
-                assert x.shape == y.shape and torch.equal(x, y), f"layer {i}.{name}"
-            else:
-                assert x == y, f"layer {i}.{name}: {x!r} != {y!r}"
+            assert_same_value(getattr(a, name, None), getattr(b, name, None), f"layer {i}.{name}")
         assert getattr(a, "method_state", None) == getattr(b, "method_state", None)
 
 

@@ -255,7 +255,7 @@ def test_kv_retrieval_samples(tok):
         for s, key in zip(group, keys):
             assert s.question == f'\n\nKey: "{key}"\nThe value associated with the specified key is:'
             assert obj[key] == s.answers[0] and s.prompt.count(s.answers[0]) == 1
-            assert UUID.fullmatch(s.answers[0]) and s.max_new_tokens == 48
+            assert UUID.fullmatch(s.answers[0]) and s.max_new_tokens == 64
             assert s.extra["actual_tokens"] == prompt_tokens(tok, s.context, s.question, True) <= length
         # the largest object that fits: one more filler pair overflows for some question
         n = len(obj) - 4
@@ -331,7 +331,7 @@ def test_kv_retrieval_config():
     spec = RunSpec.from_config(compose_cfg(["task=kv_retrieval", "task.lengths=[1024]", "task.questions=3"]))
     task = spec.task
     assert isinstance(task, KVRetrievalTask) and task.multi_question()
-    assert (task.lengths, task.n_samples, task.questions, task.max_new_tokens) == ([1024], 5, 3, 48)
+    assert (task.lengths, task.n_samples, task.questions, task.max_new_tokens) == ([1024], 5, 3, 64)
     more = RunSpec.from_config(
         compose_cfg(["task=kv_retrieval", "task.lengths=[1024,2048]", "task.samples=9"])
     )

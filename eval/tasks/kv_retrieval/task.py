@@ -30,7 +30,8 @@ is:'`` (InfiniteBench's input, without its trailing space).
 Metrics: ``string_match`` (the main one: the value occurs in the prediction, case-insensitive, as
 RULER's and SCBench's substring match) and ``partial`` (the longest prefix of the value found at
 the start of a word of the prediction, over the value's length: what a cache that kept part of the
-value still yields).
+value still yields; a prediction holding other UUIDs matches a character or two by chance, about
+0.03).
 """
 
 from __future__ import annotations
@@ -142,7 +143,8 @@ class KVRetrievalTask(Task):
     lengths: prompt lengths in tokens (context + one question, chat template included); samples:
     contexts per length (kept as ``n_samples``: ``samples()`` is the task protocol's method);
     questions: keys asked per context (K); seed: the generation seed; max_new_tokens: generation
-    length (a UUID is 20-30 tokens); chat_template: render with the tokenizer's chat template (when
+    length (a UUID is 25-35 tokens, and chat models restate the question's "The value associated
+    with the specified key is" before it); chat_template: render with the tokenizer's chat template (when
     it has one).
 
     Row columns (`extra`): context_length (requested), actual_tokens (this question's prompt),
@@ -163,7 +165,7 @@ class KVRetrievalTask(Task):
         samples: int = 5,
         questions: int = 4,
         seed: int = 42,
-        max_new_tokens: int = 48,
+        max_new_tokens: int = 64,
         chat_template: bool = True,
     ) -> None:
         if isinstance(lengths, int) and not isinstance(lengths, bool):

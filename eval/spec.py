@@ -6,8 +6,8 @@ error (the CLI turns it into one line and exit code 2); the runner only ever see
 `query_aware`, the model's dtype, attention implementation and chat-template switch, the prefill
 chunk size (same tokens kept, different memory/timings), and the task's config except its
 `selection_keys` (keys that only choose which samples run) and keys at their `hash_defaults`
-(`Task.hash_params`). The device is left out, so a run can
-resume on another machine; the model is in the file's path.
+(`Task.hash_params`). The device is left out, so a run can resume on another machine; the model is
+in the file's path.
 """
 
 from __future__ import annotations

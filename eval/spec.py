@@ -5,8 +5,9 @@ error (the CLI turns it into one line and exit code 2); the runner only ever see
 `method_hash` covers everything in the config that changes a row: the method and its parameters,
 `query_aware`, the model's dtype, attention implementation and chat-template switch, the prefill
 chunk size (same tokens kept, different memory/timings), and the task's config except its
-`selection_keys` (keys that only choose which samples run). The device is left out, so a run can
-resume on another machine; the model is in the file's path.
+`selection_keys` (keys that only choose which samples run) and keys at their `hash_defaults`
+(`Task.hash_params`). The device is left out, so a run can resume on another machine; the model is
+in the file's path.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class RunSpec:
     @property
     def method_hash(self) -> str:
         """Config hash of everything that changes one sample's output (see the module docstring)."""
-        task_params = {k: v for k, v in self.task_config.items() if k not in self.task.selection_keys}
+        task_params = self.task.hash_params(self.task_config)
         return config_hash(
             {
                 "method": self.method.name,

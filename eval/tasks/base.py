@@ -66,6 +66,8 @@ class Task:
     Class attributes: `name` (registry key, `task.name`), `version` (bump when prompts or data
     handling change; part of the results file's hash), `selection_keys` (config keys that only choose
     WHICH samples run, left out of the hash so a grid can grow without recomputing stored samples),
+    `hash_defaults` (config keys added after results were stored, each with its default: left out
+    of the hash while they hold it, so the results of every earlier config keep their file),
     `report_section` (heading of the report section holding `report_tables`), `budget_values`
     (row columns the report draws against the KV budget, each with its axis name: `score` always;
     a task adds a graded column, e.g. the needle's partial credit, where the main score is flat).
@@ -74,8 +76,18 @@ class Task:
     name: ClassVar[str] = ""
     version: ClassVar[int | None] = None
     selection_keys: ClassVar[tuple[str, ...]] = ()
+    hash_defaults: ClassVar[dict[str, Any]] = {}
     report_section: ClassVar[str] = "Scores"
     budget_values: ClassVar[dict[str, str]] = {"score": "score"}
+
+    def hash_params(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The task config as it enters the config hash: minus `selection_keys`, and minus each
+        `hash_defaults` key that holds its default."""
+        return {
+            k: v
+            for k, v in config.items()
+            if k not in self.selection_keys and not (k in self.hash_defaults and v == self.hash_defaults[k])
+        }
 
     # ---- running
     def samples(self, tokenizer: Any) -> Iterable[Sample]:

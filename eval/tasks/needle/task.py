@@ -15,6 +15,9 @@ Insertion (gkamradt convention): at token ``int(n * depth / 100)`` of the n hays
 to the previous sentence end (a '.' followed by whitespace, an upper-case letter or the end). Depth 0
 puts the needle first, depth 100 last (after the trimmed haystack, as gkamradt does).
 
+Several needles (``needles=K``, K > 1): K keyed needles in one haystack, one question (Sample) per
+needle; see `eval.tasks.needle.multi`. ``needles=1`` is the task above, unchanged.
+
 Credits: the needle convention, the San Francisco needle and its question come from gkamradt's
 LLMTest_NeedleInAHaystack (MIT, https://github.com/gkamradt/LLMTest_NeedleInAHaystack); the magic
 number needle, its prompt wording and the substring match from RULER's niah task (Apache-2.0,
@@ -35,6 +38,8 @@ import pandas as pd
 from eval.tables import column_order, md_table, slug
 from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
+from eval.tasks.multi_question import question_tables
+from eval.tasks.needle import multi
 from eval.tasks.registry import register_task
 
 # --------------------------------------------------------------------------------------------------
@@ -242,10 +247,12 @@ class NeedleTask(Task):
     needle: ``magic_number`` (7-digit number, metrics exact/partial) or ``sf`` (gkamradt's San
     Francisco sentence, metrics word_recall/exact). metric: main metric returned by `score`
     (default: the needle's first). number: fix the magic number (default: drawn per cell from
-    (seed, length, depth)).
+    (seed, length, depth)). needles: K > 1 hides K keyed magic numbers per cell and asks for each
+    in its own sample (`eval.tasks.needle.multi`; needle=magic_number, number unset).
 
     Row columns (`extra`): context_length, depth_percent (the grid cell), needle, actual_tokens,
-    actual_depth_percent, haystack. Report: accuracy (and partial credit) per config x context
+    actual_depth_percent, haystack; with needles > 1 also needles, needle_key,
+    needle_depth_percent, context_id, question_index (the asked needle's). Report: accuracy (and partial credit) per config x context
     length, mean over depths, and one heatmap per config.
     """
 
@@ -255,6 +262,8 @@ class NeedleTask(Task):
     # number survives in part): partial credit shows what each budget buys.
     budget_values: ClassVar[dict[str, str]] = {"score": "needle score", "partial": "partial credit"}
     report_section: ClassVar[str] = "Needle in a haystack"
+    # One needle is the task as it was before `needles` existed: same hash, same results file.
+    hash_defaults: ClassVar[dict[str, Any]] = {"needles": 1}
 
     haystack: str = "paul_graham"
     lengths: list[int] = field(default_factory=lambda: [1000, 2000, 4000])
@@ -265,6 +274,7 @@ class NeedleTask(Task):
     chat_template: bool = True
     seed: int = 42
     number: int | None = None
+    needles: int = 1
 
     def __post_init__(self) -> None:
         if self.needle not in NEEDLES:
@@ -276,6 +286,17 @@ class NeedleTask(Task):
             raise ValueError(
                 f"metric {self.metric!r} does not apply to needle {self.needle!r}; "
                 f"choose one of {', '.join(spec.metrics)}"
+            )
+        if isinstance(self.needles, bool) or not isinstance(self.needles, int) or self.needles < 1:
+            raise ValueError(f"needles must be a positive integer, got needles={self.needles!r}")
+        if self.needles > 1 and self.needle != "magic_number":
+            raise ValueError(
+                f"needles={self.needles} needs needle=magic_number (keyed numbers), got needle={self.needle!r}"
+            )
+        if self.needles > 1 and self.number is not None:
+            raise ValueError(
+                f"number={self.number!r} fixes one needle's number; needles={self.needles} draws "
+                "distinct numbers (leave number unset)"
             )
         check_haystack_name(self.haystack)
         self.lengths = _dedup([_check_length(x) for x in self.lengths])
@@ -292,6 +313,15 @@ class NeedleTask(Task):
     @property
     def spec(self) -> NeedleSpec:
         return NEEDLES[self.needle]
+
+    @property
+    def version(self) -> str | None:
+        """None for one needle (as before `needles` existed); several: the multi-needle layout and
+        the word lists its keys come from."""
+        return None if self.needles == 1 else multi.words_version()
+
+    def multi_question(self) -> bool:
+        return self.needles > 1
 
     def cell_number(self, length: int, depth: float) -> str:
         """The magic number of a cell: fixed by ``number`` or drawn from (seed, length, depth)."""
@@ -318,6 +348,8 @@ class NeedleTask(Task):
         """Validate every length against the prompt overhead (ValueError naming a length too small
         to hold the prompt), tokenize the haystack once, and return an iterator over the samples."""
         templated = self.chat_template and has_chat_template(tokenizer)
+        if self.needles > 1:
+            return self._samples_multi(tokenizer, templated)
         overheads = {}
         for length in self.lengths:
             for depth in self.depths:
@@ -379,6 +411,79 @@ class NeedleTask(Task):
                     },
                 )
 
+    def _samples_multi(self, tokenizer: Any, templated: bool) -> Iterator[Sample]:
+        """`samples` for K > 1 needles: the K needles of every cell, each length checked against the
+        prompt without haystack, then the haystack tokenized once."""
+        cells = {}
+        for length in self.lengths:
+            for depth in self.depths:
+                needles = multi.draw_needles(self.seed, length, _fmt_depth(depth), self.needles)
+                prompt = (
+                    multi.INSTRUCTION + " ".join(n.sentence for n in needles) + needles[0].question(templated)
+                )
+                overhead = count_prompt_tokens(tokenizer, prompt, templated)
+                if overhead >= length:
+                    raise ValueError(
+                        f"context length {length} is too small: the prompt without haystack already "
+                        f"takes {overhead} tokens with needles={self.needles}"
+                    )
+                cells[length, depth] = needles, overhead
+        base, sep = load_haystack(self.haystack)
+        hay = _tokenize_haystack(tokenizer, base, sep, max(self.lengths) + 64)
+        return self._generate_multi(tokenizer, hay, cells, templated)
+
+    def _generate_multi(
+        self, tokenizer: Any, hay: _HaystackTokens, cells: dict, templated: bool
+    ) -> Iterator[Sample]:
+        # The single needle's sizing loop (`_generate`), measured with question 0.
+        for (length, depth), (needles, overhead) in cells.items():
+            first = needles[0].question(templated)
+            budget = length - overhead
+            best = None  # (key, context, budget, insertion tokens)
+            tried = set()
+            for _ in range(8):
+                budget = max(1, min(budget, len(hay)))
+                if budget in tried:
+                    break
+                tried.add(budget)
+                text, points = multi.insert_needles(hay, budget, needles)
+                context = multi.INSTRUCTION + text
+                actual = count_prompt_tokens(tokenizer, context + first, templated)
+                key = (abs(actual - length), actual > length)
+                if best is None or key < best[0]:
+                    best = (key, context, budget, points)
+                if actual == length:
+                    break
+                budget += length - actual
+            _, context, budget, points = best
+            context_id = self.sample_id(length, depth)
+            for k, needle in enumerate(needles):
+                question = needle.question(templated)
+                yield Sample(
+                    sample_id=f"{context_id}/q{k}",
+                    dataset=self.name,
+                    context=context,
+                    question=question,
+                    answers=[needle.number],
+                    max_new_tokens=self.max_new_tokens,
+                    chat_template=templated,
+                    context_id=context_id,
+                    question_index=k,
+                    extra={
+                        "context_length": length,
+                        "depth_percent": depth,
+                        "needle": needle.sentence,
+                        "actual_tokens": count_prompt_tokens(tokenizer, context + question, templated),
+                        "actual_depth_percent": round(100.0 * points[k] / budget, 2),
+                        "haystack": self.haystack,
+                        "needles": self.needles,
+                        "needle_key": needle.key,
+                        "needle_depth_percent": needle.depth,
+                        "context_id": context_id,
+                        "question_index": k,
+                    },
+                )
+
     # ---- scoring
 
     def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
@@ -400,7 +505,7 @@ class NeedleTask(Task):
 
     @classmethod
     def report_tables(cls, df: pd.DataFrame) -> list[str]:
-        return _report_tables(df)
+        return _report_tables(df) + question_tables(df, "context_length")
 
     @classmethod
     def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:

@@ -188,6 +188,33 @@ def niah(
     return Prompt(head, tail, ap, answers, info={"keys": queries, "needles": needles})
 
 
+def separate_queries(prompt: Prompt, type_needle_v: str) -> list[Prompt]:
+    """A niah prompt that asks several keys at once (niah_multiquery) as one prompt per key, in
+    query order: the same head (instruction + haystack), the single-key question and answer prefix
+    (RULER's singular wording), that key's value as the answer. Keys with several values
+    (niah_multivalue) do not split: ValueError."""
+    keys = prompt.info["keys"]
+    if len(keys) != len(prompt.outputs):
+        raise ValueError(
+            f"cannot ask the keys one by one: {len(keys)} keys with {len(prompt.outputs)} values "
+            "(only one value per key splits into one question per key)"
+        )
+    fam = FAMILIES["niah"]
+    # _singular on the unfilled templates, so that a key's letters are never rewritten
+    tail, prefix = _singular(fam.template.split("{context}", 1)[1]), _singular(fam.answer_prefix)
+    type_v = type_needle_v[:-1]
+    return [
+        Prompt(
+            prompt.head,
+            _fill(tail, type_needle_v=type_v, query=key),
+            _fill(prefix, type_needle_v=type_v, query=key),
+            [value],
+            info={**prompt.info, "keys": [key]},
+        )
+        for key, value in zip(keys, prompt.outputs)
+    ]
+
+
 def _singular(text: str) -> str:
     for a, b in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
         text = text.replace(a, b)

@@ -39,6 +39,16 @@ QA (qa_1 SQuAD, qa_2 HotpotQA): generated from ``data_dir``'s ``squad.json`` / `
 (RULER's names; ``dev-v2.0.json`` / ``hotpot_dev_distractor_v1.json`` also found); without them the
 two tasks are left out of the default task list with one logged line.
 
+Separate questions (``separate_questions``, default false): niah_multiquery asks its four keys
+one by one instead of in one question, one sample per key (``<task>-<length>-<index>/q<k>``, in
+RULER's query order), sharing ``context_id`` and the same ``context``; the question and answer
+prefix take RULER's single-key wording ("What is the special magic number for KEY ..."), the answer
+is that key's value, and the haystack is sized so that the longest of the four prompts fits. The
+other tasks are unchanged: niah_multivalue asks for the four values of ONE key, which are not four
+questions (nothing tells them apart but their order in the text), so it stays one question; the
+single / multikey tasks ask one key already. Pre-generated niah_multiquery files hold the joined
+question and are refused with it. Default false: today's samples, ids and config hash.
+
 Haystack (``haystack``): null keeps RULER's per-task choice (niah_single_1: the noise paragraph;
 niah_single_2/3, multikey_1, multivalue, multiquery: Paul Graham essays; multikey_2/3: distractor
 needles; vt: noise). ``noise``, ``paul_graham`` or ``dir:PATH`` replaces the noise / essay haystack of
@@ -60,6 +70,7 @@ import pandas as pd
 
 from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack
+from eval.tasks.multi_question import question_tables
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.config import (
     FAMILIES,
@@ -84,6 +95,7 @@ from eval.tasks.ruler.generate import (
     qa,
     read_hotpotqa,
     read_squad,
+    separate_queries,
     variable_tracking,
     vt_text,
     wonder_words,
@@ -268,10 +280,12 @@ class RulerTask(Task):
     in tokens; samples: samples per task and length (kept as ``n_samples``: ``samples()`` is the
     task protocol's method); seed: the generation seed; data_dir: RULER files (either layout) or the
     QA sources; haystack: None (RULER's) | noise | paul_graham | dir:PATH; chat_template: render with
-    the tokenizer's chat template (when it has one).
+    the tokenizer's chat template (when it has one); separate_questions: niah_multiquery asks its
+    keys one sample each (module docstring).
 
     Row columns: ruler_task, ruler_family, ruler_length, ruler_index, actual_tokens, haystack,
-    source. Report: suite average per length and a task x length table per config (section
+    source; with separate_questions, niah_multiquery rows add ruler_query, context_id,
+    question_index. Report: suite average per length and a task x length table per config (section
     "RULER"), and a task x length heatmap per config (`eval.tasks.ruler.report`).
     """
 
@@ -280,6 +294,8 @@ class RulerTask(Task):
     # choose samples (each sample id carries its record's hash), not one sample's output.
     selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "tasks", "samples", "data_dir")
     report_section: ClassVar[str] = "RULER"
+    # Joined questions are RULER's task as it was before the switch existed: same hash and file.
+    hash_defaults: ClassVar[dict[str, Any]] = {"separate_questions": False}
 
     def __init__(
         self,
@@ -290,9 +306,11 @@ class RulerTask(Task):
         data_dir: str | None = None,
         haystack: str | None = None,
         chat_template: bool = True,
+        separate_questions: bool = False,
     ) -> None:
         self.tasks, self.lengths, self.n_samples, self.seed = tasks, lengths, samples, seed
         self.data_dir, self.haystack, self.chat_template = data_dir, haystack, chat_template
+        self.separate_questions = separate_questions
         self._templated = False
         self._validate()
 
@@ -318,6 +336,10 @@ class RulerTask(Task):
             self.tasks = list(dict.fromkeys(self.tasks))
             for t in self.tasks:
                 family_of(t)  # ValueError for unknown names
+        if not isinstance(self.separate_questions, bool):
+            raise ValueError(
+                f"RULER separate_questions must be true or false, got separate_questions={self.separate_questions!r}"
+            )
         if self.haystack is not None:
             check_haystack_name(self.haystack)
         if self.data_dir is not None and not Path(self.data_dir).expanduser().is_dir():
@@ -399,15 +421,35 @@ class RulerTask(Task):
                     )
         return [(t, length, None) for length in self.lengths for t in tasks]
 
+    def _separate(self, task: str) -> bool:
+        """Whether `task`'s keys are asked one sample each: ``separate_questions`` and a niah task
+        that asks several keys with one value each (RULER's niah_multiquery)."""
+        spec = TASKS.get(task)
+        return bool(
+            self.separate_questions
+            and spec is not None
+            and spec.family == "niah"
+            and spec.args["num_needle_q"] > 1
+            and spec.args["num_needle_v"] == 1
+        )
+
+    def multi_question(self) -> bool:
+        return any(self._separate(task) for task, _, path in self.plan if path is None)
+
     def num_samples(self) -> int:
         """Check everything that can be checked without a tokenizer (files, QA sources, haystack) and
         return the number of samples; the runner calls it before loading the model."""
         n = 0
         for task, _, path in self.plan:
+            if path is not None and self._separate(task):
+                raise ValueError(
+                    f"RULER separate_questions=true needs generated {task} samples: {path} holds "
+                    "RULER's joined question (leave data_dir unset for this task)"
+                )
             if path is not None:
                 n += min(self.n_samples, len(self._records(path)))
             else:
-                n += self.n_samples
+                n += self.n_samples * (TASKS[task].args["num_needle_q"] if self._separate(task) else 1)
                 if TASKS[task].family == "qa":
                     self._qa(TASKS[task].args["dataset"])
                 elif TASKS[task].family == "niah" and self._niah_haystack(task)[0] == "essay":
@@ -581,6 +623,9 @@ class RulerTask(Task):
         return (lambda n: qa(src, rng(), n, index=index, seed=self.seed)), 1, len(src.docs)
 
     def _generated(self, tokenizer: Any, task: str, length: int) -> Iterator[Sample]:
+        if self._separate(task):
+            yield from self._generated_separate(tokenizer, task, length)
+            return
         fam = FAMILIES[TASKS[task].family]
         # RULER: prompt + tokens_to_generate <= length; fwe's script sizes the prompt alone.
         budget = length if fam.name == "freq_words_extraction" else length - fam.tokens_to_generate
@@ -618,6 +663,58 @@ class RulerTask(Task):
                 },
             )
 
+    def _generated_separate(self, tokenizer: Any, task: str, length: int) -> Iterator[Sample]:
+        """`_generated` for a task whose keys are asked one by one (`separate_queries`): the largest
+        haystack whose every single-key prompt fits, one sample per key sharing the context."""
+        fam = FAMILIES["niah"]
+        budget = length - fam.tokens_to_generate
+        type_v = TASKS[task].args["type_needle_v"]
+        hint = None
+        for index in range(self.n_samples):
+            make, lo, hi = self._maker(tokenizer, task, length, index)
+
+            def measure(n: int, make=make) -> tuple[tuple[list[Prompt], list[tuple[str, str]]], int]:
+                prompts = separate_queries(make(n), type_v)
+                texts = [render(tokenizer, p, self._templated) for p in prompts]
+                if len({context for context, _ in texts}) != 1:
+                    raise ValueError(
+                        f"RULER {task}: the chat template renders the shared context differently per "
+                        "question; the keys cannot be asked separately with it"
+                    )
+                return (prompts, texts), max(prompt_tokens(tokenizer, *text) for text in texts)
+
+            found = fit(measure, budget, lo, hi, hint)
+            if found is None:
+                raise ValueError(
+                    f"RULER length {length} is too small for {task}: the shortest prompt takes "
+                    f"{measure(lo)[1]} tokens, more than {budget} (= {length} - {fam.tokens_to_generate} generated)"
+                )
+            n, (prompts, texts), _ = found
+            hint = n
+            context_id = f"{task}-{length}-{index}"
+            for k, (prompt, text) in enumerate(zip(prompts, texts)):
+                actual = prompt_tokens(tokenizer, *text)
+                sample = self._sample(
+                    task,
+                    length,
+                    index,
+                    prompt.outputs,
+                    text,
+                    f"{context_id}/q{k}",
+                    {
+                        "length": actual + fam.tokens_to_generate,
+                        "actual_tokens": actual,
+                        "haystack_units": n,
+                        "haystack": self._haystack_name(task),
+                        "source": "generated",
+                        "ruler_query": prompt.info["keys"][0],
+                        "context_id": context_id,
+                        "question_index": k,
+                    },
+                )
+                sample.context_id, sample.question_index = context_id, k
+                yield sample
+
     def _haystack_name(self, task: str) -> str | None:
         family = TASKS[task].family
         if family == "variable_tracking":
@@ -643,7 +740,8 @@ class RulerTask(Task):
         from eval.tables import column_order
         from eval.tasks.ruler.report import ruler_tables
 
-        return ruler_tables(df, column_order)
+        tables = ruler_tables(df, column_order)
+        return tables + question_tables(df, "ruler_length", title="separate questions")
 
     @classmethod
     def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:

@@ -1,0 +1,4 @@
+"""Key-value retrieval (InfiniteBench / SCBench style): UUID pairs in a JSON object, generated in
+the model's own tokenizer, several keys asked about one object, one sample per key."""
+
+from eval.tasks.kv_retrieval import task  # noqa: F401  (registers the task)

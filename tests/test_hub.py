@@ -142,7 +142,7 @@ def timed(env: dict[str, str], *calls: str) -> list[dict]:
 import builtins, json, time
 import huggingface_hub, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-import snapkv.models, eval.runner, eval.tasks.longbench
+import snapkv.models, eval.runner, eval.tasks.longbench.task
 for call in {list(calls)!r}:
     t = time.perf_counter()
     try:
@@ -212,7 +212,7 @@ def test_unreachable_endpoint_fails_at_once(tmp_path):
         child_env(tmp_path, endpoint),
         "snapkv.models.load_model('tiny-org/missing')",
         "eval.runner.load_tokenizer('tiny-org/missing')",
-        "eval.tasks.longbench.find_data_file('passage_count')",
+        "eval.tasks.longbench.task.find_data_file('passage_count')",
     )
     assert [r["seconds"] < FAST_S for r in (model, tokenizer, data)] == [True] * 3, (model, tokenizer, data)
     for result, fix in [(model, "(model.name=PATH)"), (data, "task.data_dir=... or LONGBENCH_DIR=...")]:
@@ -250,7 +250,7 @@ def test_slow_endpoint_still_downloads(model_repo, longbench_repo, tmp_path):
     """Every answer 2 s late: reachable, so the download runs (the probe stops waiting after 1 s)."""
     with HubServer({LONGBENCH: longbench_repo}, delay=2.0) as slow:
         (result,) = timed(
-            child_env(tmp_path, slow.url), "eval.tasks.longbench.find_data_file('passage_count')"
+            child_env(tmp_path, slow.url), "eval.tasks.longbench.task.find_data_file('passage_count')"
         )
         assert result["error"] is None, result
         assert Path(result["out"]).read_text().count("\n") == 3

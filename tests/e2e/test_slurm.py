@@ -127,12 +127,29 @@ sys.meta_path.insert(0, _SlowGenerate())
 '''
 
 
+def job_name(tmp_path: Path) -> str:
+    return f"snapkv-test-{tmp_path.name}"
+
+
+@pytest.fixture
+def no_leftovers(tmp_path):
+    """Whatever a test leaves behind when it fails: its sweep commands and its jobs."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    subprocess.run(["scancel", f"--name={job_name(tmp_path)}"], capture_output=True, timeout=60)
+
+
 def sweep_args(tiny_dir: str, tmp_path: Path, *args: str) -> list[str]:
     """`run.py -m` on the SLURM launcher: 1 CPU and 1 GB per job, no GPU, the tiny model, quiet."""
     return [
         "-m",
         "hydra/launcher=slurm",
         f"hydra.sweep.dir={tmp_path}/multirun",
+        f"hydra.launcher.name={job_name(tmp_path)}",
         "hydra.launcher.gpus_per_node=null",
         "hydra.launcher.cpus_per_task=1",
         "hydra.launcher.mem_gb=1",
@@ -166,11 +183,16 @@ def env_for(tmp_path: Path, slow: bool = False) -> dict[str, str]:
     return env
 
 
-def start_sweep(tmp_path: Path, args: list[str], slow: bool = False) -> subprocess.Popen:
-    return subprocess.Popen(
+def start_sweep(
+    tmp_path: Path, args: list[str], slow: bool = False, started: list | None = None
+) -> subprocess.Popen:
+    proc = subprocess.Popen(
         [sys.executable, str(ROOT / "run.py"), *args],
         cwd=tmp_path, env=env_for(tmp_path, slow), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
+    if started is not None:
+        started.append(proc)
+    return proc
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str]:
@@ -183,8 +205,8 @@ def finish(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def run_sweep(tmp_path: Path, args: list[str], slow: bool = False) -> tuple[int, str]:
-    return finish(start_sweep(tmp_path, args, slow))
+def run_sweep(tmp_path: Path, args: list[str], started: list) -> tuple[int, str]:
+    return finish(start_sweep(tmp_path, args, started=started))
 
 
 def all_rows(results: Path) -> list[dict]:
@@ -240,14 +262,14 @@ def wait_for_state(job: str, states: set[str], timeout: float = 60) -> str:
 
 
 # --------------------------------------------------------------------------------------------- tests
-def test_a_sharded_sweep_runs_as_a_job_array_every_sample_once(tiny_dir, tmp_path):
+def test_a_sharded_sweep_runs_as_a_job_array_every_sample_once(tiny_dir, tmp_path, no_leftovers):
     """method=full,snapkv x 2 shards: 4 array tasks on the `batch` partition; every sample of both
     configs lands exactly once over the shard files, each row names its job, and one report holds both."""
     args = sweep_args(
         tiny_dir, tmp_path, "hydra.launcher.partition=batch", "method=full,snapkv",
         "task.num_shards=2", "task.shard=0,1", "task.lengths=[150,250]", "task.depths=[0,50,100]",
     )  # fmt: skip
-    code, out = run_sweep(tmp_path, args)
+    code, out = run_sweep(tmp_path, args, no_leftovers)
     assert code == 0, out[-4000:]
     rows = all_rows(tmp_path / "results")
     counts = rows_per_sample(rows)
@@ -268,11 +290,11 @@ def test_a_sharded_sweep_runs_as_a_job_array_every_sample_once(tiny_dir, tmp_pat
     assert "| full |" in report and "snapkv b=64" in report
 
 
-def test_a_bad_point_is_recorded_and_the_other_points_finish(tiny_dir, tmp_path):
+def test_a_bad_point_is_recorded_and_the_other_points_finish(tiny_dir, tmp_path, no_leftovers):
     """budget=64,16: 16 is below SnapKV's window; that array task records the error, the other
     finishes, the report is written, and the command exits 2 naming the bad point."""
     args = sweep_args(tiny_dir, tmp_path, "budget=64,16", "task.lengths=[150]", "task.depths=[50]")
-    code, out = run_sweep(tmp_path, args)
+    code, out = run_sweep(tmp_path, args, no_leftovers)
     assert code == 2, out[-4000:]
     rows = all_rows(tmp_path / "results")
     assert [(r["method_params"]["budget"], r["status"]) for r in rows] == [(64, "ok")]
@@ -282,18 +304,24 @@ def test_a_bad_point_is_recorded_and_the_other_points_finish(tiny_dir, tmp_path)
     assert "snapkv b=64" in (tmp_path / "results" / "report.md").read_text()
 
 
-def test_a_cancelled_job_is_listed_and_resumed_by_rerunning_the_command(tiny_dir, tmp_path):
-    """method=full,streamingllm; scancel the full job mid-run: the other job still finishes, the
-    report is written and the cancelled point listed (exit 2); the same command again runs only the
-    missing samples, none twice, and ends cleanly."""
+def test_cancelled_jobs_are_listed_and_resumed_by_rerunning_the_command(tiny_dir, tmp_path, no_leftovers):
+    """method=full,streamingllm,snapkv, one array task at a time: scancel the snapkv task while it
+    is pending (SLURM drops it from the array without an accounting record), then the full job
+    mid-run. The streamingllm job runs and finishes; the command ends listing the two cancelled
+    points (exit 2); the same command again runs only the missing samples, none twice, and ends cleanly."""
     n = 16
     args = sweep_args(
-        tiny_dir, tmp_path, "method=full,streamingllm", "report=false",
-        "task.lengths=[150,200,250,300]", "task.depths=[0,33,66,100]",
+        tiny_dir, tmp_path, "method=full,streamingllm,snapkv", "hydra.launcher.array_parallelism=1",
+        "report=false", "task.lengths=[150,200,250,300]", "task.depths=[0,33,66,100]",
     )  # fmt: skip
-    proc = start_sweep(tmp_path, args, slow=True)
+    proc = start_sweep(tmp_path, args, slow=True, started=no_leftovers)
     results = tmp_path / "results"
-    job = job_of(wait_for_rows(results, 1, proc, method="full")[0])
+    running = wait_for_rows(results, 1, proc, method="full")[0]
+    job = job_of(running)
+    pending = f"{running['slurm_array_job_id']}_2"
+    queued = subprocess.run(["squeue", "-h", "-r", "-o", "%i %t"], capture_output=True, text=True, check=True)
+    assert f"{pending} PD" in queued.stdout  # tasks 1 and 2 wait for the one slot
+    subprocess.run(["scancel", pending], check=True)  # first: with task 1 still pending beside it
     subprocess.run(["scancel", job], check=True)
     code, out = finish(proc)
     assert code == 2, out[-4000:]
@@ -302,23 +330,26 @@ def test_a_cancelled_job_is_listed_and_resumed_by_rerunning_the_command(tiny_dir
     done_full = sum(r["method"] == "full" for r in first)
     assert 1 <= done_full < n  # really stopped mid-run
     assert sum(r["method"] == "streamingllm" for r in first) == n  # the other point finished
+    assert not any(r["method"] == "snapkv" for r in first)  # never started
     assert set(rows_per_sample(first).values()) == {1}
-    (error,) = (tmp_path / "multirun").glob("*/error.txt")
-    assert f"job {job} ended without a result (SLURM state: CANCELLED" in error.read_text()
-    assert "method=full" in out and "1 sweep point(s) failed" in out
+    errors = {e.parent.name: e.read_text() for e in (tmp_path / "multirun").glob("*/error.txt")}
+    assert sorted(errors) == ["0", "2"]
+    assert f"job {job} ended without a result (SLURM state: CANCELLED" in errors["0"]
+    assert f"job {pending} left SLURM without an accounting record" in errors["2"]
+    assert "2 sweep point(s) failed" in out and "method=full" in out and "method=snapkv" in out
 
-    code, out = run_sweep(tmp_path, args)
+    code, out = run_sweep(tmp_path, args, no_leftovers)
     assert code == 0, out[-4000:]
     rows = all_rows(results)
     counts = rows_per_sample(rows)
-    assert len(counts) == 2 * n and set(counts.values()) == {1}, counts  # the missing ones ran, none twice
+    assert len(counts) == 3 * n and set(counts.values()) == {1}, counts  # the missing ones ran, none twice
     assert {r["status"] for r in rows} == {"ok"}
-    assert not list((tmp_path / "multirun").glob("*/error.txt"))  # the rerun cleared the old failure
-    log = (error.parent / "run.log").read_text()
+    assert not list((tmp_path / "multirun").glob("*/error.txt"))  # the rerun cleared the old failures
+    log = (tmp_path / "multirun" / "0" / "run.log").read_text()
     assert f"{n} samples, {done_full} already done, {n - done_full} to run" in log
 
 
-def test_a_preempted_job_is_requeued_and_finishes_without_duplicates(tiny_dir, tmp_path):
+def test_a_preempted_job_is_requeued_and_finishes_without_duplicates(tiny_dir, tmp_path, no_leftovers):
     """USR2, the signal SLURM sends before a time limit or on preemption (submitit's `--signal`):
     submitit checkpoints the job and requeues it (`scontrol requeue`); the requeued job skips the
     samples already written and finishes; the sweep command never notices."""
@@ -331,7 +362,7 @@ def test_a_preempted_job_is_requeued_and_finishes_without_duplicates(tiny_dir, t
         "task.lengths=[150,200,250]",
         "task.depths=[0,33,66,100]",
     )
-    proc = start_sweep(tmp_path, args, slow=True)
+    proc = start_sweep(tmp_path, args, slow=True, started=no_leftovers)
     rows = wait_for_rows(tmp_path / "results", 2, proc)
     job = job_of(rows[0])
     subprocess.run(["scancel", "--signal=USR2", job], check=True)

@@ -6,7 +6,9 @@ except for jobs that end without a result: cancelled (`scancel`), killed (out of
 failure), out of requeues, or failing before the harness starts (e.g. the checkout is not importable
 on the node). The plugin raises at the first such job and leaves while the others still run, with
 no report; and it waits forever for an array task cancelled while pending, which SLURM (22.05)
-drops from the array without an accounting record, so `sacct` never gives submitit its end. Here every job is waited for; such a job is recorded like any failed sweep point
+drops from the array without an accounting record, so `sacct` never gives submitit its end.
+
+Here every job is waited for, all at once; such a job is recorded like any failed sweep point
 (`{job dir}/error.txt`, eval/callbacks.py), so the report is written from the others and the
 command ends listing the failed points (exit code 2). Rerunning the command runs what they missed.
 """
@@ -98,11 +100,9 @@ class SlurmLauncher(PluginSlurmLauncher):
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit
 
-        if self.config is None or not job_overrides:
-            raise ValueError(
-                f"nothing to launch: config={self.config is not None}, jobs={len(job_overrides)}"
-            )
-        # Executor and parameters exactly as the plugin's `launch` (hydra-submitit-launcher 1.2).
+        if self.config is None or self.hydra_context is None:
+            raise RuntimeError("launch() called before setup()")
+        # Executor, parameters and submission as the plugin's `launch` (hydra-submitit-launcher 1.2).
         init_keys = {"submitit_folder", "max_num_timeout"}
         init = {f"{self._EXECUTOR}_{k}": v for k, v in self.params.items() if k == "max_num_timeout"}
         executor = submitit.AutoExecutor(

@@ -1,7 +1,8 @@
 """Sweeps on a real SLURM cluster through `hydra/launcher=slurm` (conf/hydra/launcher/slurm.yaml).
 
 `make slurm-up` (scripts/slurm.sh) starts a one-node cluster with accounting on this machine; the
-tests skip, naming why, when `sinfo` is missing or no node is up. Every job runs `python run.py` on a
+tests skip, naming why, when `sinfo` is missing or no node is up (and the cancel and preemption
+tests when `sacct` does not answer). Every job runs `python run.py` on a
 tiny local model (random 2-layer Llama + byte-level BPE, built here), so a job is mostly the Python
 start-up. Each test has its own results dir and sweep dir.
 
@@ -34,33 +35,51 @@ SLOW_SAMPLE_S = 1.0
 SWEEP_TIMEOUT_S = 420
 
 
-def _cluster_problem() -> str | None:
-    """Why SLURM tests cannot run here (None: a node is up and accounting answers)."""
+def cluster_problem() -> str | None:
+    """Why no SLURM job can run here (None: a node is up)."""
     if shutil.which("sinfo") is None:
         return "sinfo not found: SLURM is not installed (make slurm-up installs and starts a local cluster)"
     try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=30)
+        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=60)
     except subprocess.TimeoutExpired:
-        return "sinfo did not answer in 30 s: the SLURM controller is not up (make slurm-up)"
+        return "sinfo did not answer in 60 s: the SLURM controller is not up (make slurm-up)"
     if proc.returncode != 0:
         return f"the SLURM cluster is not up (make slurm-up): sinfo: {proc.stderr.strip()[:200]}"
     states = set(proc.stdout.split())
     if not states & {"idle", "mix", "alloc", "comp"}:
         return f"no SLURM node is up (sinfo states: {sorted(states) or 'none'}; make slurm-up)"
-    acct = subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True, text=True, timeout=30)
+    return None
+
+
+def accounting_problem() -> str | None:
+    """Why `sacct` cannot follow jobs here (None: accounting answers). submitit reads the end of a
+    job that leaves no result (cancelled, requeued) from sacct only."""
+    acct = subprocess.run(["sacct", "-n", "-X", "-j", "1"], capture_output=True, text=True, timeout=60)
     if acct.returncode != 0:
-        # Without accounting submitit cannot see a cancelled or requeued job end (it polls sacct).
         return f"SLURM accounting does not answer (make slurm-up starts slurmdbd): sacct: {acct.stderr.strip()[:200]}"
     return None
 
 
-_PROBLEM = _cluster_problem()
-pytestmark = [pytest.mark.slurm, pytest.mark.skipif(_PROBLEM is not None, reason=_PROBLEM or "")]
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def cluster() -> None:
+    problem = cluster_problem()
+    if problem:
+        pytest.skip(problem)
+
+
+@pytest.fixture(scope="module")
+def accounting(cluster) -> None:
+    problem = accounting_problem()
+    if problem:
+        pytest.skip(problem)
 
 
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> str:
+def tiny_dir(cluster, tmp_path_factory) -> str:
     """A saved tiny model directory: random 2-layer Llama (GQA 4/2) + byte-level BPE with a chat template."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -304,7 +323,9 @@ def test_a_bad_point_is_recorded_and_the_other_points_finish(tiny_dir, tmp_path,
     assert "snapkv b=64" in (tmp_path / "results" / "report.md").read_text()
 
 
-def test_cancelled_jobs_are_listed_and_resumed_by_rerunning_the_command(tiny_dir, tmp_path, no_leftovers):
+def test_cancelled_jobs_are_listed_and_resumed_by_rerunning_the_command(
+    accounting, tiny_dir, tmp_path, no_leftovers
+):
     """method=full,streamingllm,snapkv, one array task at a time: scancel the snapkv task while it
     is pending (SLURM drops it from the array without an accounting record), then the full job
     mid-run. The streamingllm job runs and finishes; the command ends listing the two cancelled
@@ -349,7 +370,9 @@ def test_cancelled_jobs_are_listed_and_resumed_by_rerunning_the_command(tiny_dir
     assert f"{n} samples, {done_full} already done, {n - done_full} to run" in log
 
 
-def test_a_preempted_job_is_requeued_and_finishes_without_duplicates(tiny_dir, tmp_path, no_leftovers):
+def test_a_preempted_job_is_requeued_and_finishes_without_duplicates(
+    accounting, tiny_dir, tmp_path, no_leftovers
+):
     """USR2, the signal SLURM sends before a time limit or on preemption (submitit's `--signal`):
     submitit checkpoints the job and requeues it (`scontrol requeue`); the requeued job skips the
     samples already written and finishes; the sweep command never notices."""

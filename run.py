@@ -117,8 +117,11 @@ def run_with_compare(cfg: DictConfig) -> None:
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eval.runner import AllSamplesFailed
+    from eval.callbacks import clear_job_error
+    from eval.runner import AllSamplesFailed, _in_multirun
 
+    if _in_multirun():
+        clear_job_error()  # a rerun of the sweep: this point's earlier failure is not this run's
     try:
         run_with_compare(cfg)
     except USER_ERRORS as err:

@@ -2,8 +2,11 @@
 report each results_dir once, and list the sweep points that failed.
 
 A job of a sweep that fails on bad input (e.g. `budget=16` below the window) or whose samples all
-failed does not stop the sweep: `run.py` records it as `{job dir}/error.txt` and returns; this
-callback then logs every failed point, writes the reports, and exits with code 2.
+failed does not stop the sweep: `run.py` records it as `{job dir}/error.txt` and returns (the SLURM
+launcher, hydra_plugins/snapkv_bench/_slurm.py, does the same for a job that ended without a result,
+e.g. a cancelled one); this callback then logs every failed point, writes the reports, and exits
+with code 2. A job clears its `error.txt` when it starts, so rerunning a sweep into the same sweep
+dir lists only what failed again.
 """
 
 from __future__ import annotations
@@ -33,6 +36,14 @@ def record_job_error(message: str) -> Path | None:
     return out
 
 
+def clear_job_error() -> None:
+    """Remove the current Hydra job's `error.txt` left by an earlier run of the same sweep dir."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        (Path(HydraConfig.get().runtime.output_dir) / JOB_ERROR_FILE).unlink(missing_ok=True)
+
+
 class ReportCallback(Callback):
     """Write the report of every results_dir of the sweep once (parallel jobs never write it
     concurrently); then, if any point failed, list them and exit with code 2."""
@@ -57,7 +68,10 @@ def _jobs(config: DictConfig) -> list[Path]:
         return []
     if not subdir or not sweep_dir.is_dir():
         return []
-    return sorted((p.parent.parent for p in sweep_dir.glob(f"*/{subdir}/config.yaml")), key=_job_order)
+    # A job that never started (cancelled while pending) has only the error its launcher recorded.
+    jobs = {p.parent.parent for p in sweep_dir.glob(f"*/{subdir}/config.yaml")}
+    jobs |= {p.parent for p in sweep_dir.glob(f"*/{JOB_ERROR_FILE}")}
+    return sorted(jobs, key=_job_order)
 
 
 def _job_order(job: Path) -> tuple:

@@ -1,11 +1,13 @@
 """Provenance recorded in every result row: library versions, the harness commit and whether the
-checkout had uncommitted changes (with a hash of them), and the time."""
+checkout had uncommitted changes (with a hash of them), the SLURM job that ran the row, and the time."""
 
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import subprocess
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from functools import cache
 from pathlib import Path
@@ -74,6 +76,29 @@ def git_state() -> dict[str, str | bool | None]:
             pass
     dirty = bool(diff) or bool(names)
     return {"git_sha": sha, "git_dirty": dirty, "git_diff_sha": h.hexdigest()[:12] if dirty else None}
+
+
+# Row column -> the environment variable SLURM sets in a job (sbatch(1), "OUTPUT ENVIRONMENT VARIABLES").
+SLURM_FIELDS: dict[str, str] = {
+    "slurm_job_id": "SLURM_JOB_ID",  # this job; in an array, the task's own id
+    "slurm_array_job_id": "SLURM_ARRAY_JOB_ID",  # the array's id (the first task's job id)
+    "slurm_array_task_id": "SLURM_ARRAY_TASK_ID",  # the task's index in the array
+    "slurm_restart_count": "SLURM_RESTART_COUNT",  # times the job was requeued (absent before the first)
+}
+
+
+def slurm_ids(environ: Mapping[str, str] | None = None) -> dict[str, int | str | None]:
+    """The SLURM job that runs this process: `{"slurm_job_id", "slurm_array_job_id",
+    "slurm_array_task_id", "slurm_restart_count"}`, ints (a value SLURM spells otherwise stays a
+    string), None where unset: outside SLURM every value is None, a plain job has no array ids, and
+    a job never requeued has no restart count. Not cached: a requeued job is a new process with the
+    same ids and a higher restart count."""
+    env = os.environ if environ is None else environ
+    out: dict[str, int | str | None] = {}
+    for field, var in SLURM_FIELDS.items():
+        value = (env.get(var) or "").strip()
+        out[field] = int(value) if value.isdigit() else (value or None)
+    return out
 
 
 def utc_now() -> str:

@@ -44,7 +44,7 @@ from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from eval.machine import CpuNoise, thread_settings
-from eval.provenance import git_state, utc_now, versions
+from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.spec import RunSpec
 from eval.store import ROW_FIELDS, ResultStore, shard
 from eval.tasks import Sample, Task
@@ -360,6 +360,7 @@ def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
         "device": info["device"],
         "versions": versions(),
         **git_state(),
+        **slurm_ids(),
         "seed": spec.seed,
         "trained_context": spec.model.context or info.get("context"),
         "prefill_chunk_size": spec.chunk_size,

@@ -71,6 +71,9 @@ docstring). Nothing here knows a particular task.
 | `git_sha` | str \\| null | commit of the harness that produced the row |
 | `git_dirty` | bool \\| null | the checkout had uncommitted changes (tracked or untracked files) |
 | `git_diff_sha` | str \\| null | 12 hex digits of the sha256 of those changes (null when clean) |
+| `slurm_job_id` | int \\| null | `SLURM_JOB_ID` of the job that ran the sample (null outside SLURM) |
+| `slurm_array_job_id` / `slurm_array_task_id` | int \\| null | `SLURM_ARRAY_JOB_ID` / `SLURM_ARRAY_TASK_ID` (a sweep's array and its task; null outside an array) |
+| `slurm_restart_count` | int \\| null | `SLURM_RESTART_COUNT`: times the job had been requeued (preemption, time limit); null before the first |
 | `seed` | int | random seed |
 | `timestamp` | str | ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z` |
 
@@ -154,6 +157,10 @@ ROW_FIELDS: tuple[str, ...] = (
     "git_sha",
     "git_dirty",
     "git_diff_sha",
+    "slurm_job_id",
+    "slurm_array_job_id",
+    "slurm_array_task_id",
+    "slurm_restart_count",
     "seed",
     "timestamp",
 )

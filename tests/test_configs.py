@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from eval.spec import RunSpec
@@ -214,9 +215,12 @@ def test_launchers(launcher):
     cfg = compose_cfg([f"hydra/launcher={launcher}"], hydra=True)
     target = cfg.hydra.launcher._target_
     assert target.startswith("hydra_plugins.")
+    assert get_class(target).__name__.endswith("Launcher")  # importable
     if launcher == "slurm":
         assert target.endswith("SlurmLauncher")
         assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.array_parallelism > 0
+        # Requeued after a time limit (the plugin's default, 0, ends the job) and after node failures.
+        assert cfg.hydra.launcher.max_num_timeout > 0 and cfg.hydra.launcher.additional_parameters.requeue
 
 
 def test_report_callback_is_configured():

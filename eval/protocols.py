@@ -107,7 +107,7 @@ def label_suffix(protocol: str) -> str:
     if protocol == "query_aware":
         return ""
     if protocol == "context_only":
-        return " q-agnostic"
+        return " q-agnostic"  # eval.report.QUERY_AGNOSTIC_SUFFIX, as committed reports spell it
     return f" ({protocol})"
 
 

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-import torch
 from method_catalogue import CATALOGUE, ids
 from omegaconf import OmegaConf, open_dict
 from transformers import AutoTokenizer
@@ -396,8 +395,9 @@ def test_next_turn_text_on_a_trimming_template_without_one_and_refused(tokenizer
         next_turn_text(tok, [], "Q2?")
 
 
-def test_first_question_feeds_the_next_turn_after_an_empty_assistant_turn(askmany, tiny_dir, monkeypatch):
-    """What later questions are fed: the template's increment, tokenized without special tokens."""
+def test_later_questions_are_fed_as_the_next_user_turn(askmany, tiny_dir, monkeypatch):
+    """first_question: after an empty assistant turn; multi_turn: after the answer. The template's
+    increment, tokenized without special tokens."""
     model, tokenizer, _ = runner.get_model(RunSpec.from_config(cfg_for(tiny_dir, "unused", "query_aware")))
     (context, *_) = protocols.group_contexts(AskMany().samples(tokenizer))
     fed = []
@@ -412,8 +412,23 @@ def test_first_question_feeds_the_next_turn_after_an_empty_assistant_turn(askman
         protocols.ask_context("first_question", context, todo, model, tokenizer, method, chat_template=True)
     )
     assert [o.error for o in outcomes] == [None] * 3
-    q2 = context.samples[1].question
-    assert (
-        tokenizer.decode(fed[0]) == f"<|im_end|>\n<|im_start|>user\n{q2}<|im_end|>\n<|im_start|>assistant\n"
+    q2, q3 = (s.question for s in context.samples[1:])
+    assert len(fed) == 2  # question 1 is answered from the prefill
+    for feed, q in zip(fed, (q2, q3)):
+        assert (
+            tokenizer.decode(feed) == f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+        )
+
+    # multi_turn: question 1's own part, then each turn after the model's answer (kept in the cache;
+    # an answer cut by max_new_tokens first gets its last token, generated but never fed).
+    fed.clear()
+    outcomes = list(
+        protocols.ask_context("multi_turn", context, todo, model, tokenizer, method, chat_template=True)
     )
-    assert torch.tensor(fed[0]).dim() == 1
+    assert [o.error for o in outcomes] == [None] * 3
+    q1 = context.samples[0]
+    assert fed[0] == encode_prompt(tokenizer, q1.context, q1.question, True)[1]
+    for feed, q in zip(fed[1:], (q2, q3)):
+        assert tokenizer.decode(feed).endswith(
+            f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+        )

@@ -16,6 +16,9 @@ Writes into `--out` (default: RESULTS_DIR):
   warning when they differ).
 - each task's plots (`Task.report_plots`, e.g. `needle_<model>_<label>.png`) and
   `score_vs_budget_<task>.png` for tasks run at more than one budget.
+- where rows carry several question indices or protocols: a "Protocols" section and
+  `protocols_<task>_<model>.png` (eval/protocol_report.py: score per question, reuse penalty,
+  amortised cost).
 
 Nothing here knows a particular task: rows of an unregistered task get the generic score table.
 Rows with status != ok are counted (n_error) but excluded from every mean. Exit code 2 (one line on
@@ -35,6 +38,7 @@ from typing import Any
 
 import pandas as pd
 
+from eval import protocol_report, protocols
 from eval.stats import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell
@@ -168,10 +172,6 @@ def budget_of(params: dict | None) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------- preparation
-def _is_false(v: Any) -> bool:
-    return v is False or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
-
-
 def _task_class(task: str) -> type[Task]:
     """The registered class of a task name; the generic `Task` (default tables) for unknown names."""
     return TASKS.get(task, Task)
@@ -217,8 +217,10 @@ def _disambiguate_labels(df: pd.DataFrame) -> None:
 
 
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
-    """Add derived columns: label, config_label (label + query-agnostic suffix; both extended where
-    two configs would share them, `_disambiguate_labels`), params_json, budget,
+    """Add derived columns: protocol (`eval.protocols.row_protocol`: older rows from query_aware),
+    label (+ the protocol for the shared protocols), config_label (label + the protocol's suffix:
+    ` q-agnostic` for context_only; both extended where two configs would share them,
+    `_disambiguate_labels`), params_json, budget,
     ok, partial, compression, numeric versions of the metric columns, and each task's own columns
     (`Task.prepare_rows`)."""
     df = df.copy()
@@ -231,9 +233,17 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
         lambda v: None if v is None or (isinstance(v, float) and math.isnan(v)) else bool(v)
     )
     df["query_aware"] = qa.astype(object)
-    df["label"] = [method_label(m, p) for m, p in zip(df["method"], params)]
+    # Rows from before the protocol axis: query_aware true -> query_aware, false -> context_only.
+    stored = df["protocol"] if "protocol" in df.columns else pd.Series(None, index=df.index, dtype=object)
+    df["protocol"] = [protocols.row_protocol(p, q) for p, q in zip(stored, qa)]
+    # The label names a shared protocol (two of them can share query_aware); config_label any.
+    df["label"] = [
+        method_label(m, p) + (protocols.label_suffix(pr) if pr in protocols.SHARED else "")
+        for m, p, pr in zip(df["method"], params, df["protocol"])
+    ]
     df["config_label"] = [
-        method_label(m, p, False if _is_false(q) else None) for m, p, q in zip(df["method"], params, qa)
+        method_label(m, p) + protocols.label_suffix(pr)
+        for m, p, pr in zip(df["method"], params, df["protocol"])
     ]
     _disambiguate_labels(df)
     df["params_json"] = params.map(lambda p: json.dumps(p, sort_keys=True, default=str))
@@ -403,6 +413,7 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
     for heading, tables in sections.items():
         if tables:
             parts += ["", f"## {heading}", ""] + ["\n\n".join(tables)]
+    parts += protocol_report.sections(df)
     parts += [
         "",
         "## Cost",
@@ -434,18 +445,16 @@ def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None)
     options = ReportOptions(out=out, trained_context=trained_context)
     for task, part in ok.groupby("task", sort=True):
         written += _task_class(task).report_plots(part, options)
+    written += protocol_report.plots(ok, out)
 
     for task, g in ok.groupby("task", sort=True):
         if g["budget"].dropna().nunique() < 2:
             continue
         several_models = g["model"].nunique() > 1
         line = [
-            method_label(
-                m,
-                {k: v for k, v in (p or {}).items() if k not in BUDGET_KEYS},
-                False if _is_false(q) else None,
-            )
-            for m, p, q in zip(g["method"], g["method_params"], g["query_aware"])
+            method_label(m, {k: v for k, v in (p or {}).items() if k not in BUDGET_KEYS})
+            + protocols.label_suffix(pr)
+            for m, p, pr in zip(g["method"], g["method_params"], g["protocol"])
         ]
         g = g.assign(line=[f"{mo}: {li}" if several_models else li for mo, li in zip(g["model"], line)])
         model = "" if several_models else f" ({g['model'].iloc[0]})"

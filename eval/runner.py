@@ -21,6 +21,14 @@ Noise: each row records what the machine was doing while its sample ran (`eval.m
 `other_cores` (cores other processes kept busy), `load_1m` and the thread settings, measured around
 `generate` (outside its timings). Timings in rows are bookkeeping; see eval/report.py's cost table.
 
+Protocols (`protocol`, eval/protocols.py): `query_aware` and `context_only` run each sample on its
+own cache, as above. The shared protocols (`first_question`, `multi_request`, `multi_turn`) run a
+context's questions (samples sharing `context_id`, in `question_index` order) on one compressed
+cache, a shard holds whole contexts, and each question still gets its own row as soon as it is
+answered; resume answers only the missing questions (`multi_turn` replays the conversation and
+writes only the missing rows). Every row records `protocol`, `context_id`, `question_index` and
+`questions_in_context`; `context_prefill_s` is the context's shared prefill + compression.
+
 A failing sample becomes a row with status "error" (or "oom") and the loop goes on; those samples
 are retried on the next run. A run in which every sample it ran failed raises `AllSamplesFailed`
 after writing its rows and report (the CLI exits non-zero).
@@ -34,7 +42,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +51,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from eval import protocols
 from eval.machine import CpuNoise, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.spec import RunSpec
@@ -237,10 +246,7 @@ def run_sample(
     `on_progress` is handed to `generate` (stages: snapkv/generation.py). The row's noise columns
     are measured around `generate`, failed samples included.
     """
-    row: dict[str, Any] = {k: None for k in ROW_FIELDS}
-    row.update({k: v for k, v in task.row_metadata(sample).items() if k not in ROW_FIELDS})
-    row.update(base)
-    row.update(sample_id=sample.sample_id, dataset=sample.dataset, answers=list(sample.answers), scores={})
+    row = _new_row(sample, task, base)
     noise = CpuNoise()
     try:
         with noise:
@@ -257,22 +263,75 @@ def run_sample(
                 on_progress=on_progress,
             )
         row.update({k: v for k, v in result.to_dict().items() if k not in NOT_MEASURED})
-        row["prediction"] = result.text
-        row["score"] = float(task.score(sample, result.text))
-        row["scores"] = {k: float(v) for k, v in task.score_all(sample, result.text).items()}
-        row.update(status="ok", error=None)
+        row["context_prefill_s"] = result.prefill_s  # its own context, prefilled for it alone
+        _score(row, sample, task, result.text)
     except Exception as err:  # noqa: BLE001 - a failing sample is recorded, the run goes on
-        oom = is_oom(err)
-        row.update(
-            prediction=None, score=None, scores={}, status="oom" if oom else "error", error=one_line(err)
-        )
-        if oom:
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        _fail(row, err)
     row.update(noise_fields(noise))
     row["timestamp"] = utc_now()
     return row
+
+
+def _new_row(sample: Sample, task: Task, base: dict) -> dict[str, Any]:
+    row: dict[str, Any] = {k: None for k in ROW_FIELDS}
+    row.update({k: v for k, v in task.row_metadata(sample).items() if k not in ROW_FIELDS})
+    row.update(base)
+    row.update(sample_id=sample.sample_id, dataset=sample.dataset, answers=list(sample.answers), scores={})
+    return row
+
+
+def _score(row: dict, sample: Sample, task: Task, text: str) -> None:
+    row["prediction"] = text
+    row["score"] = float(task.score(sample, text))
+    row["scores"] = {k: float(v) for k, v in task.score_all(sample, text).items()}
+    row.update(status="ok", error=None)
+
+
+def _fail(row: dict, err: BaseException) -> None:
+    oom = is_oom(err)
+    row.update(prediction=None, score=None, scores={}, status="oom" if oom else "error", error=one_line(err))
+    if oom:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def context_rows(
+    context: protocols.Context,
+    todo: set[str],
+    task: Task,
+    model: Any,
+    tokenizer: Any,
+    spec: RunSpec,
+    base: dict,
+) -> Iterator[dict]:
+    """The rows of one context's questions in `todo` under the run's shared protocol
+    (`protocols.ask_context`), each yielded as soon as it is answered; the noise columns are measured
+    around each question (the first one's include the context's prefill)."""
+    outcomes = protocols.ask_context(
+        spec.protocol, context, todo, model, tokenizer, spec.method,
+        chat_template=bool(context.samples[0].chat_template and spec.model.chat_template),
+        chunk_size=spec.chunk_size,
+    )  # fmt: skip
+    while True:
+        noise = CpuNoise()
+        with noise:
+            outcome = next(outcomes, None)
+        if outcome is None:
+            return
+        sample = outcome.sample
+        row = _new_row(sample, task, base)
+        row.update(protocols.question_fields(sample, len(context.samples)), **outcome.fields)
+        if outcome.error is not None:
+            _fail(row, outcome.error)
+        else:
+            try:
+                _score(row, sample, task, outcome.text)
+            except Exception as err:  # noqa: BLE001 - a failing metric is recorded, the run goes on
+                _fail(row, err)
+        row.update(noise_fields(noise))
+        row["timestamp"] = utc_now()
+        yield row
 
 
 # ----------------------------------------------------------------------------------------------- run
@@ -296,7 +355,14 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
     with store.exclusive():
         done = store.done_ids()  # again: a concurrent run may have finished samples meanwhile
         model, tokenizer, info = get_model(spec)
-        samples = shard(task.samples(tokenizer), spec.shard, spec.num_shards)
+        every = list(task.samples(tokenizer))
+        sizes = protocols.context_sizes(every)
+        shared = spec.protocol in protocols.SHARED
+        if shared:  # a shard holds whole contexts
+            contexts = protocols.shard_contexts(protocols.group_contexts(every), spec.shard, spec.num_shards)
+            samples = [s for c in contexts for s in c.samples]
+        else:
+            samples = shard(every, spec.shard, spec.num_shards)
         todo = [s for s in samples if s.sample_id not in done]
         where = f" in shard {spec.shard}/{spec.num_shards}" if spec.num_shards > 1 else ""
         if todo:
@@ -311,21 +377,35 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
             )  # fmt: skip
         base = _base_fields(spec, info)
         bar = tqdm(
-            todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress, dynamic_ncols=True
-        )
+            total=len(todo), desc=f"{task.name} {label}", unit="sample", disable=not spec.progress,
+            dynamic_ncols=True,
+        )  # fmt: skip
         # The ticking clock only on a terminal: in a log file (SLURM, nohup) each redraw is a new
         # line, and tqdm's own updates per event are enough there.
         live = spec.progress and _is_terminal(bar.fp)
         ticking = BarClock(bar) if live else contextlib.nullcontext()
-        with logging_redirect_tqdm(), ticking:  # log lines above the progress bar, not through it
-            for sample in bar:
+
+        def rows() -> Iterator[dict]:
+            if shared:
+                want = {s.sample_id for s in todo}
+                for context in contexts:
+                    if any(s.sample_id in want for s in context.samples):
+                        yield from context_rows(context, want, task, model, tokenizer, spec, base)
+                return
+            for sample in todo:
                 status = ", ".join(f"{k}={v}" for k, v in counts.items() if v)
                 progress = SampleProgress(sample.sample_id, bar if spec.progress else None, status)
                 row = run_sample(sample, task, model, tokenizer, spec, base, on_progress=progress)
+                row.update(protocols.question_fields(sample, sizes[protocols.context_key(sample)]))
+                yield row
+
+        with logging_redirect_tqdm(), ticking:  # log lines above the progress bar, not through it
+            for row in rows():
                 store.append(row)
                 counts[row["status"]] += 1
                 if row["status"] != "ok":
-                    logger.warning("%s: %s: %s", sample.sample_id, row["status"], row["error"])
+                    logger.warning("%s: %s: %s", row["sample_id"], row["status"], row["error"])
+                bar.update(1)
                 bar.set_postfix({k: v for k, v in counts.items() if v})
         bar.close()
     if todo:
@@ -355,6 +435,7 @@ def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
         "method_params": spec.method.params(),
         "method_hash": spec.method_hash,
         "query_aware": spec.query_aware,
+        "protocol": spec.protocol,
         "dtype": spec.model.dtype,
         "attn_impl": info["attn_impl"],
         "device": info["device"],
@@ -370,7 +451,8 @@ def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
 def _label(spec: RunSpec) -> str:
     from eval.report import method_label
 
-    return method_label(spec.method.name, spec.method.params(), spec.query_aware)
+    label = method_label(spec.method.name, spec.method.params())
+    return label + protocols.label_suffix(spec.protocol)
 
 
 def _in_multirun() -> bool:

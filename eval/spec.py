@@ -3,7 +3,7 @@ anything loads. `RunSpec.from_config(cfg)` raises ValueError naming the bad valu
 error (the CLI turns it into one line and exit code 2); the runner only ever sees a `RunSpec`.
 
 `method_hash` covers everything in the config that changes a row: the method and its parameters,
-`query_aware`, the model's dtype, attention implementation and chat-template switch, the prefill
+`query_aware`, the protocol when it is one of the shared ones (eval/protocols.py), the model's dtype, attention implementation and chat-template switch, the prefill
 chunk size (same tokens kept, different memory/timings), and the task's config except its
 `selection_keys` (keys that only choose which samples run) and keys at their `hash_defaults`
 (`Task.hash_params`). The device is left out, so a run can resume on another machine; the model is
@@ -20,6 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from eval import protocols
 from eval.store import config_hash, model_key, result_path, safe_name
 from eval.tasks import Task, build_task, task_class
 from snapkv import build_method
@@ -112,7 +113,8 @@ class RunSpec:
     method: Method
     model: ModelSpec
     results_dir: Path
-    query_aware: bool = True
+    query_aware: bool = True  # the compression sees a question (protocols.QUESTION_IN_WINDOW)
+    protocol: str = protocols.DEFAULT  # eval/protocols.py
     seed: int = 42
     chunk_size: int | None = None
     shard: int = 0
@@ -137,6 +139,12 @@ class RunSpec:
         task = build_task(name, **task_config)
         method = build_method(**_container(cfg.method))
         prefill = cfg.get("prefill") or {}
+        protocol, query_aware = protocols.resolve(cfg.get("protocol"), cfg.get("query_aware", True))
+        if protocol in protocols.SHARED and not task.multi_question():
+            raise ValueError(
+                f"protocol={protocol} asks several questions per context, but task {name!r} as configured "
+                "asks one (Task.multi_question() is false); use protocol=query_aware or context_only"
+            )
         results_dir = cfg.get("results_dir")
         if not isinstance(results_dir, str) or not results_dir.strip():
             raise ValueError(f"results_dir must be a path, got results_dir={results_dir!r}")
@@ -146,7 +154,8 @@ class RunSpec:
             method=method,
             model=ModelSpec.from_config(cfg.model),
             results_dir=Path(results_dir).expanduser(),
-            query_aware=_bool("query_aware", cfg.get("query_aware", True)),
+            query_aware=query_aware,
+            protocol=protocol,
             seed=_int("seed", cfg.get("seed", 42)),
             chunk_size=_int("prefill.chunk_size", prefill.get("chunk_size"), 1, allow_none=True),
             shard=shard_i,
@@ -172,6 +181,7 @@ class RunSpec:
                     "chat_template": self.model.chat_template,
                 },
                 "prefill_chunk_size": self.chunk_size,
+                **protocols.hash_fields(self.protocol),
             }
         )
 

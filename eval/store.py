@@ -38,9 +38,13 @@ docstring). Nothing here knows a particular task.
 | `dataset` | str | dataset / subtask (LongBench dataset name; `needle` for the needle task) |
 | `method` | str | compression method (`full`, `snapkv`, ...) |
 | `method_params` | dict | method parameters (budget, window_size, kernel_size, pooling, ...) |
-| `method_hash` | str | `config_hash` of method + params + query_aware + output-relevant task config; in the file name |
+| `method_hash` | str | `config_hash` of method + params + query_aware (+ protocol for the shared protocols) + output-relevant task config; in the file name |
 | `query_aware` | bool | question compressed with the context (True, SnapKV/LongBench) or fed after compression (False) |
-| `input_tokens` | int | prompt tokens after truncation |
+| `protocol` | str | `query_aware`, `context_only`, `first_question`, `multi_request` or `multi_turn` (eval/protocols.py); absent in older rows: read from `query_aware` |
+| `context_id` | str \\| null | the context the question is asked about (shared by its questions; null: a single-question task) |
+| `question_index` | int | 0-based order in which the context's questions are asked |
+| `questions_in_context` | int | N, the questions of that context (amortised cost = context_prefill_s / N) |
+| `input_tokens` | int | prompt tokens after truncation (shared protocols: tokens in the cache before the first answer token) |
 | `kv_tokens` | float | mean kept KV tokens per layer and head after compression (= input_tokens when uncompressed) |
 | `kv_bytes_full` | int | bytes the uncompressed KV cache of the prompt would take |
 | `kv_bytes` | int | bytes the stored K/V tensors really allocate after compression (Σ numel·element_size) |
@@ -48,9 +52,11 @@ docstring). Nothing here knows a particular task.
 | `compressed` | bool | whether compression ran at the end of prefill (False e.g. when the prompt fits the budget) |
 | `evicted_during_decode` | bool | whether entries were evicted while decoding (H2O, StreamingLLM) |
 | `decode_evicted` | float | entries evicted while decoding, per KV head, mean over compressible layers |
-| `kv_tokens_end` | float | mean KV entries per layer and head at the end of generation |
-| `prefill_s` | float | prefill (prompt forward + compression) wall time, seconds |
-| `ttft_s` | float | time to first token, seconds |
+| `kv_tokens_end` | float | mean KV entries per layer and head at the end of generation (null where a rollback follows the answer) |
+| `rollback_bytes` | int \\| null | bytes the checkpoint kept alive beyond the cache for the rollback after this question (null: no rollback) |
+| `prefill_s` | float | prefill (prompt forward + compression) wall time, seconds (shared protocols: the context's shared prefill) |
+| `context_prefill_s` | float | the context's prefill + compression, on every question's row (= prefill_s; shared once by `questions_in_context` questions in the shared protocols) |
+| `ttft_s` | float | time to first token, seconds (shared protocols: from feeding the question) |
 | `tpot_s` | float | median time per output token after the first, seconds |
 | `peak_mem_bytes` | int | peak accelerator (or process) memory during the sample, bytes |
 | `attn_impl` | str | attention implementation (`sdpa`, `eager`, `flash_attention_2`) |
@@ -124,6 +130,10 @@ ROW_FIELDS: tuple[str, ...] = (
     "method_params",
     "method_hash",
     "query_aware",
+    "protocol",
+    "context_id",
+    "question_index",
+    "questions_in_context",
     "input_tokens",
     "kv_tokens",
     "kv_bytes_full",
@@ -133,7 +143,9 @@ ROW_FIELDS: tuple[str, ...] = (
     "evicted_during_decode",
     "decode_evicted",
     "kv_tokens_end",
+    "rollback_bytes",
     "prefill_s",
+    "context_prefill_s",
     "ttft_s",
     "tpot_s",
     "peak_mem_bytes",

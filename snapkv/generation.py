@@ -24,6 +24,10 @@ Compress once, ask many: `compress_context()` prefills and compresses a context 
 batches allowed) and returns its cache; `answer()` feeds one question on it, decodes greedily and
 rolls the cache back to its state before the question (`CompressedCache.checkpoint` / `rollback`),
 so the next question sees exactly the compressed context again, at the same positions.
+`answer(..., rollback=False)` leaves the question and the answer in the cache (a conversation's
+next turn follows them; `next_turn_text` renders that turn), and `generate(..., on_compressed=f)`
+hands the cache to `f` right after compression (e.g. to `checkpoint()` it and ask further questions
+on the query-aware cache once the first answer is out).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -175,6 +180,48 @@ def encode_prompt(tokenizer, context: str, question: str, chat_template: bool) -
     return ids_head, ids_tail
 
 
+def next_turn_text(
+    tokenizer, history: Sequence[tuple[str, str]], question: str, chat_template: bool = True
+) -> str:
+    """The text that asks `question` as the next user turn of a conversation the cache already holds.
+
+    `history`: the (user, assistant) exchanges so far, the last assistant text being what follows the
+    last generation prompt in the cache (the model's answer, or "" for an empty turn). The cache
+    holds the template's rendering of every exchange but the last, the last user turn with the
+    generation prompt, then that assistant text; this returns what the template renders beyond it
+    for the conversation continued by `question` (with the generation prompt): the assistant's
+    end-of-turn, the user turn, the next assistant header. E.g. ChatML with history
+    [(context + q1, "")] and q2: `<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n`.
+
+    Without a chat template (not asked for, or the tokenizer has none): `"\n\n" + question`.
+    ValueError for an empty history, or a template whose rendering of the conversation does not
+    extend what it rendered for the turns so far (it rewrites earlier turns).
+    """
+    if not history:
+        raise ValueError("next_turn_text needs at least one earlier exchange, got history=[]")
+    if not (chat_template and getattr(tokenizer, "chat_template", None)):
+        return "\n\n" + question
+    messages = []
+    for user, assistant in history:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    before = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    after = tokenizer.apply_chat_template(
+        messages + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    if not after.startswith(before):
+        raise ValueError(
+            "the chat template renders an earlier turn differently once the conversation goes on; "
+            f"cannot append the next turn (rendered so far: {before[-80:]!r})"
+        )
+    rest, reply = after[len(before) :], history[-1][1]
+    for text in (reply, reply.strip()):  # templates that trim the assistant's content
+        if rest.startswith(text):
+            return rest[len(text) :]
+    raise ValueError(
+        f"the chat template changed the assistant's text {reply[:80]!r}; cannot append the next turn"
+    )
+
+
 def _now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -207,6 +254,7 @@ def generate_ids(
     chunk_size: int | None = None,
     keep_logits: bool = False,
     on_progress: ProgressCallback | None = None,
+    on_compressed: Callable[[CompressedCache], None] | None = None,
 ) -> tuple[torch.Tensor, GenerationResult]:
     """Greedy generation from token ids `[batch, len]` (equal lengths, no padding; left-padded
     batches: `with snapkv.apply(model, method): model.generate(ids, attention_mask=mask)`).
@@ -215,7 +263,9 @@ def generate_ids(
     is prefilled and compressed alone, then the question is fed on the compressed cache.
     Returns the generated ids `[batch, new]` and the measurements (text left empty);
     `keep_logits` keeps each step's last-position logits `[batch, vocab]` in `result.logits`;
-    `on_progress` is told the stage (module doc), outside the timed regions.
+    `on_progress` is told the stage (module doc), outside the timed regions; `on_compressed(cache)`
+    runs once, right after the prefill's compression (before any question or decode token is fed),
+    also off the clock.
     """
     method = method if method is not None else build_method("full")
     if max_new_tokens < 1:
@@ -264,6 +314,10 @@ def generate_ids(
         kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
         kv_bytes_logical = cache.kv_bytes_logical()
         compressed = any(layer.compressed for _, layer in cache.compressible_layers())
+        if on_compressed is not None:
+            t = _now(device)
+            on_compressed(cache)
+            paused += _now(device) - t
         s.phase = "decode"
         if question_ids is not None:
             paused += notify("prefill", context_ids.shape[1], input_tokens)
@@ -385,12 +439,16 @@ class Answer:
     """One question answered on a compressed cache (`answer`): the greedy tokens `[batch, new]`,
     each step's last-position logits `[batch, vocab]` (fp32, CPU; with `keep_logits`), why it
     stopped, and the bytes the rollback had kept alive beyond the cache (`rollback_bytes`: 0 unless
-    decoding evicted or a sliding window rolled, see `CompressedCache.checkpoint`)."""
+    decoding evicted or a sliding window rolled, see `CompressedCache.checkpoint`; 0 without a
+    rollback). `ttft_s`: from feeding the question to the first token; `tpot_s`: median seconds per
+    token after it (None with one token)."""
 
     ids: torch.Tensor
     logits: list[torch.Tensor] | None
     stop_reason: str
     rollback_bytes: int
+    ttft_s: float | None = None
+    tpot_s: float | None = None
 
 
 @torch.inference_mode()
@@ -403,6 +461,7 @@ def answer(
     max_new_tokens: int = 32,
     stop_ids: set[int] | None = None,
     keep_logits: bool = False,
+    rollback: bool = True,
 ) -> Answer:
     """Answer one question on a compressed context and leave the cache as it was.
 
@@ -411,6 +470,9 @@ def answer(
     Takes `cache.checkpoint()` (replacing an earlier mark), feeds the question, decodes greedily
     like `generate_ids(..., query_aware=False)` (the method may evict while decoding), then
     `cache.rollback()`s, also when a forward raises.
+
+    rollback=False: no checkpoint and no rollback; the question and every generated token but the
+    last (never fed: decoding stops once it is out) stay in the cache, for a conversation's next turn.
     """
     method = method if method is not None else build_method("full")
     if max_new_tokens < 1:
@@ -426,7 +488,8 @@ def answer(
     kw = cache_kwarg(model)
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    mark = cache.checkpoint()
+    mark = cache.checkpoint() if rollback else None
+    steps: list[float] = []
     with session(model, method, cache) as s:
         s.phase = "decode"
 
@@ -444,24 +507,29 @@ def answer(
             )
 
         try:
+            t0 = _now(device)
             out = forward(question_ids)
             token = out.logits[:, -1].argmax(-1)
+            ttft_s = _now(device) - t0
             logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
             generated = [token]
             while len(generated) < max_new_tokens:
                 finished |= torch.isin(token, stop)
                 if bool(finished.all()):
                     break
+                t = _now(device)
                 out = forward(token[:, None])
                 token = out.logits[:, -1].argmax(-1)
+                steps.append(_now(device) - t)
                 generated.append(token)
                 if logits is not None:
                     logits.append(out.logits[:, -1].float().cpu())
             finished |= torch.isin(token, stop)
         finally:
-            held = cache.rollback(mark)
+            held = cache.rollback(mark) if mark is not None else 0
     stop_reason = "eos" if bool(finished.all()) else "length"
-    return Answer(torch.stack(generated, dim=1), logits, stop_reason, held)
+    tpot_s = statistics.median(steps) if steps else None
+    return Answer(torch.stack(generated, dim=1), logits, stop_reason, held, ttft_s, tpot_s)
 
 
 def generate(
@@ -479,11 +547,13 @@ def generate(
     ignore_eos: bool = False,
     chunk_size: int | None = None,
     on_progress: ProgressCallback | None = None,
+    on_compressed: Callable[[CompressedCache], None] | None = None,
 ) -> GenerationResult:
     """Generate greedily from `prompt` (or `context` + `question`) with `method` compressing the KV cache.
 
     Stop tokens: the model's EOS and the chat end-of-turn tokens (`ignore_eos=True` for speed runs).
-    `on_progress(stage, done, total)`: told where generation is (module doc), never inside a timing.
+    `on_progress(stage, done, total)`: told where generation is (module doc), never inside a timing;
+    `on_compressed(cache)`: see `generate_ids`.
     """
     if prompt is not None and context is not None:
         raise ValueError("pass either prompt or context/question, not both")
@@ -504,6 +574,7 @@ def generate(
         stop_ids=stops,
         chunk_size=chunk_size,
         on_progress=on_progress,
+        on_compressed=on_compressed,
     )
     out = ids[0].tolist()
     if out and out[-1] in stops:

@@ -3,6 +3,7 @@ milliseconds per forward. `SHARED` is ../shared beside the checkout (tests may r
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -93,3 +94,13 @@ def pytest_collection_modifyitems(config, items):
     if len(fast) < len(items):
         config.hook.pytest_deselected(items=[i for i in items if i.get_closest_marker("slow") is not None])
         items[:] = fast
+
+
+@pytest.fixture(autouse=True)
+def _project_loggers_enabled():
+    """An in-process Hydra run (logging.config.dictConfig) disables the loggers that existed before
+    it; every test starts with the project's loggers enabled, whatever ran before it."""
+    for name, logger in logging.root.manager.loggerDict.items():
+        if name.split(".")[0] in ("eval", "snapkv", "run") and isinstance(logger, logging.Logger):
+            logger.disabled = False
+    yield

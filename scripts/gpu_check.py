@@ -1,4 +1,4 @@
-"""The GPU speed and memory check behind scripts/gpu_check.sh (one prepared run on a lent H200).
+"""The GPU speed and memory check behind scripts/gpu_check.sh (one prepared run on a CUDA machine).
 
     python scripts/gpu_check.py --out DIR [--model random:llama2-7b --dtype bfloat16 --device cuda ...]
 

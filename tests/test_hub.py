@@ -235,7 +235,7 @@ def test_unreachable_endpoint_fails_at_once(tmp_path):
 )
 def test_run_py_unreachable_endpoint_one_line_exit_2(tmp_path, args, expected):
     # Wall time is not asserted here (start-up alone varies 5-30 s on a loaded machine; the Hub path is
-    # timed in test_unreachable_endpoint_fails_at_once); the retries are what used to cost 23 s per file.
+    # timed in test_unreachable_endpoint_fails_at_once); without the probe the retries cost 23 s per file.
     proc = run_py(child_env(tmp_path, refused_endpoint()), *args, f"results_dir={tmp_path / 'runs'}")
     assert "Retrying" not in proc.stderr  # huggingface_hub's backoff never started (before: 5 per file)
     assert proc.returncode == 2, proc.stderr[-3000:]

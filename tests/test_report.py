@@ -378,7 +378,7 @@ def test_trained_context_flag_wins_over_the_rows(tmp_path, monkeypatch, capsys):
     assert seen and set(seen) == {8000}  # default: the rows' own value
     seen.clear()
     assert main([str(d), "--trained-context", "2000"]) == 0
-    assert seen and set(seen) == {2000}  # it used to be overwritten by the rows' value
+    assert seen and set(seen) == {2000}  # the option wins over the rows' value
 
 
 def test_report_lists_code_versions_and_warns_when_they_differ(tmp_path, capsys):

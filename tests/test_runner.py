@@ -359,7 +359,7 @@ BAD_INPUT = {
     "model not found": (["model.name={tmp}/no-such-model"], "{tmp}/no-such-model"),
     "missing model path": (["model=gemma3-270m"], "model.name"),
     "bad shard": (["task.num_shards=2", "task.shard=2"], "shard=2"),
-    # Config errors that used to run every sample into an error row and exit 0:
+    # Config errors caught before the first sample (not an error row per sample and exit 0):
     "negative chunk size": (["prefill.chunk_size=-5"], "prefill.chunk_size=-5"),
     "chunk size not a number": (["prefill.chunk_size=abc"], "prefill.chunk_size='abc'"),
     "zero chunk size": (["prefill.chunk_size=0"], "prefill.chunk_size=0"),
@@ -367,7 +367,7 @@ BAD_INPUT = {
     "unknown method group option": (["method=bogus"], "unknown method 'bogus'; known: adakv, full, h2o"),
     "unknown model group option": (["model=bogus"], "unknown model 'bogus'; known: gemma3-270m"),
     "unknown option in a sweep": (["-m", "method=full,bogus"], "unknown method 'bogus'"),
-    # results_dir checked before the model loads (it used to fail after the first sample).
+    # results_dir checked before the model loads, not after the first sample.
     "results_dir is a file": (["results_dir={tmp}/afile/sub"], "afile' is a file"),
     "results_dir not writable": (["results_dir={readonly}/results"], "is not writable"),
     "bad query_aware": (["query_aware=maybe"], "query_aware='maybe'"),

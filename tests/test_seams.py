@@ -1,4 +1,4 @@
-"""Small seams of issue 10: registries refuse bad classes, one cache root, one first-line helper,
+"""Small seams: registries refuse bad classes, one cache root, one first-line helper,
 provenance of a dirty checkout, score_longbench never overwrites silently nor writes NaN."""
 
 from __future__ import annotations

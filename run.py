@@ -21,8 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-# CPU timings: on VMs an idle OpenMP worker that sleeps costs a scheduler tick (~4-8 ms) per
-# parallel region to wake up; spinning workers measure the kernels (scripts/bench_speed.py).
+# CPU timings: on VMs an idle OpenMP worker that sleeps costs a scheduler tick per parallel region
+# to wake up; spinning workers measure the kernels (docs/pitfalls.md, "CPU timing on VMs").
 # Must be set before torch loads its OpenMP runtime; an explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 

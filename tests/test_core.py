@@ -134,8 +134,7 @@ def test_snapkv_selection_equals_naive_reference(pooling, reduce, order):
 
 def test_gqa_orders_differ_with_max_pooling_and_agree_when_linear():
     """The two GQA orders are two methods with max-pooling; with avg-pooling and a mean they rank
-    alike (both steps linear). Measured on the tiny model: the share of kept prefix entries that
-    differ."""
+    alike (both steps linear). Compared: the share of kept prefix entries that differ."""
     model = tiny_model("llama", layers=4)
     ids = random_ids(200)
 

@@ -28,8 +28,8 @@ from hub_server import HubServer, Repo
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_ID = "tiny-org/tiny-llama"
 LONGBENCH = ("dataset", "THUDM/LongBench")
-# Seconds an unreachable endpoint may cost a missing model or data set inside the process. Before
-# the probe, huggingface_hub's retries slept 1+2+4+8+8 = 23 s per file (a model asked for two).
+# Seconds an unreachable endpoint may cost a missing model or data set inside the process. Without
+# the probe, huggingface_hub's retries sleep 1+2+4+8+8 = 23 s per file (a model asks for two).
 FAST_S = 10.0
 
 
@@ -206,7 +206,8 @@ def test_run_py_downloads_model_and_longbench_once_then_runs_offline(hub, tmp_pa
 # ---------------------------------------------------------------------------- an endpoint that refuses
 def test_unreachable_endpoint_fails_at_once(tmp_path):
     """A missing model id, tokenizer id and LongBench data, endpoint refusing: an error naming the
-    fix, at once (before: 46 s for the model, 23 s for the data, of huggingface_hub retry sleeps)."""
+    fix, at once (without the probe: 46 s for the model, 23 s for the data, of huggingface_hub retry
+    sleeps)."""
     endpoint = refused_endpoint()
     model, tokenizer, data = timed(
         child_env(tmp_path, endpoint),
@@ -234,10 +235,11 @@ def test_unreachable_endpoint_fails_at_once(tmp_path):
     ids=["model", "longbench"],
 )
 def test_run_py_unreachable_endpoint_one_line_exit_2(tmp_path, args, expected):
-    # Wall time is not asserted here (start-up alone varies 5-30 s on a loaded machine; the Hub path is
-    # timed in test_unreachable_endpoint_fails_at_once); without the probe the retries cost 23 s per file.
+    # Wall time is not asserted here (start-up alone varies by tens of seconds on a loaded machine;
+    # the Hub path is timed in test_unreachable_endpoint_fails_at_once); without the probe the
+    # retries cost 23 s per file.
     proc = run_py(child_env(tmp_path, refused_endpoint()), *args, f"results_dir={tmp_path / 'runs'}")
-    assert "Retrying" not in proc.stderr  # huggingface_hub's backoff never started (before: 5 per file)
+    assert "Retrying" not in proc.stderr  # huggingface_hub's backoff (5 retries per file) never started
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]

@@ -49,7 +49,7 @@ def _open_output(cmd: list[str]) -> tuple[subprocess.Popen, int]:
     """Start `cmd` with its stdout+stderr on a pseudo-terminal when ours is a terminal (pip then
     draws its progress bars, at our terminal's width), else on a pipe. Returns (process, read fd)."""
     if sys.stdout.isatty() and os.name == "posix":
-        import fcntl
+        import fcntl  # POSIX-only modules, so imported only on this branch
         import pty
         import termios
 

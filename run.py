@@ -27,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 import hydra  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
@@ -51,8 +52,6 @@ def error_line(err: BaseException) -> str:
 
 def check_group_options(args: list[str]) -> None:
     """ValueError naming an unknown option of a config group (`method=bogus`), sweeps included."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from eval.conf import options
 
     overrides = [a for a in args if "=" in a and not a.startswith("-")]

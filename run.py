@@ -21,12 +21,13 @@ import os
 import sys
 from pathlib import Path
 
-# CPU timings: on VMs an idle OpenMP worker that sleeps costs a scheduler tick (~4-8 ms) per
-# parallel region to wake up; spinning workers measure the kernels (scripts/bench_speed.py).
+# CPU timings: on VMs an idle OpenMP worker that sleeps costs a scheduler tick per parallel region
+# to wake up; spinning workers measure the kernels (docs/pitfalls.md, "CPU timing on VMs").
 # Must be set before torch loads its OpenMP runtime; an explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 import hydra  # noqa: E402
+from hydra.core.override_parser.overrides_parser import OverridesParser  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
@@ -51,8 +52,6 @@ def error_line(err: BaseException) -> str:
 
 def check_group_options(args: list[str]) -> None:
     """ValueError naming an unknown option of a config group (`method=bogus`), sweeps included."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from eval.conf import options
 
     overrides = [a for a in args if "=" in a and not a.startswith("-")]

@@ -16,9 +16,8 @@ import sys
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    # On these VMs an idle OpenMP worker sleeps and its wake-up costs a scheduler tick (~4-8 ms per
-    # parallel region; measured: an 8K-key decode attention 8.0 ms passive vs 0.5 ms spinning).
-    # Spinning workers measure the kernels, not the scheduler. Set before torch loads OpenMP (the
+    # On VMs an idle OpenMP worker sleeps and its wake-up costs a scheduler tick per parallel region
+    # (docs/pitfalls.md, "CPU timing on VMs"). Spinning workers measure the kernels, not the scheduler. Set before torch loads OpenMP (the
     # workers inherit it); an explicit setting wins and is recorded in every row.
     os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
     from eval.bench.run import main

@@ -1,6 +1,6 @@
-"""Issue 9 items 1-3, measured on tiny random models (CPU, ~1 min): padded row vs the row alone per
-method, H2O with nothing evicted vs the full cache on soft-capped / attention-sink / bf16 models, and
-the decode-eviction fields of a short prompt. `python scripts/fidelity_check.py [padded softcap decode]`
+"""Fidelity numbers on tiny random models (CPU): padded row vs the row alone per method, H2O with
+nothing evicted vs the full cache on soft-capped / attention-sink / bf16 models, and the
+decode-eviction fields of a short prompt. `python scripts/fidelity_check.py [padded softcap decode]`
 """
 
 from __future__ import annotations

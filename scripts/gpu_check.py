@@ -1,4 +1,4 @@
-"""The GPU speed and memory check behind scripts/gpu_check.sh (one prepared run on a lent H200).
+"""The GPU speed and memory check behind scripts/gpu_check.sh (one prepared run on a CUDA machine).
 
     python scripts/gpu_check.py --out DIR [--model random:llama2-7b --dtype bfloat16 --device cuda ...]
 
@@ -30,6 +30,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from snapkv import build_method  # noqa: E402
+from snapkv.models import DTYPES, load_model  # noqa: E402
 
 COLUMNS = ["part", "method", "budget", "window", "kernel_size", "batch_size", "input_tokens", "status",
            "prefill_s", "ttft_s", "tpot_s", "decode_tokens", "peak_mem_bytes", "weights_bytes", "kv_bytes",
@@ -91,6 +94,7 @@ def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
 
 
 def run_one(model, vocab: int, method, length: int, batch: int, args, part: str) -> dict:
+    # Looked up per call, not at the top: tests replace `snapkv.generate_ids` (an out-of-memory stand-in).
     from snapkv import generate_ids
 
     device = model.device
@@ -142,6 +146,8 @@ def show(row: dict) -> None:
 
 
 def plot(tpot: list[dict], cap: list[dict], path: Path) -> None:
+    # Here, not at the top: matplotlib is needed for the figure only, and the Agg backend must be
+    # chosen before pyplot is imported.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,9 +197,6 @@ def main(argv: list[str]) -> int:
     args = parse(argv)
     # The shell script's start (the gpu tests ran before this process): the deadline is for the run.
     start = time.perf_counter() - (time.time() - float(os.environ.get("GPU_CHECK_T0", time.time())))
-    from snapkv import build_method
-    from snapkv.models import DTYPES, load_model
-
     try:
         snap = build_method("snapkv", budget=args.budget, window=args.window)
         cap_snap = build_method(

@@ -5,11 +5,11 @@ for long. Standard library only (it runs before anything is installed).
 
 Why: pip shows download bars and spinners, but nothing while it unpacks and byte-compiles the
 wheels ("Installing collected packages: ..."; pip < 25.1 has no progress bar there, later ones
-only on a terminal). In a fresh venv on a loaded 2-core machine (pip 23.2) that step was silent for
-40 s for torch and 58 s for the package's ~100 dependencies. So each step is announced with what it
-does and roughly how long it takes, pip's output is relayed as it comes (under a pseudo-terminal
-when ours is one, so pip keeps its bars), and when pip has printed nothing for `--quiet-s` seconds
-one line says that it is still working, at what, and for how long.
+only on a terminal), and for torch or the package's ~100 dependencies that step takes tens of
+seconds on a slow machine. So each step is announced with what it does and roughly how long it
+takes, pip's output is relayed as it comes (under a pseudo-terminal when ours is one, so pip keeps
+its bars), and when pip has printed nothing for `--quiet-s` seconds one line says that it is still
+working, at what, and for how long.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def _open_output(cmd: list[str]) -> tuple[subprocess.Popen, int]:
     """Start `cmd` with its stdout+stderr on a pseudo-terminal when ours is a terminal (pip then
     draws its progress bars, at our terminal's width), else on a pipe. Returns (process, read fd)."""
     if sys.stdout.isatty() and os.name == "posix":
-        import fcntl
+        import fcntl  # POSIX-only modules, so imported only on this branch
         import pty
         import termios
 

@@ -17,6 +17,7 @@ Inputs that are absent are skipped with a note; the experiments that make them a
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -29,6 +30,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import pandas as pd  # noqa: E402
 
 from eval import report  # noqa: E402
+from eval.analysis.digits import digits_ablation_figure, kept_positions_figure  # noqa: E402
+from eval.analysis.observation import replot  # noqa: E402
+from eval.bench.report import plot  # noqa: E402
 from eval.plots import score_vs_budget  # noqa: E402
 from eval.store import ResultStore  # noqa: E402
 
@@ -94,8 +98,6 @@ def latency(root: Path, out: Path) -> list[Path]:
     if not csvs:
         print("latency: no bench CSVs (python scripts/bench_speed.py ... out=results/bench/NAME.csv)")
         return []
-    from eval.bench.report import plot
-
     written = []
     for path in csvs:
         df = pd.read_csv(path)
@@ -155,10 +157,6 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
 
 def digits(root: Path, out: Path) -> list[Path]:
     """The digits figures (`eval.analysis.digits`) from results/digits/."""
-    import json
-
-    from eval.analysis.digits import digits_ablation_figure, kept_positions_figure
-
     sub, written = root / "digits", []
     if (sub / "kept_positions.csv").is_file():
         meta = json.loads((sub / "kept_positions.json").read_text(encoding="utf-8"))
@@ -188,8 +186,6 @@ def observation(root: Path, out: Path) -> list[Path]:
     if not (obs.is_dir() and any(obs.glob("*.csv"))):
         print("observation: no CSVs (python scripts/observation.py)")
         return []
-    from eval.analysis.observation import replot
-
     return replot(obs)
 
 

@@ -1,7 +1,7 @@
 """A transformers `DynamicCache` whose full-attention layers can be compressed per KV head.
 
 Keys are cached after RoPE, so a kept key keeps its original position. What must change after
-compression is the bookkeeping (DESIGN.md §2): `get_seq_length()` has to keep returning the number
+compression is the bookkeeping (docs/pitfalls.md, "Positions after eviction"): `get_seq_length()` has to keep returning the number
 of tokens *seen* (so that `position_ids`, `generate()`'s input slicing and the causal mask stay
 right), while `get_mask_sizes()` has to describe what is really *stored*. transformers' own
 `DynamicSlidingWindowLayer` does exactly this; `CompressibleLayer` does it for arbitrary per-head

@@ -58,7 +58,7 @@ def layer_types(config) -> list[str]:
     `config`: a model config (its decoder text config is used).
     """
     config = config.get_text_config(decoder=True)
-    try:
+    try:  # a version probe, so it stays here: the function exists from transformers 5.14 on
         from transformers.cache_utils import get_layer_types_and_kwargs
     except ImportError:  # transformers < 5.14
         return legacy_layer_types(config)

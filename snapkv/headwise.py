@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from snapkv.cache import CompressibleLayer
 
@@ -245,7 +246,7 @@ class HeadwiseLayer(CompressibleLayer):
                 add = torch.zeros(mask.shape, dtype=query.dtype, device=query.device)
                 mask = add.masked_fill_(~mask, torch.finfo(query.dtype).min)
             elif impl != "sdpa":  # flash kernels take no arbitrary mask: the stock sdpa function does
-                from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+                fn = sdpa_attention_forward
             return fn(module, query, key, value, mask, *args, **kwargs)
         scaling = kwargs.get("scaling")
         scaling = scaling if scaling is not None else module.scaling

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 import threading
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from contextvars import ContextVar
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from snapkv import padding
 from snapkv.cache import CompressedCache, CompressibleLayer
@@ -209,7 +211,7 @@ def _make_wrapper(impl: str, original):
             if out is None:
                 if layer.pads is not None:  # the mask follows the kept entries, not the 2-D mask
                     if impl.startswith("flash"):  # flash kernels take no arbitrary mask
-                        from transformers.integrations.sdpa_attention import sdpa_attention_forward as fn
+                        fn = sdpa_attention_forward
                     attention_mask = padding.attention_mask(layer, query, impl)
                 else:
                     attention_mask = _fix_mask(attention_mask, query, key, impl)
@@ -277,8 +279,6 @@ def suspended() -> Iterator[None]:
 def cache_kwarg(model) -> str:
     """The forward kwarg that takes the cache: `cache` from transformers 5.24, `past_key_values`
     before (5.23 silently ignores `cache=` and builds its own: the one compatibility seam)."""
-    import inspect
-
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 

@@ -1,26 +1,11 @@
 """The Hugging Face Hub seen from the harness: one fast reachability probe before any Hub download.
 
-Why: when huggingface_hub cannot fetch a file that is not cached, it retries it five times with
-backoff (1 + 2 + 4 + 8 + 8 s, `_hf_hub_download_to_cache_dir(..., retry_on_errors=True)`), per
-file, and has no setting to turn that off. transformers' `AutoTokenizer.from_pretrained` asks for
-`config.json` twice (`AutoConfig`, then `PreTrainedConfig` after the OSError), so an endpoint that
-refuses connections cost 2 x 23 s before the error for a model id and 23 s for LongBench's
-`data.zip`. A cached model paid too: its tokenizer's `additional_chat_templates` listing is retried.
-
-What: `hub_unavailable()` checks once per process whether the endpoint (`HF_ENDPOINT`, or the
-proxy that `HTTPS_PROXY` / `HTTP_PROXY` / `NO_PROXY` route it through) accepts a TCP connection, and
-when it does not, says why; callers then pass `local_files_only=True` (`cache_only_kwargs()`), so
-cached files still load and a missing one fails at once. A connection is all it asks for: no HTTP
-request is sent, so an endpoint that answers slowly counts as reachable and the download then runs
-with huggingface_hub's usual timeouts and retries. The connect waits at most `HF_HUB_ETAG_TIMEOUT`
-seconds (huggingface_hub's own setting, default 10). The stdlib does the probe because
-huggingface_hub's HTTP library changed between the versions transformers accepts (httpx in 1.x,
-httpx2 in 2.x).
-
-Also: `hub_unavailable()` first makes huggingface_hub 1.30-1.x follow a file's redirect only within
-one origin, as 2.x does (`origin_aware_redirects()`): those releases compare host names without the
-port, so an endpoint that redirects its LFS files to storage on another port of the same host
-(a local or on-prem Hub, a port-forwarded mirror) had every weights / `data.zip` download fail.
+Why: huggingface_hub retries a file it cannot fetch five times with backoff (1 + 2 + 4 + 8 + 8 s,
+no setting to turn it off), so an endpoint that refuses connections costs 23 s per file before the
+error, and transformers asks for some files twice. `hub_unavailable()` probes the endpoint
+once per process; callers then load from the local cache only (`cache_only_kwargs()`).
+`origin_aware_redirects()` makes huggingface_hub 1.30-1.x follow redirects within one origin only,
+as 2.x does (docs/pitfalls.md).
 """
 
 from __future__ import annotations
@@ -31,6 +16,9 @@ import socket
 import urllib.request
 from urllib.parse import urlsplit
 
+from huggingface_hub import constants, file_download
+from huggingface_hub.utils import _http
+
 logger = logging.getLogger(__name__)
 
 
@@ -38,10 +26,16 @@ def hub_unavailable() -> str | None:
     """Why the Hub cannot be used now (offline mode, or the endpoint refuses connections), else None.
 
     The endpoint is `huggingface_hub.constants.ENDPOINT` (read from `HF_ENDPOINT` when
-    huggingface_hub is imported); the probe runs once per process and endpoint.
+    huggingface_hub is imported); the probe runs once per process and endpoint. It checks whether
+    the endpoint (or the proxy that `HTTPS_PROXY` / `HTTP_PROXY` / `NO_PROXY` route it through)
+    accepts a TCP connection, waiting at most `HF_HUB_ETAG_TIMEOUT` seconds (huggingface_hub's own
+    setting, default 10). No HTTP request is sent, so an endpoint that answers slowly counts as
+    reachable and the download then runs with huggingface_hub's usual timeouts and retries. The
+    stdlib does the probe because huggingface_hub's HTTP library differs between the versions
+    transformers accepts (httpx in 1.x, httpx2 in 2.x). Callers that get a reason pass
+    `local_files_only=True`, so cached files still load and a missing one fails at once; a cached
+    model needs it too (its tokenizer's `additional_chat_templates` listing is retried otherwise).
     """
-    from huggingface_hub import constants
-
     origin_aware_redirects()  # every Hub download path asks this first
     if constants.is_offline_mode():
         return "offline mode is on (HF_HUB_OFFLINE=1)"
@@ -61,8 +55,6 @@ def _origin(url: str) -> tuple[str, str, int]:
 def _same_origin_or_hub(url: str, target: str) -> bool:
     """huggingface_hub 2.x's `_is_same_or_hub_host`: `target` has the origin of `url` or of a Hub
     endpoint (huggingface.co, its staging host, hf.co, `HF_ENDPOINT`)."""
-    from huggingface_hub import constants
-
     hub = (
         constants._HF_DEFAULT_ENDPOINT,
         constants._HF_DEFAULT_STAGING_ENDPOINT,
@@ -88,10 +80,7 @@ def origin_aware_redirects() -> bool:
     picks 1.33) and 5.24.0 still accepts >=1.31, so this installs 2.x's check, which follows fewer
     redirects, never more (huggingface/huggingface_hub#4942). Idempotent.
     """
-    from huggingface_hub import file_download
-    from huggingface_hub.utils import _http
-
-    try:
+    try:  # a version probe: the check exists from huggingface_hub 1.30 on
         from huggingface_hub.utils._http import _is_same_or_hub_host as check
     except ImportError:  # before 1.30: only relative redirects are followed, nothing to fix
         return False

@@ -8,17 +8,19 @@
   memory measurements, meaningless for accuracy).
 - Anything else is a local directory, a `.gguf` file or a Hub id (`from_pretrained`). Before a Hub
   download the endpoint is probed once (`snapkv.hub`): when it does not answer, only the local
-  Hugging Face cache is used, so a missing model fails at once instead of after ~50 s of retries.
+  Hugging Face cache is used, so a missing model fails at once instead of after huggingface_hub's retries.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from snapkv import hub
 from snapkv.embedded import EMBEDDED, fetch_embedded
@@ -66,8 +68,6 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 def _save_converted(model, tokenizer, target: Path) -> None:
     """Save the de-quantized fp32 weights (safetensors) next to the GGUF, atomically (rename at the end)."""
-    import shutil
-
     tmp = target.with_name(target.name + ".part")
     # transformers keeps a GGUF "quantizer" on the model although the weights are plain fp32
     # tensors, and refuses to save it; detach it (and its config entry) for the save only.
@@ -123,8 +123,6 @@ def load_model(
     tokenizer None), a `.gguf` file, a local directory, or a Hub id. device: `cpu`, `cuda`,
     `cuda:N` or `auto` (spread over all GPUs). `info` records what really ran.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={dtype!r}")
     if device not in ("cpu", "auto") and not device.startswith("cuda"):
@@ -154,7 +152,7 @@ def load_model(
             context = EMBEDDED[name].context
             converted = cache_root() / "models" / name / "hf"
             gguf = fetch_embedded(name)  # sha256-checked (cheap once stamped), also before the copy is used
-            # De-quantizing the GGUF takes ~10 s; later loads read a safetensors copy made once.
+            # De-quantizing the GGUF is slow; later loads read a safetensors copy made once.
             path = converted if (converted / "config.json").exists() else gguf
         else:
             path = Path(name).expanduser()

@@ -51,6 +51,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 from snapkv.hooks import cache_kwarg
 from snapkv.methods.base import pool
@@ -167,8 +168,6 @@ def record(
     prefix, region = length - window, length - tail
     kw = cache_kwarg(model)
     suppress = torch.tensor(sorted(set(int(i) for i in suppress_ids)), dtype=torch.long, device=device)
-
-    from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     original = model.config._attn_implementation

@@ -15,7 +15,7 @@ batch (transformers' convention for decoder-only generation). Semantics:
   segment with its own length and no pads at all.
 - The attention mask follows the kept entries: for a padded layer the hooks build the mask from
   `pads` (every real stored entry visible, causal inside the incoming block); transformers' 2-D
-  padding mask no longer maps onto the kept slots after compression and is not used there.
+  padding mask does not map onto the kept slots after compression and is not used there.
 - RoPE positions are those `generate()` derives from the padding mask (keys are cached post-RoPE).
 
 A padded row therefore decodes as the same prompt alone (greedy tokens identical, logits equal to

@@ -15,6 +15,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
@@ -30,8 +31,6 @@ COMMON = dict(
 
 
 def tiny_config(arch: str, layers: int = 3):
-    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config
-
     if arch == "llama":
         return LlamaConfig(num_hidden_layers=layers, **COMMON)
     if arch == "qwen2":
@@ -44,8 +43,6 @@ def tiny_config(arch: str, layers: int = 3):
 
 
 def tiny_model(arch: str = "llama", attn: str = "sdpa", layers: int = 3, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
     torch.manual_seed(seed)
     config = tiny_config(arch, layers)
     config._attn_implementation = attn

@@ -11,7 +11,29 @@ import sys
 import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import torch
+from conftest import random_ids, tiny_model
+
+from eval import machine
+from eval.bench import floor, pair
+from eval.bench import run as bench
+from eval.bench.clock import PhaseProbe, Reference, _Call
+from eval.bench.report import (
+    TARGETS,
+    agreement,
+    default_clock,
+    kept_rounds,
+    ratio_spreads,
+    round_ratios,
+    rounds_needed,
+    summarise_run,
+    verdict,
+)
+from eval.bench.run import compose, plan, rotated
+from eval.stats import Spread, timing_summary
+from snapkv import build_method, generate_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,11 +103,6 @@ def test_bench_speed_fresh_process_per_configuration_in_rotated_rounds(tmp_path)
 
 
 def test_phase_probe_splits_prefill_and_decode_forwards():
-    from conftest import random_ids, tiny_model
-
-    from eval.bench.clock import PhaseProbe
-    from snapkv import build_method, generate_ids
-
     model = tiny_model("llama")
     with PhaseProbe(model) as probe:
         generate_ids(model, random_ids(40), None, build_method("snapkv", budget=16, window=4),
@@ -104,12 +121,6 @@ def test_reference_forwards_change_nothing_the_generation_holds(method):
     """The reference runs inside the prefill (after every layer) and after every decode step; with
     methods that score and evict while decoding (h2o, streamingllm) too, the tokens, the kept
     entries and the cache's bookkeeping are those of a generation without it."""
-    import torch
-    from conftest import random_ids, tiny_model
-
-    from eval.bench.clock import PhaseProbe, Reference
-    from snapkv import build_method, generate_ids
-
     model = tiny_model("llama", layers=3)
     params = {"snapkv": dict(budget=16, window=4), "h2o": dict(budget=16), "streamingllm": dict(budget=16)}
 
@@ -146,7 +157,6 @@ def test_reference_units_cancel_a_machine_that_runs_slower():
     """A machine 1.4x slower (every forward and every reference beside it 1.4x longer) leaves the
     reference-clock fields as they were, while the raw CPU fields move 1.4x; the prefill sums each
     layer over its own reference and the rest of the forward over the median reference."""
-    from eval.bench.clock import PhaseProbe, _Call
 
     class Ref:
         tokens = 16
@@ -176,8 +186,6 @@ def test_reference_units_cancel_a_machine_that_runs_slower():
 
 
 def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
-    from eval.bench.run import main
-
     proc = _run([sys.executable, "scripts/bench_speed.py", "methods=[full,pyramid]", f"out={tmp_path}/b.csv"])
     err = proc.stderr.strip()
     assert proc.returncode == 2 and err.splitlines() == [err] and "pyramid" in err and "Traceback" not in err
@@ -196,15 +204,13 @@ def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
         (["configs=[streamingllm@512]"], "streamingllm"),
         (["budget"], "budget"),
     ]:
-        assert main([*args, f"out={tmp_path}/b.csv"]) == 2, args
+        assert bench.main([*args, f"out={tmp_path}/b.csv"]) == 2, args
         err = capsys.readouterr().err.strip()
         assert err.splitlines() == [err] and err.startswith("error: ") and bad in err, (args, err)
     assert not (tmp_path / "b.csv").exists()  # nothing ran
 
 
 def test_every_method_parameter_passes_through_from_conf_method():
-    from eval.bench.run import compose, plan
-
     cfg = compose(["methods=[snapkv,h2o,streamingllm]", "budget=96", "snapkv.pooling=avg", "snapkv.window=16",
                    "h2o.recent=8", "h2o.normalize=true", "n_sink=2", "configs=[snapkv@512,h2o@512]"])  # fmt: skip
     assert cfg.method_params["snapkv"] == {"budget": 96, "window": 16, "kernel_size": 7, "pooling": "avg",
@@ -230,8 +236,6 @@ def _rows(times: dict[tuple[str, int], float], rounds: int, scale=lambda r: 1.0,
 
 
 def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
-    from eval.bench.report import kept_rounds, ratio_spreads, round_ratios
-
     times = {("full", 512): 1.0, ("full", 8192): 20.0, ("snapkv", 8192): 20.4, ("h2o", 8192): 22.0}
     # Round r runs everything (1 + r) times slower: pooled medians across rounds would be wrong,
     # per-round ratios are unaffected.
@@ -248,8 +252,6 @@ def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
         x["prefill_cpu_s"], x["tpot_cpu_s"] = 2 * x["prefill_s"], 3 * x["tpot_s"]
     assert ratio_spreads(rows, "cpu")["prefill h2o/full(L)"].median == pytest.approx(1.1)
     # the reference clock reads prefill_ref / tpot_ref; a saved run defaults to it when it has them
-    from eval.bench.report import default_clock
-
     assert default_clock(rows) == "cpu" and ratio_spreads(rows, "ref")["prefill h2o/full(L)"] is None
     for x in rows:
         x["prefill_ref"], x["tpot_ref"] = 7 * x["prefill_s"], 5 * x["tpot_s"]
@@ -276,8 +278,6 @@ def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
 
 
 def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
-    from eval.bench.report import agreement, summarise_run
-
     times = {("full", 512): 1.0, ("full", 8192): 20.0, ("snapkv", 8192): 20.4, ("h2o", 8192): 22.0}
     a = summarise_run("a", _rows(times, 5), "wall")
     # Run b: h2o 8% slower; a machine 3x slower overall changes no ratio (they are per round).
@@ -314,8 +314,6 @@ def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
 
 
 def test_rounds_needed_from_the_per_round_spread():
-    from eval.bench.report import rounds_needed
-
     assert rounds_needed([1.0]) is None  # one round says nothing about the spread
     sd, n = rounds_needed([0.9, 1.1] * 5)  # sd 10% of the median
     assert sd == pytest.approx(0.10)
@@ -325,9 +323,6 @@ def test_rounds_needed_from_the_per_round_spread():
 
 
 def test_verdict_needs_the_whole_iqr_on_the_target_side():
-    from eval.bench.report import TARGETS, verdict
-    from eval.stats import Spread
-
     le, ge = TARGETS[0], TARGETS[1]  # <= 1.05, >= 2.0
     assert verdict(le, Spread(1.00, 0.99, 1.04, 5)) == "MET"
     assert verdict(le, Spread(1.00, 0.99, 1.06, 5)).startswith("MEDIAN ONLY")
@@ -337,8 +332,6 @@ def test_verdict_needs_the_whole_iqr_on_the_target_side():
 
 
 def test_rotation_gives_every_configuration_every_slot():
-    from eval.bench.run import rotated
-
     cs = list("abcd")
     orders = [rotated(cs, r) for r in range(4)]
     assert orders[0] == cs and orders[1] == list("bcda")
@@ -346,8 +339,6 @@ def test_rotation_gives_every_configuration_every_slot():
 
 
 def test_cpu_noise_subtracts_own_cpu_from_machine_busy(monkeypatch):
-    from eval import machine
-
     busy, own, clock = iter([100.0, 103.5]), iter([10.0, 11.5]), iter([50.0, 52.0])
     monkeypatch.setattr(machine, "busy_s", lambda: next(busy))
     monkeypatch.setattr(machine, "_own_cpu_s", lambda proc: next(own))
@@ -383,10 +374,6 @@ def test_cpu_noise_sees_a_busy_process():
 
 
 def test_timing_summary_gives_medians_with_noise_figures():
-    import pandas as pd
-
-    from eval.stats import timing_summary
-
     df = pd.DataFrame(dict(config_label=["a"] * 4 + ["b"] * 2, status=["ok"] * 5 + ["error"],
                            prefill_s=[1.0, 2.0, 3.0, 4.0, 5.0, None], tpot_s=[0.1] * 5 + [None]))  # fmt: skip
     t = timing_summary(df).set_index("config_label")
@@ -395,8 +382,6 @@ def test_timing_summary_gives_medians_with_noise_figures():
 
 
 def test_oom_in_a_worker_becomes_a_row(monkeypatch):
-    from eval.bench import run as bench
-
     def fake_run(cmd, **kw):
         return subprocess.CompletedProcess(cmd, -9, "", "")
 
@@ -418,18 +403,14 @@ def test_gpu_check_script_runs_at_toy_size_on_cpu(tmp_path):
 
 
 def test_h2o_floor_measurement_runs_at_toy_size():
-    from eval.bench.floor import main
-
-    line = main(64, heads=4, kv=2, d=16)
+    line = floor.main(64, heads=4, kv=2, d=16)
     assert line.startswith("L=64: sdpa") and line.count("x") >= 3
 
 
 def test_bench_pair_alternates_in_one_process(capsys):
-    from eval.bench.pair import main
-
-    out = main("random:llama-tiny", short=48, long=96, pairs=2, decode=4)
+    out = pair.main("random:llama-tiny", short=48, long=96, pairs=2, decode=4)
     assert len(out["ratios"]) == 2 and all(r > 0 for r in out["ratios"])
     printed = capsys.readouterr().out
     assert printed.count("pair ") == 2 and "PAIRED TPOT snapkv(b=48)@96 / full@48: median" in printed
     with pytest.raises(ValueError, match="short=96, long=32"):
-        main("random:llama-tiny", short=96, long=32)
+        pair.main("random:llama-tiny", short=96, long=32)

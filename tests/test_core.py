@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_ids, tiny_model
-from method_catalogue import CATALOGUE, catalogue, ids
+from method_catalogue import CATALOGUE, NOT_SWITCHES, SWITCHES_TESTED_ELSEWHERE, catalogue, ids
 from reference import (
     eager_attentions,
     masked_reference_logits,
@@ -16,11 +16,20 @@ from reference import (
     naive_snapkv_selection,
     record_visible,
 )
+from transformers import DynamicCache
 
 import snapkv
 import snapkv.methods.snapkv
 from snapkv import CompressedCache, build_method, generate_ids
+from snapkv.headwise import LAYOUTS
 from snapkv.hooks import cache_kwarg, session
+from snapkv.methods import METHODS, Method, base, register
+from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
+from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS
+from snapkv.methods.chunkkv import CHUNK_SCORES
+from snapkv.methods.criticalkv import CRITICAL_BASES
+from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS
+from snapkv.rope import rerotate
 
 PROMPT = 96
 NEW = 8
@@ -30,16 +39,6 @@ EVERY_METHOD = pytest.mark.parametrize("name,params", CATALOGUE, ids=ids(CATALOG
 def test_catalogue_covers_every_method_and_switch():
     """Every registered method is in tests/method_catalogue.py, and every value of every switch
     (bool or enumerated field) is run by some entry; a new field must be classified."""
-    from method_catalogue import NOT_SWITCHES, SWITCHES_TESTED_ELSEWHERE
-
-    from snapkv.headwise import LAYOUTS
-    from snapkv.methods import METHODS
-    from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
-    from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS
-    from snapkv.methods.chunkkv import CHUNK_SCORES
-    from snapkv.methods.criticalkv import CRITICAL_BASES
-    from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS
-
     choices = {
         "pooling": ("max", "avg", "none"),
         "gqa_reduce": GQA_REDUCTIONS,
@@ -139,8 +138,7 @@ def test_snapkv_selection_equals_naive_reference(pooling, reduce, order):
 
 def test_gqa_orders_differ_with_max_pooling_and_agree_when_linear():
     """The two GQA orders are two methods with max-pooling; with avg-pooling and a mean they rank
-    alike (both steps linear). Measured on the tiny model: the share of kept prefix entries that
-    differ."""
+    alike (both steps linear). Compared: the share of kept prefix entries that differ."""
     model = tiny_model("llama", layers=4)
     ids = random_ids(200)
 
@@ -299,8 +297,6 @@ def test_kv_bytes_match_kept_tokens(arch, dtype):
 
 
 def test_streamingllm_compacted_positions_rerotate_keys():
-    from snapkv.rope import rerotate
-
     model = tiny_model("llama")
     rope = model.model.rotary_emb
     k = torch.randn(1, 2, 5, 16)
@@ -390,10 +386,6 @@ def _readme_method_example() -> str:
 
 
 def test_readme_example_method_is_at_most_thirty_lines_and_keeps_the_smallest_norm_keys():
-    from transformers import DynamicCache
-
-    from snapkv.methods import METHODS, Method, register
-
     code = _readme_method_example()
     assert 3 < len(code.splitlines()) <= 30, code  # the guide's promise: a method in a few lines
     namespace = {"Method": Method, "register": register, "dataclass": dataclass}
@@ -456,8 +448,6 @@ def test_prefill_holds_one_uncompressed_layer_at_a_time():
 
 
 def test_h2o_scoring_memory_is_bounded_and_exact(monkeypatch):
-    from snapkv.methods import base
-
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 300, 16, generator=g), torch.randn(1, 2, 300, 16, generator=g)
     pos = torch.arange(300)

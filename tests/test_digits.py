@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import re
 
+import pandas as pd
 import pytest
 import torch
 from conftest import random_ids, tiny_model
+from omegaconf import OmegaConf
 from reference import eager_attentions
 
+from eval.analysis.digits import digits_ablation_figure
+from eval.analysis.kept_positions import kept_fractions, main
 from snapkv import CompressedCache, build_method
 from snapkv.hooks import cache_kwarg, session
 from snapkv.methods.base import pool, reduce_group, window_attention
@@ -126,15 +130,11 @@ def test_bad_span_is_a_value_error_naming_it(bad):
 
 
 def test_conf_snapkv_has_span_off():
-    from omegaconf import OmegaConf
-
     node = OmegaConf.load("conf/method/snapkv.yaml")
     assert "span" in node and node.span is None
 
 
 def test_kept_fractions_count_what_each_head_kept():
-    from eval.analysis.kept_positions import kept_fractions
-
     model = tiny_model("llama", layers=2)
     ids = random_ids(80)
     frac = kept_fractions(model, ids, build_method("snapkv", budget=30, window=8, span=4))
@@ -146,10 +146,6 @@ def test_kept_fractions_count_what_each_head_kept():
 
 
 def test_digits_ablation_figure_bars_are_the_means():
-    import pandas as pd
-
-    from eval.analysis.digits import digits_ablation_figure
-
     p7, p7s, full = dict(budget=512, kernel_size=7), dict(budget=512, kernel_size=7, span=8), {"budget": None}
     rows = pd.DataFrame(
         {
@@ -170,7 +166,5 @@ def test_digits_ablation_figure_bars_are_the_means():
 
 
 def test_kept_positions_cli_rejects_an_unknown_key_before_loading(capsys):
-    from eval.analysis.kept_positions import main
-
     assert main(["lenght=2000"]) == 2
     assert "'lenght'" in capsys.readouterr().err

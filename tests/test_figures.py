@@ -4,6 +4,7 @@ committed results/ are rebuilt from their rows in the slow test), and what the p
 from __future__ import annotations
 
 import csv
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -184,8 +185,6 @@ def test_plots_do_not_change_the_matplotlib_backend():
 
 
 def test_sweep_lines_split_on_any_other_varying_parameter():
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location("make_figures", ROOT / "scripts" / "make_figures.py")
     make_figures = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_figures)

@@ -23,13 +23,18 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 from hub_server import HubServer, Repo
+from huggingface_hub import constants, hf_hub_download
+from huggingface_hub.utils import _http
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_ID = "tiny-org/tiny-llama"
 LONGBENCH = ("dataset", "THUDM/LongBench")
-# Seconds an unreachable endpoint may cost a missing model or data set inside the process. Before
-# the probe, huggingface_hub's retries slept 1+2+4+8+8 = 23 s per file (a model asked for two).
+# Seconds an unreachable endpoint may cost a missing model or data set inside the process. Without
+# the probe, huggingface_hub's retries sleep 1+2+4+8+8 = 23 s per file (a model asks for two).
 FAST_S = 10.0
 
 
@@ -38,10 +43,6 @@ FAST_S = 10.0
 def model_repo(tmp_path_factory) -> Repo:
     """A tiny random Llama saved as transformers saves it: config, generation config, a byte-level
     BPE tokenizer with a ChatML chat template, model.safetensors."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -206,7 +207,8 @@ def test_run_py_downloads_model_and_longbench_once_then_runs_offline(hub, tmp_pa
 # ---------------------------------------------------------------------------- an endpoint that refuses
 def test_unreachable_endpoint_fails_at_once(tmp_path):
     """A missing model id, tokenizer id and LongBench data, endpoint refusing: an error naming the
-    fix, at once (before: 46 s for the model, 23 s for the data, of huggingface_hub retry sleeps)."""
+    fix, at once (without the probe: 46 s for the model, 23 s for the data, of huggingface_hub retry
+    sleeps)."""
     endpoint = refused_endpoint()
     model, tokenizer, data = timed(
         child_env(tmp_path, endpoint),
@@ -234,10 +236,11 @@ def test_unreachable_endpoint_fails_at_once(tmp_path):
     ids=["model", "longbench"],
 )
 def test_run_py_unreachable_endpoint_one_line_exit_2(tmp_path, args, expected):
-    # Wall time is not asserted here (start-up alone varies 5-30 s on a loaded machine; the Hub path is
-    # timed in test_unreachable_endpoint_fails_at_once); the retries are what used to cost 23 s per file.
+    # Wall time is not asserted here (start-up alone varies by tens of seconds on a loaded machine;
+    # the Hub path is timed in test_unreachable_endpoint_fails_at_once); without the probe the
+    # retries cost 23 s per file.
     proc = run_py(child_env(tmp_path, refused_endpoint()), *args, f"results_dir={tmp_path / 'runs'}")
-    assert "Retrying" not in proc.stderr  # huggingface_hub's backoff never started (before: 5 per file)
+    assert "Retrying" not in proc.stderr  # huggingface_hub's backoff (5 retries per file) never started
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
@@ -270,9 +273,7 @@ def test_missing_repo_on_answering_endpoint_is_a_fast_clear_error(hub, tmp_path)
 @pytest.fixture
 def online(monkeypatch):
     """The probe in this process: conftest switches huggingface_hub to offline mode for all tests."""
-    from huggingface_hub import constants
-
-    from snapkv import hub
+    from snapkv import hub  # here: at module level `hub` is the Hub look-alike fixture
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     hub._probe.cache_clear()
@@ -310,9 +311,7 @@ def test_probe_goes_through_the_proxy(online, monkeypatch, longbench_repo):
 
 
 def test_offline_mode_is_not_probed(monkeypatch):
-    from huggingface_hub import constants
-
-    from snapkv import hub
+    from snapkv import hub  # here: at module level `hub` is the Hub look-alike fixture
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hub, "_probe", lambda *a: pytest.fail("probed in offline mode"))
@@ -327,8 +326,6 @@ def test_lfs_redirect_is_not_followed_to_another_origin(online, longbench_repo, 
     that answer and GET the CDN once. huggingface_hub 1.30-1.33 (transformers 5.2.0's) followed the
     redirect when the CDN was on the Hub's host name, another port, and failed: "missing the
     'X-Repo-Commit' header" (`snapkv.hub.origin_aware_redirects` fixes that)."""
-    from huggingface_hub import hf_hub_download
-
     online.origin_aware_redirects()
     with HubServer({LONGBENCH: longbench_repo}, cdn_host=cdn_host) as server:
         path = hf_hub_download(
@@ -343,9 +340,7 @@ def test_lfs_redirect_is_not_followed_to_another_origin(online, longbench_repo, 
 def test_redirect_check_compares_origins():
     """After `origin_aware_redirects()` huggingface_hub treats a redirect as within the Hub only for the
     same (scheme, host, port) or a Hub endpoint's, on 1.x as on 2.x."""
-    from huggingface_hub.utils import _http
-
-    from snapkv import hub
+    from snapkv import hub  # here: at module level `hub` is the Hub look-alike fixture
 
     hub.origin_aware_redirects()
     within = _http._is_same_or_hub_host

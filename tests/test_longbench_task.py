@@ -15,6 +15,8 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import PreTrainedTokenizerFast
 
 from eval.tasks.base import Sample
 from eval.tasks.longbench import prompts as cfg
@@ -35,9 +37,6 @@ MULTI_NEWS_SUFFIX = "\n\nNow, write a one-page summary of all the news.\n\nSumma
 @pytest.fixture(scope="module")
 def tokenizer():
     """A tiny byte-level BPE (GPT-2 style, like SmolLM2's) that adds a BOS token, as Llama's does."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

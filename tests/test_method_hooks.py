@@ -1,5 +1,5 @@
 """Methods own their needs through explicit hooks on `Method`; the generic code never probes a
-method or a cache layer for attributes (issue 10, "methods, not plumbing, own method needs")."""
+method or a cache layer for attributes."""
 
 from __future__ import annotations
 

@@ -68,7 +68,7 @@ def _cli(args: list[str]) -> subprocess.Popen:
 # --------------------------------------------------------------------------------------------------
 
 
-# ROUGE-L in the `rouge` package is pure Python and slow (~10 s for these two files): the in-process
+# ROUGE-L in the `rouge` package is pure Python and slow on these two long files: the in-process
 # run scores every file, the subprocess run (which checks the CLI end to end, in parallel) the rest.
 SLOW_GOLDEN = {"gov_report", "multi_news"}
 

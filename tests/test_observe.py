@@ -16,6 +16,7 @@ import torch
 from conftest import random_ids, tiny_model
 from reference import eager_attentions
 
+import eval.analysis.observation
 from snapkv import CompressedCache
 from snapkv.hooks import cache_kwarg, session
 from snapkv.methods.base import Method, window_attention
@@ -269,8 +270,6 @@ def test_common_prefix():
 
 
 def _cli():
-    import eval.analysis.observation
-
     return eval.analysis.observation
 
 

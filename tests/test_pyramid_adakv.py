@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import COMMON, random_ids, tiny_model
 from reference import masked_reference_logits, record_visible
+from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import snapkv.headwise as headwise
 from snapkv import CompressedCache, build_method, generate_ids
@@ -122,8 +123,6 @@ def test_realised_mean_budget_equals_request_on_30_layers(name):
 
 
 def test_hybrid_model_counts_only_full_attention_layers():
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
-
     torch.manual_seed(0)
     config = Gemma3TextConfig(num_hidden_layers=12, sliding_window=16, head_dim=16, **COMMON)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()

@@ -1,4 +1,6 @@
 import math
+import shutil
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -6,9 +8,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from eval.plots import needle_heatmap, score_vs_budget, trained_context_position
+import eval.plots
+from eval.plots import needle_compare_figure, needle_heatmap, score_vs_budget, trained_context_position
 from eval.report import budget_of, main, method_label, slug
 from eval.store import ResultStore, config_hash, result_path
+from eval.tasks.needle.task import _score_metric
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MODEL = "tiny/model"
@@ -261,8 +265,6 @@ def test_report_empty_dir_exit_2(tmp_path, capsys):
 
 
 def test_report_cli_empty_dir(tmp_path):
-    import subprocess
-
     script = Path(__file__).resolve().parents[1] / "scripts" / "report.py"
     proc = subprocess.run(
         [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, check=False
@@ -303,8 +305,6 @@ def test_needle_compare_one_panel_per_config_one_scale():
     """The compare figure: a panel per label in the given order, one colour scale 0..100 for all,
     cells annotated x100, missing cells masked (grey), sample counts and means in the titles, one
     colour bar named for the metric."""
-    from eval.plots import needle_compare_figure
-
     df = pd.DataFrame(
         {
             "config_label": ["full"] * 4 + ["snapkv b=64"] * 3,
@@ -331,8 +331,6 @@ def test_needle_compare_one_panel_per_config_one_scale():
 def test_compare_colour_bar_names_the_needle_metric():
     """The score's metric is the `scores` key equal to `score` on every row (sf needle: word_recall,
     although exact agrees wherever both are 0 or 1); undecided or absent: "score"."""
-    from eval.tasks.needle.task import _score_metric
-
     g = pd.DataFrame(
         {
             "score": [0.0, 1.0, 0.5],
@@ -363,8 +361,6 @@ def _needle_rows(**kw):
 
 
 def test_trained_context_flag_wins_over_the_rows(tmp_path, monkeypatch, capsys):
-    import eval.plots
-
     seen = []
 
     def fake_heatmap(df, path, title="", trained_context=None, value="score"):
@@ -378,7 +374,7 @@ def test_trained_context_flag_wins_over_the_rows(tmp_path, monkeypatch, capsys):
     assert seen and set(seen) == {8000}  # default: the rows' own value
     seen.clear()
     assert main([str(d), "--trained-context", "2000"]) == 0
-    assert seen and set(seen) == {2000}  # it used to be overwritten by the rows' value
+    assert seen and set(seen) == {2000}  # the option wins over the rows' value
 
 
 def test_report_lists_code_versions_and_warns_when_they_differ(tmp_path, capsys):
@@ -400,9 +396,6 @@ def test_report_lists_code_versions_and_warns_when_they_differ(tmp_path, capsys)
 
 def test_committed_results_still_report_the_same_tables(tmp_path, capsys):
     """Old rows (the committed results/, written before the schema change) read and report as before."""
-    import shutil
-    from pathlib import Path
-
     src = Path(__file__).resolve().parents[1] / "results" / "needle_methods"
     d = tmp_path / "needle_methods"
     shutil.copytree(src, d, ignore=shutil.ignore_patterns("*.png", "report.md", "summary.csv"))

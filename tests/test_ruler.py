@@ -11,11 +11,22 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import re
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+import eval.runner as runner
+from eval.report import build_report, prepare
+from eval.spec import RunSpec
+from eval.store import ROW_FIELDS, ResultStore
+from eval.tables import column_order
 from eval.tasks import haystack as hs
 from eval.tasks.ruler.config import (
     FAMILIES,
@@ -25,7 +36,15 @@ from eval.tasks.ruler.config import (
     string_match_part,
 )
 from eval.tasks.ruler.generate import _zeta, common_words, cwe_words
+from eval.tasks.ruler.report import (
+    paired_differences,
+    ruler_compare,
+    ruler_compare_figure,
+    ruler_means,
+    ruler_tables,
+)
 from eval.tasks.ruler.task import RulerTask, find_pregenerated, prompt_tokens, render, split_input
+from snapkv.generation import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (
@@ -43,9 +62,6 @@ PROSE = " ".join(
 
 # ------------------------------------------------------------------------------------------ fixtures
 def _train_tokenizer(bos: bool):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -226,8 +242,6 @@ def test_lengths_scale_and_too_short_is_an_error(tok, data):
 
 
 def test_cwe_repeats_at_4096_and_above():
-    import random
-
     p = common_words(TASKS["cwe"].args, random.Random(0), 50, seed=1, length=4096)
     items = re.findall(r"\d+\. (\S+)", p.head)
     assert all(items.count(w) == 30 for w in p.outputs)
@@ -245,7 +259,6 @@ def test_answer_prefix_follows_the_assistant_marker_and_bos_appears_once(bos_tok
     assert ap in s.question and s.question.index("<|im_start|>assistant\n") < s.question.index(ap)
     assert s.question.endswith("mentioned in the provided text is")
     assert not s.context.startswith("<s>")  # the tokenizer adds it
-    from snapkv.generation import encode_prompt
 
     head, tail = encode_prompt(bos_tok, s.context, s.question, chat_template=False)
     ids = head + tail
@@ -392,10 +405,6 @@ def test_bad_arguments(kw, match):
 
 
 def test_config_composes_and_builds():
-    from hydra import compose, initialize_config_dir
-
-    from eval.spec import RunSpec
-
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
             "config",
@@ -411,9 +420,6 @@ def test_config_composes_and_builds():
 # ---------------------------------------------------------------------------------- end to end, report
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
     out = tmp_path_factory.mktemp("models") / "tiny-llama-ruler"
     tok.save_pretrained(out)
     torch.manual_seed(0)
@@ -427,11 +433,6 @@ def tiny_dir(tmp_path_factory, tok) -> str:
 
 
 def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):
-    from hydra import compose, initialize_config_dir
-
-    import eval.runner as runner
-    from eval.store import ResultStore
-
     results = tmp_path / "runs"
     overrides = [
         f"model.name={tiny_dir}",
@@ -455,8 +456,6 @@ def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):
     assert (df["input_tokens"] == df["actual_tokens"]).all()  # the measured length is what ran
     assert set(df["dataset"]) == set(df["ruler_task"])
 
-    from eval.report import build_report
-
     assert build_report(results).plots
     report = (results / "report.md").read_text()
     assert "## RULER" in report and "suite average" in report and "| niah_single_1 |" in report
@@ -465,11 +464,6 @@ def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):
 
 def _report_df(rows):
     """Result rows -> the prepared frame the report reads (every store field present)."""
-    import pandas as pd
-
-    from eval.report import prepare
-    from eval.store import ROW_FIELDS
-
     return prepare(pd.DataFrame([{**dict.fromkeys(ROW_FIELDS), **r} for r in rows]))
 
 
@@ -484,9 +478,6 @@ def _ruler_row(task, length, score, method="full", params=None, index=0):
 
 
 def test_report_suite_average_and_dagger():
-    from eval.tables import column_order
-    from eval.tasks.ruler.report import ruler_tables
-
     row = _ruler_row
 
     rows = [
@@ -504,9 +495,6 @@ def test_report_suite_average_and_dagger():
 
 
 def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
-    from eval.tables import column_order
-    from eval.tasks.ruler.report import paired_differences, ruler_tables
-
     def row(task, i, score, method="full", params=None):
         return _ruler_row(task, 4096, score, method, params, index=i)
 
@@ -535,13 +523,6 @@ def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
 
 
 def test_compare_figure_puts_every_config_beside_the_full_cache(tmp_path):
-    import pandas as pd
-
-    from eval.report import prepare
-    from eval.store import ROW_FIELDS
-    from eval.tables import column_order
-    from eval.tasks.ruler.report import ruler_compare, ruler_compare_figure, ruler_means
-
     def row(i, task, score, method, params):
         return {**dict.fromkeys(ROW_FIELDS), "sample_id": f"{task}-{i}", "task": "ruler", "dataset": task,
                 "model": "m", "method": method, "method_params": params, "query_aware": True,

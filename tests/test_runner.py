@@ -8,22 +8,35 @@ touches the Hub; only the `slow` test loads the real default model (cached).
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
+import eval.report
 import eval.runner as runner
-from eval.store import ROW_FIELDS, ResultStore, fields_missing, read_rows
+import run as run_module
+from eval.callbacks import sweep_errors
+from eval.report import write_report
+from eval.spec import RunSpec
+from eval.store import ROW_FIELDS, ResultStore, fields_missing, read_rows, result_path
 from eval.tasks import haystack as hs
-from eval.tasks.needle.task import NEEDLES
+from eval.tasks.needle.task import NEEDLES, NeedleTask
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -42,10 +55,6 @@ N_CELLS = len(LENGTHS) * len(DEPTHS)
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """A saved tiny model directory: random 2-layer Llama (GQA 4/2) + byte-level BPE with a chat template."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -213,10 +222,8 @@ def test_shards_cover_every_sample_once(tiny_dir, tmp_path):
     assert not set(ids[0]) & set(ids[1]) and len(ids[0]) + len(ids[1]) == N_CELLS
     merged = ResultStore.load_dir(results)
     assert len(merged) == N_CELLS and not merged["sample_id"].duplicated().any()
-    from eval.report import write_report
 
     assert write_report(results).report_md == results / "report.md"
-    import pandas as pd
 
     summary = pd.read_csv(results / "summary.csv")
     assert summary["n"].sum() == N_CELLS and summary["n_ok"].sum() == N_CELLS
@@ -226,8 +233,6 @@ def test_failing_samples_are_recorded_and_the_run_goes_on(tiny_dir, tmp_path, mo
     results = tmp_path / "results"
     cfg = make_cfg(tiny_dir, results)
     # Which sample fails is decided by its needle sentence (its magic number differs per cell).
-    from eval.tasks.needle.task import NeedleTask
-
     task = NeedleTask(haystack="noise", lengths=LENGTHS, depths=DEPTHS, seed=42)
     bad = {
         f"The special magic number is: {task.cell_number(150, 50)}.": RuntimeError("boom\nsecond line"),
@@ -329,8 +334,6 @@ QUIET_HYDRA = ["hydra/job_logging=disabled", "hydra/hydra_logging=disabled"]
 
 def run_cli_in_process(monkeypatch, tmp_path, *args: str) -> int:
     """`python run.py ARGS` in this process (through hydra.main); returns the exit code."""
-    import run as run_module
-
     monkeypatch.setattr(
         sys,
         "argv",
@@ -359,7 +362,7 @@ BAD_INPUT = {
     "model not found": (["model.name={tmp}/no-such-model"], "{tmp}/no-such-model"),
     "missing model path": (["model=gemma3-270m"], "model.name"),
     "bad shard": (["task.num_shards=2", "task.shard=2"], "shard=2"),
-    # Config errors that used to run every sample into an error row and exit 0:
+    # Config errors caught before the first sample (not an error row per sample and exit 0):
     "negative chunk size": (["prefill.chunk_size=-5"], "prefill.chunk_size=-5"),
     "chunk size not a number": (["prefill.chunk_size=abc"], "prefill.chunk_size='abc'"),
     "zero chunk size": (["prefill.chunk_size=0"], "prefill.chunk_size=0"),
@@ -367,7 +370,7 @@ BAD_INPUT = {
     "unknown method group option": (["method=bogus"], "unknown method 'bogus'; known: adakv, full, h2o"),
     "unknown model group option": (["model=bogus"], "unknown model 'bogus'; known: gemma3-270m"),
     "unknown option in a sweep": (["-m", "method=full,bogus"], "unknown method 'bogus'"),
-    # results_dir checked before the model loads (it used to fail after the first sample).
+    # results_dir checked before the model loads, not after the first sample.
     "results_dir is a file": (["results_dir={tmp}/afile/sub"], "afile' is a file"),
     "results_dir not writable": (["results_dir={readonly}/results"], "is not writable"),
     "bad query_aware": (["query_aware=maybe"], "query_aware='maybe'"),
@@ -517,15 +520,11 @@ def test_multirun_with_the_submitit_local_launcher(tiny_dir, tmp_path):
 
 def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_path, monkeypatch, capsys):
     """`python run.py -m method=full,snapkv,streamingllm` with the default (in-process) launcher."""
-    import run as run_module
-
     loads = []
 
     def counting_load(*args, **kwargs):
         loads.append(args[0])
         return REAL_LOAD_MODEL(*args, **kwargs)
-
-    import eval.report
 
     reports = []
     real_build = eval.report.build_report
@@ -553,8 +552,6 @@ def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_pa
 
 
 def test_a_sweep_over_results_dirs_reports_each(tiny_dir, tmp_path, monkeypatch):
-    import run as run_module
-
     a, b = tmp_path / "a", tmp_path / "b"
     drop = ("task.lengths", "task.depths", "results_dir", "report")
     args = [o for o in tiny_overrides(tiny_dir, a) if not o.startswith(drop)]
@@ -618,8 +615,6 @@ def test_a_run_whose_samples_all_failed_does_not_exit_0(tiny_dir, tmp_path, monk
 
 def test_a_sweep_with_a_bad_point_records_it_goes_on_and_reports(tiny_dir, tmp_path, monkeypatch):
     """`-m budget=64,16,128`: 16 < window is invalid; 64 and 128 still run and the report is written."""
-    import run as run_module
-
     results = tmp_path / "results"
     args = [
         a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report", "budget"))
@@ -639,7 +634,6 @@ def test_a_sweep_with_a_bad_point_records_it_goes_on_and_reports(tiny_dir, tmp_p
     assert "snapkv b=64" in report and "snapkv b=128" in report
     (error,) = (tmp_path / "multirun").glob("*/error.txt")
     assert "window=32, budget=16" in error.read_text()
-    from eval.callbacks import sweep_errors
 
     cfg = OmegaConf.create(
         {"hydra": {"sweep": {"dir": str(tmp_path / "multirun")}, "output_subdir": ".hydra"}}
@@ -651,10 +645,6 @@ def test_a_sweep_with_a_bad_point_records_it_goes_on_and_reports(tiny_dir, tmp_p
 def test_a_second_identical_run_waits_and_never_duplicates_a_sample(tiny_dir, tmp_path, monkeypatch):
     """Two identical runs into one results dir (a re-submitted job): the second waits for the first's
     lock, then finds every sample done. Before the lock, both computed every sample (2 rows each)."""
-    import threading
-
-    from eval.spec import RunSpec
-
     results = tmp_path / "results"
     cfg = make_cfg(tiny_dir, results)
     store = ResultStore(RunSpec.from_config(cfg).result_path)
@@ -712,9 +702,6 @@ def test_all_samples_already_done_says_so(tiny_dir, tmp_path, caplog):
 def test_old_rows_in_the_old_model_folder_are_resumed(tiny_dir, tmp_path, monkeypatch):
     """Rows written before the short model key (folder = the full path, no model_path field) count
     as done, and the report merges them with the new rows under the short key."""
-    from eval.spec import RunSpec
-    from eval.store import result_path
-
     results = tmp_path / "results"
     cfg = make_cfg(tiny_dir, results, "task.lengths=[150]")
     runner.run(cfg)
@@ -760,10 +747,6 @@ class Recording:
 def test_run_sample_reports_progress_and_records_the_noise(tiny_dir, tmp_path):
     """run_sample hands its callback to generate: prefill, then decode, with the sample's totals;
     and the row records the machine's noise and thread settings while the sample ran."""
-    import torch
-
-    from eval.spec import RunSpec
-
     spec = RunSpec.from_config(make_cfg(tiny_dir, tmp_path / "r", "prefill.chunk_size=100"))
     model, tokenizer, info = runner.get_model(spec)
     sample = next(s for s in spec.task.samples(tokenizer) if s.sample_id == "len250_depth50")
@@ -867,11 +850,6 @@ def test_without_a_bar_only_a_long_sample_logs_one_line_per_stage(caplog):
 
 
 def test_the_bar_clock_moves_through_a_long_forward():
-    import io
-    import time
-
-    from tqdm import tqdm
-
     out = io.StringIO()
     bar = tqdm(total=3, file=out, mininterval=0, ascii=True)
     before = out.getvalue().count("\r")
@@ -884,7 +862,6 @@ def test_the_bar_clock_moves_through_a_long_forward():
 
 def test_the_bar_clock_ticks_only_on_a_terminal():
     """In a log file (nohup, SLURM) every redraw would be a line: the clock ticks on terminals only."""
-    import io
 
     class Tty(io.StringIO):
         def isatty(self):

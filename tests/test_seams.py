@@ -1,4 +1,4 @@
-"""Small seams of issue 10: registries refuse bad classes, one cache root, one first-line helper,
+"""Small seams: registries refuse bad classes, one cache root, one first-line helper,
 provenance of a dirty checkout, score_longbench never overwrites silently nor writes NaN."""
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from typing import ClassVar
 
 import pytest
 
+import snapkv.models
 from eval import provenance
-from eval.tasks import TASKS, Task, register_task
+from eval.tasks import TASKS, Task, haystack, register_task
+from eval.tasks.longbench import task as longbench
 from eval.tasks.longbench.score import main as score_main
 from snapkv.errors import first_line, one_line
 from snapkv.methods import METHODS, register
@@ -64,9 +66,6 @@ def test_method_registry_refuses_a_duplicate_name_and_a_non_method():
 
 # ------------------------------------------------------------------------------------------- helpers
 def test_one_cache_root(monkeypatch, tmp_path):
-    from eval.tasks import haystack
-    from eval.tasks.longbench import task as longbench
-
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for value, expected in (
         (None, tmp_path / "home" / ".cache" / "snapkv-bench"),
@@ -81,7 +80,6 @@ def test_one_cache_root(monkeypatch, tmp_path):
         assert cache_root() == expected
         assert haystack.paul_graham_dir() == expected / "haystacks" / "paul_graham"
         assert longbench.cache_dir() == expected / "longbench"
-    import snapkv.models
 
     assert snapkv.models.cache_root is cache_root  # the model cache uses the same lookup
 

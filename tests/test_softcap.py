@@ -9,6 +9,7 @@ import torch
 from conftest import random_ids, tiny_model
 from reference import eager_attentions, naive_column_sums, naive_snapkv_selection
 from test_padding import generate, left_padded
+from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
 
 from snapkv import CompressedCache, build_method, generate_ids
 from snapkv.hooks import cache_kwarg, session
@@ -21,8 +22,6 @@ SMALL.update(num_key_value_heads=2, head_dim=16, num_hidden_layers=2, max_positi
 
 def softcap_model(softcap: float = 5.0):
     """Tiny Gemma 2 (logit soft-capping; eager: sdpa cannot soft-cap), q/k scaled up so the cap bites."""
-    from transformers import AutoModelForCausalLM, Gemma2Config
-
     torch.manual_seed(0)
     config = Gemma2Config(
         attn_logit_softcapping=softcap,
@@ -41,8 +40,6 @@ def softcap_model(softcap: float = 5.0):
 
 def sinks_model():
     """Tiny gpt-oss (per-head attention sinks `s_aux`), sinks set large enough to matter."""
-    from transformers import AutoModelForCausalLM, GptOssConfig
-
     torch.manual_seed(0)
     config = GptOssConfig(
         num_local_experts=2,

@@ -1,14 +1,19 @@
 import hashlib
 import json
+import shutil
 import warnings
 
 import pytest
+from hydra import compose, initialize_config_dir
 
+from eval.spec import RunSpec
 from eval.store import (
     ROW_FIELDS,
     ResultStore,
     TruncatedRowWarning,
     config_hash,
+    model_key,
+    normalize_row,
     read_rows,
     result_path,
     safe_name,
@@ -216,13 +221,6 @@ def test_committed_results_resume_under_the_new_schema(experiment, method, tmp_p
     with what really ran; `full` (unchanged since) is found by today's config: same file path and
     hash, every sample done. SnapKV's default GQA order changed since (pool_first -> reduce_first):
     today's default must NOT reuse those rows, and `method.gqa_order=pool_first` names what they ran."""
-    import shutil
-
-    from hydra import compose, initialize_config_dir
-
-    from eval.spec import RunSpec
-    from eval.store import model_key, normalize_row
-
     src = REPO / "results" / experiment
     shutil.copytree(src, tmp_path / experiment, ignore=shutil.ignore_patterns("*.png"))
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
@@ -266,7 +264,6 @@ def test_committed_results_resume_under_the_new_schema(experiment, method, tmp_p
 
 def test_old_rows_name_the_switches_added_since():
     """Rows without a switch get the value that reproduces what ran before it existed."""
-    from eval.store import normalize_row
 
     def old(method, params):
         return normalize_row({"sample_id": "s", "model": "m", "method": method, "method_params": params})

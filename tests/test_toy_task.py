@@ -1,5 +1,5 @@
 """A task defined entirely in this file runs, stores, resumes and reports through the generic
-runner, store and report (none of which knows it): the task seam of issue 10."""
+runner, store and report (none of which knows it)."""
 
 from __future__ import annotations
 

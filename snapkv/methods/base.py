@@ -33,8 +33,8 @@ class Method:
     evicts_during_decode: ClassVar[bool] = False
 
     # Values that reproduce what this method computed before a switch was added, for rows written
-    # before it existed (`upgrade_params`): e.g. SnapKV's `gqa_order` defaulted to the behaviour
-    # now called `pool_first`. A new switch whose default changes results adds its old value here.
+    # before it existed (`upgrade_params`): e.g. SnapKV rows without `gqa_order` were computed with
+    # `pool_first`. A new switch whose default changes results adds its old value here.
     legacy_params: ClassVar[dict[str, Any]] = {}
 
     budget: int | None = None
@@ -245,8 +245,8 @@ def blockwise_attention(
     does (see `softmax_scores`). Returns the column sums
     `[batch, kv_heads, group, L]` (fp32) and the output `[batch, heads, q, d]` (query dtype) or None.
     Memory: one block of fp32 logits (`max_block_bytes`), never q x L. Default bound: 8 MiB on CPU
-    (the block stays in L3: the softmax/sum passes are cache-bound, measured 1.6x faster than 64 MiB
-    blocks at L=8K), 256 MiB on GPU; at least 16 query rows per block.
+    (the block stays in L3: the softmax/sum passes are cache-bound), 256 MiB on GPU; at least 16
+    query rows per block.
     """
     b, kv_heads, length, d = key.shape
     nq, g = query.shape[2], query.shape[1] // kv_heads

@@ -10,6 +10,8 @@ METHODS: dict[str, type] = {}
 def register(cls: type) -> type:
     """Class decorator: register a `Method` subclass under its `name` (ValueError for a class that is
     not a Method, or a name another class already has)."""
+    # Here, not at the top: the registry stays a leaf module that base and every method file can
+    # import without a cycle.
     from snapkv.methods.base import Method
 
     if not (isinstance(cls, type) and issubclass(cls, Method)):

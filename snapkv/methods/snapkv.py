@@ -17,7 +17,7 @@ over the group (`gqa_reduce`: mean | max | sum) and the cache stays at KV-head g
 - `pool_first`: pool each query head's votes, then reduce — kvpress's order (it average-pools).
 
 With `pooling=avg` (or none) and `gqa_reduce` mean / sum the two orders give the same scores (both
-steps are linear); with max-pooling they keep different entries (20-43% of them on tiny models).
+steps are linear); with max-pooling they keep different entries.
 
 `span` (OUR variant, not in the paper; default None = the paper): after pooling and the group
 reduction, every prefix position's score becomes the max of the scores of the `span` positions
@@ -26,9 +26,9 @@ protected). A voted position thereby lends its score to the `span - 1` positions
 vote for the start of a multi-token item (the first digit of a number that is tokenized one digit
 per token) keeps the item's tail; max-pooling with kernel k only keeps k // 2 neighbours on each
 side. Why forward and not symmetric: the window's votes land on the text that introduces an
-item and on its first tokens; on SmolLM2's needle (`results/digits/`, no pooling) the first digit
-is kept by 39% of the KV heads (mean over layers), digits 5-7 by 11-18%, so widening backwards
-spends budget on text before the item. The rule sees only the scores (no token ids, no tokenizer,
+item and on its first tokens (on SmolLM2's needle the first digit is kept by far more KV heads than
+the last ones: results/README.md, "Digits as single tokens"), so widening backwards spends budget
+on text before the item. The rule sees only the scores (no token ids, no tokenizer,
 no position of a needle); the base class's top-k keeps exactly `budget` entries, so the budget is
 never exceeded: a longer span buys whole runs for fewer voted positions.
 """

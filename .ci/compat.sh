@@ -20,7 +20,7 @@ shift 2
 tests=("$@")
 [ ${#tests[@]} -gt 0 ] || tests=(tests/test_core.py tests/test_compat.py tests/test_pyramid_adakv.py
   tests/test_padding.py tests/test_softcap.py tests/test_decode_eviction.py tests/test_observe.py
-  tests/test_digits.py tests/test_hub.py)
+  tests/test_digits.py tests/test_rollback.py tests/e2e/test_hub.py)
 tf_version() { "$1" -c "import transformers; print(transformers.__version__)" 2>/dev/null || true; }
 
 if [ "$(tf_version "$py")" = "$version" ]; then

@@ -68,10 +68,10 @@ def test_declared_range_matches_pyproject_and_make_test_compat():
 
 def test_make_test_compat_runs_the_hub_tests_on_both_ends():
     """The Hub download paths depend on the huggingface_hub that each transformers pins (5.2.0: <2),
-    so .ci/compat.sh's default files include tests/test_hub.py; every file it lists exists."""
+    so .ci/compat.sh's default files include tests/e2e/test_hub.py; every file it lists exists."""
     script = (ROOT / ".ci" / "compat.sh").read_text()
     listed = re.search(r"\|\| tests=\(([^)]*)\)", script).group(1).split()
-    assert {"tests/test_core.py", "tests/test_compat.py", "tests/test_hub.py"} <= set(listed)
+    assert {"tests/test_core.py", "tests/test_compat.py", "tests/e2e/test_hub.py"} <= set(listed)
     assert [f for f in listed if not (ROOT / f).is_file()] == []
 
 

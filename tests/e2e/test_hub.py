@@ -30,7 +30,7 @@ from huggingface_hub.utils import _http
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODEL_ID = "tiny-org/tiny-llama"
 LONGBENCH = ("dataset", "THUDM/LongBench")
 # Seconds an unreachable endpoint may cost a missing model or data set inside the process. Without

@@ -13,7 +13,7 @@ import matplotlib.image
 import pytest
 from test_report import SNAP, base_row, write
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _execute(monkeypatch, results: Path, out: Path):

@@ -17,7 +17,7 @@ from test_report import MODEL, PNG_MAGIC, SNAP, base_row, write
 from eval.plots import natural_sorted, needle_heatmap_figure, score_limits, score_vs_budget_figure
 from eval.tables import slug
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _make(args, cwd=ROOT):

@@ -3,7 +3,14 @@ inside unmodified HuggingFace transformers models, plus generation with timing a
 
 import snapkv.compat  # noqa: F401  (first: a transformers outside the supported range fails here)
 from snapkv.cache import CompressedCache, CompressibleLayer
-from snapkv.generation import GenerationResult, ProgressCallback, generate, generate_ids, stop_token_ids
+from snapkv.generation import (
+    GenerationResult,
+    ProgressCallback,
+    generate,
+    generate_ids,
+    prefill,
+    stop_token_ids,
+)
 from snapkv.headwise import HeadwiseLayer
 from snapkv.hooks import apply, hooks_installed, session
 from snapkv.methods import METHODS, Method, build_method, register
@@ -21,6 +28,7 @@ __all__ = [
     "generate",
     "generate_ids",
     "hooks_installed",
+    "prefill",
     "register",
     "session",
     "stop_token_ids",

@@ -26,14 +26,17 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import psutil
 import torch
+from transformers import Cache
 
+from snapkv import hooks
 from snapkv.cache import CompressedCache
-from snapkv.hooks import cache_kwarg, session
+from snapkv.hooks import Session, cache_kwarg
 from snapkv.methods import Method, build_method
 
 # Chat end-of-turn tokens of common instruct models; used as stop tokens when in the vocabulary.
@@ -189,6 +192,48 @@ def _chunks(n: int, chunk_size: int | None, min_last: int) -> list[tuple[int, in
     return spans
 
 
+def prefill(
+    model,
+    ids: torch.Tensor,
+    cache: Cache,
+    *,
+    session: Session | None = None,
+    chunk_size: int | None = None,
+    on_chunk: Callable[[int, int, Any], None] | None = None,
+    **model_kwargs: Any,
+) -> Any:
+    """Forward the prompt `ids` `[batch, n]` into `cache`, in chunks of `chunk_size` tokens (None:
+    one forward), with explicit `position_ids` continuing from `cache.get_seq_length()`,
+    `use_cache=True` and `logits_to_keep=1`; `model_kwargs` go to every forward (e.g.
+    `output_attentions=True`). Runs under the caller's grad mode.
+
+    session: the open compression `Session`; its phase is "prefill" for every chunk but the last
+    and "final" for the last (compression right after it), and the last chunk holds at least
+    `session.method.min_last_chunk` tokens (a shorter one merges into the one before).
+    on_chunk(start, end, output): called after each chunk's forward (offsets into `ids`).
+    Returns the last chunk's model output (logits `[batch, 1, vocab]`).
+    """
+    batch, n = ids.shape
+    offset = cache.get_seq_length()
+    spans = _chunks(n, chunk_size, session.method.min_last_chunk if session is not None else 1)
+    kw = cache_kwarg(model)
+    for i, (a, b) in enumerate(spans):
+        if session is not None:
+            session.phase = "final" if i == len(spans) - 1 else "prefill"
+        pos = torch.arange(offset + a, offset + b, device=ids.device).unsqueeze(0).expand(batch, -1)
+        out = model(
+            input_ids=ids[:, a:b],
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **model_kwargs,
+            **{kw: cache},
+        )
+        if on_chunk is not None:
+            on_chunk(a, b, out)
+    return out
+
+
 @torch.inference_mode()
 def generate_ids(
     model,
@@ -244,16 +289,18 @@ def generate_ids(
         on_progress(stage, done, total)
         return _now(device) - t
 
-    spans = _chunks(context_ids.shape[1], chunk_size, method.min_last_chunk)
-    with session(model, method, cache) as s, PeakMemory(device) as mem:
+    context_len = context_ids.shape[1]
+    paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
+
+    def between_chunks(start: int, end: int, out) -> None:
+        nonlocal paused
+        if end < context_len:
+            paused += notify("prefill", end, input_tokens)
+
+    with hooks.session(model, method, cache) as s, PeakMemory(device) as mem:
         notify("prefill", 0, input_tokens)
-        paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
         t0 = _now(device)
-        for i, (a, b) in enumerate(spans):
-            if i:
-                paused += notify("prefill", a, input_tokens)
-            s.phase = "final" if i == len(spans) - 1 else "prefill"
-            out = forward(context_ids[:, a:b])
+        out = prefill(model, context_ids, cache, session=s, chunk_size=chunk_size, on_chunk=between_chunks)
         prefill_s = _now(device) - t0 - paused
         kept = cache.kept_tokens()
         kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
@@ -261,7 +308,7 @@ def generate_ids(
         compressed = any(layer.compressed for _, layer in cache.compressible_layers())
         s.phase = "decode"
         if question_ids is not None:
-            paused += notify("prefill", context_ids.shape[1], input_tokens)
+            paused += notify("prefill", context_len, input_tokens)
             out = forward(question_ids)
         token = out.logits[:, -1].argmax(-1)
         ttft_s = _now(device) - t0 - paused

@@ -51,7 +51,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
+from snapkv.generation import prefill
 from snapkv.hooks import cache_kwarg
 from snapkv.methods.base import pool
 
@@ -168,16 +170,14 @@ def record(
     kw = cache_kwarg(model)
     suppress = torch.tensor(sorted(set(int(i) for i in suppress_ids)), dtype=torch.long, device=device)
 
-    from transformers import DynamicCache
-
     cache = DynamicCache(config=model.config)
     original = model.config._attn_implementation
     t0 = time.perf_counter()
 
-    def forward(chunk: torch.Tensor, start: int, attentions: bool):
-        pos = torch.arange(start, start + chunk.numel(), device=device)[None]
-        return model(input_ids=chunk[None], position_ids=pos, use_cache=True, logits_to_keep=1,
-                     output_attentions=attentions, **{kw: cache})  # fmt: skip
+    def decode(token: torch.Tensor, position: int):
+        pos = torch.arange(position, position + 1, device=device)[None]
+        return model(input_ids=token[None], position_ids=pos, use_cache=True, logits_to_keep=1,
+                     output_attentions=True, **{kw: cache})  # fmt: skip
 
     def pick(next_logits: torch.Tensor) -> torch.Tensor:
         logits = next_logits.float().clone()
@@ -185,23 +185,29 @@ def record(
             logits[..., suppress[suppress < logits.shape[-1]]] = -math.inf
         return logits.argmax(-1)
 
+    att: list[torch.Tensor] = []
+    input_votes = [] if input_windows else None
+
+    def collect(start: int, end: int, out) -> None:
+        nonlocal att
+        att = [out.attentions[i][0] for i in layers]  # each [heads, end - start, region + end]
+        if input_votes is not None:
+            input_votes.append(torch.stack([a[:, :, :region].float().sum(1) for a in att]))
+
     with torch.inference_mode():
-        forward(ids[:region], 0, False)  # [:L - tail] through sdpa, full cache, last logits only
+        # [:L - tail] through sdpa, full cache, last logits only
+        prefill(model, ids[None, :region], cache, output_attentions=False)
         try:
             model.set_attn_implementation("eager")
-            # Chunks of the eager tail: the input windows (oldest first), or the observation window.
-            if input_windows:
-                bounds = [
-                    (region + j * input_window, region + (j + 1) * input_window) for j in range(input_windows)
-                ]
-            else:
-                bounds = [(region, length)]
-            input_votes = [] if input_windows else None
-            for s, e in bounds:
-                out = forward(ids[s:e], s, True)
-                att = [out.attentions[i][0] for i in layers]  # each [heads, e - s, e]
-                if input_votes is not None:
-                    input_votes.append(torch.stack([a[:, :, :region].float().sum(1) for a in att]))
+            # Chunks of the eager tail: the input windows (oldest first), or the one observation window.
+            out = prefill(
+                model,
+                ids[None, region:],
+                cache,
+                chunk_size=input_window if input_windows else None,
+                on_chunk=collect,
+                output_attentions=True,
+            )
             # The last chunk ends at L: its last `window` rows are SnapKV's observation window.
             votes = torch.stack([a[:, -window:, :prefix].float().sum(1) for a in att])  # [n_layers, heads, P]
             del att
@@ -210,7 +216,7 @@ def record(
             nxt = pick(out.logits[0, -1])
             for t in range(new_tokens):
                 gen[t] = nxt
-                out = forward(nxt.view(1), length + t, True)
+                out = decode(nxt.view(1), length + t)
                 for li, i in enumerate(layers):
                     gen_att[li, :, t] = out.attentions[i][0, :, 0, :prefix]
                 nxt = pick(out.logits[0, -1])

@@ -16,8 +16,8 @@ from pathlib import Path
 import huggingface_hub
 import pytest
 
-from eval.tasks.longbench import prompts as cfg
 from eval.tasks.base import Sample
+from eval.tasks.longbench import prompts as cfg
 from eval.tasks.longbench.task import (
     LongBenchTask,
     model_max_length,

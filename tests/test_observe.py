@@ -16,8 +16,8 @@ import torch
 from conftest import random_ids, tiny_model
 from reference import eager_attentions
 
-from snapkv import CompressedCache
-from snapkv.hooks import cache_kwarg, session
+from snapkv import CompressedCache, prefill
+from snapkv.hooks import session
 from snapkv.methods.base import Method, window_attention
 from snapkv.observe import (
     Observation,
@@ -85,8 +85,8 @@ def test_votes_equal_snapkv_window_attention_summed_over_groups():
             captured[module.layer_idx] = window_attention(query, key, W, module.scaling)  # [b, kv, g, L]
 
     cache = CompressedCache(model.config)
-    with session(model, Capture(), cache), torch.no_grad():
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    with session(model, Capture(), cache) as s, torch.no_grad():
+        prefill(model, ids, cache, session=s)
     obs = record(model, ids, window=W, new_tokens=1)
     for li in obs.layers:
         ref = captured[li].flatten(1, 2)[0, :, : L - W]  # query head h = kv * group + g

@@ -22,8 +22,8 @@ import torch
 from conftest import random_ids, tiny_model
 from reference import eager_attentions
 
-from snapkv import CompressedCache, build_method, generate_ids
-from snapkv.hooks import cache_kwarg, session
+from snapkv import CompressedCache, build_method, generate_ids, prefill
+from snapkv.hooks import session
 from snapkv.methods.adakv import head_budgets
 
 W = 8
@@ -32,8 +32,7 @@ W = 8
 def _prefilled(model, ids, method):
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     with torch.no_grad(), session(model, method, cache) as s:
-        s.phase = "final"
-        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        prefill(model, ids, cache, session=s)
     return cache
 
 

@@ -28,7 +28,8 @@ def test_task_registry_refuses_a_duplicate_name_and_a_non_task():
         name: ClassVar[str] = "needle"
 
     with pytest.raises(
-        ValueError, match=r"'needle' is already registered by eval\.tasks\.needle\.task\.NeedleTask.*OtherNeedle"
+        ValueError,
+        match=r"'needle' is already registered by eval\.tasks\.needle\.task\.NeedleTask.*OtherNeedle",
     ):
         register_task(OtherNeedle)
     assert TASKS["needle"].__name__ == "NeedleTask"

@@ -33,8 +33,8 @@ import torch
 from omegaconf import OmegaConf
 
 from snapkv import CompressedCache, build_method
-from snapkv.generation import encode_prompt
-from snapkv.hooks import cache_kwarg, session
+from snapkv.generation import encode_prompt, prefill
+from snapkv.hooks import session
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,7 @@ def kept_fractions(model: Any, ids: torch.Tensor, method: Any) -> torch.Tensor:
     layer's KV heads that kept each position."""
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     with torch.no_grad(), session(model, method, cache) as s:
-        s.phase = "final"
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+        prefill(model, ids, cache, session=s)
     rows = []
     for _, layer in cache.compressible_layers():
         pos = layer.positions[0]  # [kv_heads, kept]

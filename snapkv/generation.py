@@ -26,7 +26,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -146,17 +146,45 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def chat_templated(tokenizer, chat_template: bool) -> bool:
+    """Whether a prompt goes through the chat template: asked for, and the tokenizer has one."""
+    return bool(chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(
+    tokenizer, content: str, chat_template: bool = True, history: Iterable[tuple[str, str]] = ()
+) -> str:
+    """The text the model sees: `content` as the last user turn of the tokenizer's chat template,
+    after the `history` (user, assistant) exchanges, with the generation prompt, when
+    `chat_templated(tokenizer, chat_template)`; else `content` itself (`history` then unused: raw
+    text has no turns)."""
+    if not chat_templated(tokenizer, chat_template):
+        return content
+    messages = []
+    for user, assistant in history:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    messages.append({"role": "user", "content": content})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(tokenizer, content: str, chat_template: bool = True) -> list[int]:
+    """Token ids of `render_prompt(tokenizer, content, chat_template)`: a templated text already
+    carries its special tokens, so only a raw prompt gets the tokenizer's own (e.g. BOS)."""
+    text = render_prompt(tokenizer, content, chat_template)
+    templated = chat_templated(tokenizer, chat_template)
+    return tokenizer(text, add_special_tokens=not templated, verbose=False)["input_ids"]
+
+
 def encode_prompt(tokenizer, context: str, question: str, chat_template: bool) -> tuple[list[int], list[int]]:
     """Token ids of (context part, question part) of the prompt, chat template applied if asked.
 
-    The template wraps `context + question` as one user turn; the rendered text is split where the
-    context ends, so the question part carries the template's end-of-turn and assistant header.
+    The template wraps `context + question` as one user turn (`render_prompt`); the rendered text is
+    split where the context ends, so the question part carries the template's end-of-turn and
+    assistant header.
     """
     text = context + question
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
+    if chat_templated(tokenizer, chat_template):
+        rendered = render_prompt(tokenizer, text)
         start = rendered.find(text)
         if start < 0:  # templates that trim the content
             start = rendered.find(text.strip())

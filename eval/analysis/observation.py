@@ -59,6 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from eval.conf import CONF_DIR
 from snapkv.errors import first_line
+from snapkv.generation import prompt_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -217,11 +218,7 @@ def prompt_ids(tokenizer, context, instruction, placement: str, chat_template: b
     if not isinstance(context, str):  # synthetic ids
         return list(context) + list(instruction) if placement == "end" else list(instruction) + list(context)
     content = f"{context}\n\n{instruction}" if placement == "end" else f"{instruction}\n\n{context}"
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer(content).input_ids
+    return prompt_token_ids(tokenizer, content, chat_template)
 
 
 # ---- per recording: compact summaries (the full generation attention is dropped) --------------

@@ -88,6 +88,7 @@ from eval.tasks.ruler.generate import (
     vt_text,
     wonder_words,
 )
+from snapkv.generation import chat_templated, encode_prompt, render_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -112,12 +113,8 @@ def render(tokenizer: Any, prompt: Prompt, templated: bool) -> tuple[str, str]:
     if not templated:
         shots = "".join(user + assistant + "\n" for user, assistant in prompt.shots)
         return shots + prompt.head, prompt.tail + prompt.answer_prefix
-    messages = []
-    for user, assistant in prompt.shots:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     user = prompt.head + prompt.tail
-    messages.append({"role": "user", "content": user})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render_prompt(tokenizer, user, history=prompt.shots)
     start, head = text.rfind(user), prompt.head
     if start < 0:  # templates that trim the content
         user, head = user.strip(), prompt.head.lstrip()
@@ -134,8 +131,6 @@ def render(tokenizer: Any, prompt: Prompt, templated: bool) -> tuple[str, str]:
 
 def prompt_tokens(tokenizer: Any, context: str, question: str) -> int:
     """Prompt length exactly as the generator encodes it (`snapkv.generation.encode_prompt`)."""
-    from snapkv.generation import encode_prompt
-
     head, tail = encode_prompt(tokenizer, context, question, chat_template=False)
     return len(head) + len(tail)
 
@@ -478,7 +473,7 @@ class RulerTask(Task):
 
     # ---- samples
     def samples(self, tokenizer: Any) -> Iterator[Sample]:
-        self._templated = bool(self.chat_template and getattr(tokenizer, "chat_template", None))
+        self._templated = chat_templated(tokenizer, self.chat_template)
         self.num_samples()
         return self._iter(tokenizer)
 

@@ -17,9 +17,11 @@ Recording (`record`), for one prompt of `L` tokens, observation window `w`, pref
    over `prompt + generated[:t+1]` gives the same row at index `L + t`). EOS is never a stop: ids
    in `suppress_ids` get -inf logits (as `min_new_tokens` does), so the answer does not end.
 
-Only full-attention layers are recorded (`config.layer_types`; sliding-window layers of hybrids
-such as Gemma 3 see a different key range). Batch size 1. Heads are query heads (`[heads]` = the
-model's `num_attention_heads`; under GQA query head `h` reads KV head `h // group`).
+Only full-attention layers are recorded (`snapkv.cache.full_attention_layers`, transformers' own
+layer typing): sliding-window layers, of hybrids such as Gemma 3 or of a config with a
+`sliding_window` and no `layer_types` (every layer), see a different key range. Batch size 1.
+Heads are query heads (`[heads]` = the model's `num_attention_heads`; under GQA query head `h`
+reads KV head `h // group`).
 
 Memory: the generation attention is `layers x heads x T x P` values in `store_dtype`
 (`recording_bytes`): SmolLM2-135M (30 layers, 9 heads), fp16: T=384, P=1.5K: 0.30 GiB; T=384,
@@ -53,6 +55,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from snapkv.cache import full_attention_layers
+from snapkv.compat import layer_types
 from snapkv.generation import prefill
 from snapkv.hooks import cache_kwarg
 from snapkv.methods.base import pool
@@ -110,14 +114,6 @@ def recording_bytes(layers: int, heads: int, new_tokens: int, prefix: int, dtype
     return layers * heads * new_tokens * prefix * torch.tensor([], dtype=dtype).element_size()
 
 
-def full_attention_layers(model) -> list[int]:
-    cfg = model.config.get_text_config(decoder=True)
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [i for i, t in enumerate(types) if t == "full_attention"]
-    return list(range(cfg.num_hidden_layers))
-
-
 def record(
     model,
     input_ids: torch.Tensor | Iterable[int],
@@ -164,7 +160,12 @@ def record(
         )
     device = next(model.parameters()).device
     ids = ids.to(device)
-    layers = full_attention_layers(model)
+    layers = full_attention_layers(model.config)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no full-attention layer to record (layer types: "
+            f"{sorted(set(layer_types(model.config)))})"
+        )
     heads = model.config.get_text_config(decoder=True).num_attention_heads
     prefix, region = length - window, length - tail
     kw = cache_kwarg(model)

@@ -38,10 +38,12 @@ class ReportCallback(Callback):
     concurrently); then, if any point failed, list them and exit with code 2."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from eval.report import write_report
+        # Lazy: Hydra builds the callback in the sweep's launching process, which needs torch and
+        # the models (eval.runner) only here, after the last job.
+        from eval.runner import report_results
 
         for results_dir in sweep_results_dirs(config):
-            write_report(results_dir)
+            report_results(results_dir)
         failed = sweep_errors(config)
         for job, message in failed:
             logger.error("sweep point %s failed: %s", job, message)

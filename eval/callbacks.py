@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,8 +24,6 @@ JOB_ERROR_FILE = "error.txt"
 
 def record_job_error(message: str) -> Path | None:
     """Write `message` to the current Hydra job's output dir (None outside a Hydra job)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return None
     out = Path(HydraConfig.get().runtime.output_dir) / JOB_ERROR_FILE

@@ -451,7 +451,7 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
 # --------------------------------------------------------------------------------------------- plots
 def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None) -> list[Path]:
     """Each task's plots (`Task.report_plots`, ok rows) and score-vs-budget per task run at >1 budget."""
-    from eval.plots import score_vs_budget
+    from eval.plots import score_vs_budget  # lazy: matplotlib; the runner imports this module
 
     written: list[Path] = []
     ok = df[df["ok"]]

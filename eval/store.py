@@ -22,6 +22,8 @@ from typing import Any, TypeVar
 import pandas as pd
 from filelock import FileLock, Timeout
 
+from snapkv.methods.registry import METHODS
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -184,8 +186,6 @@ def normalize_row(row: dict) -> dict:
         row["model"] = model_key(row["model_path"])
     # Switches added since the row was written: the method names what really ran (its own
     # `legacy_params`), so old and new rows never share a label in a report.
-    from snapkv.methods.registry import METHODS
-
     cls = METHODS.get(row.get("method"))
     if cls is not None and isinstance(row.get("method_params"), dict):
         row["method_params"] = cls.upgrade_params(row["method_params"])

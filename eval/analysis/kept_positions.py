@@ -32,9 +32,11 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
+from eval.tasks.needle.task import NeedleTask
 from snapkv import CompressedCache, build_method
 from snapkv.generation import encode_prompt, prefill
 from snapkv.hooks import session
+from snapkv.models import load_model
 
 log = logging.getLogger(__name__)
 
@@ -86,8 +88,6 @@ def kept_fractions(model: Any, ids: torch.Tensor, method: Any) -> torch.Tensor:
 
 
 def compute(cfg: Any, model: Any, tokenizer: Any) -> tuple[pd.DataFrame, dict]:
-    from eval.tasks.needle.task import NeedleTask
-
     task = NeedleTask(
         haystack=cfg.haystack, lengths=[int(cfg.length)], depths=[float(cfg.depth)], seed=int(cfg.seed)
     )
@@ -152,7 +152,6 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown key {unknown[0]!r}; known: {', '.join(DEFAULTS)}", file=sys.stderr)
         return 2
     cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), args)
-    from snapkv.models import load_model
 
     model, tokenizer, _ = load_model(cfg.model)
     df, meta = compute(cfg, model, tokenizer)

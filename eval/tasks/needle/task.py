@@ -457,7 +457,7 @@ def _report_tables(df: pd.DataFrame) -> list[str]:
 def _report_plots(df: pd.DataFrame, options: ReportOptions) -> list[Path]:
     """One heatmap (depth x context length) per (task, model, config), and its partial-credit twin.
     The dashed trained-context line: `options.trained_context` if given, else the rows' value."""
-    from eval.plots import needle_heatmap
+    from eval.plots import needle_heatmap  # lazy: matplotlib; every run imports this task
 
     written: list[Path] = []
     if "context_length" not in df or "depth_percent" not in df:
@@ -502,7 +502,7 @@ def _compare_plots(needle: pd.DataFrame, options: ReportOptions, several_tasks: 
     """`needle_compare_<model>.png` (and `_partial`): every config of a (task, model) side by side, the
     full cache first, one colour scale: what compression costs, in one picture. Skipped for a single
     config, and above MAX_COMPARE_PANELS configs (a sweep: its score-vs-budget plot reads better)."""
-    from eval.plots import needle_compare
+    from eval.plots import needle_compare  # lazy: matplotlib; every run imports this task
 
     written: list[Path] = []
     for (task, model), g in needle.groupby(["task", "model"], sort=True):

@@ -58,6 +58,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
+from eval.tables import column_order
 from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack
 from eval.tasks.registry import register_task
@@ -635,14 +636,13 @@ class RulerTask(Task):
     # ---- reporting (eval.tasks.ruler.report)
     @classmethod
     def report_tables(cls, df: pd.DataFrame) -> list[str]:
-        from eval.tables import column_order
+        # Lazy: the report module draws with matplotlib, and every run imports this task.
         from eval.tasks.ruler.report import ruler_tables
 
         return ruler_tables(df, column_order)
 
     @classmethod
     def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
-        from eval.tables import column_order
-        from eval.tasks.ruler.report import ruler_compare, ruler_heatmaps
+        from eval.tasks.ruler.report import ruler_compare, ruler_heatmaps  # lazy: matplotlib
 
         return ruler_heatmaps(df, options.out) + ruler_compare(df, options.out, column_order)

@@ -86,11 +86,11 @@ def run_with_compare(cfg: DictConfig) -> None:
     """The run, then its `compare` methods (eval/compare.py), every spec validated before any model
     loads; one report at the end. In a sweep job: the job alone (a sweep names its methods)."""
     from eval.compare import compare_configs
-    from eval.runner import AllSamplesFailed, _in_multirun, run
+    from eval.runner import AllSamplesFailed, _in_multirun, report_results, run
     from eval.spec import RunSpec
 
     if _in_multirun():
-        run(cfg)
+        run(cfg, write_report=False)  # the sweep's callback writes it once, after the last job
         return
     specs = [RunSpec.from_config(c) for c in compare_configs(cfg)]
     if len(specs) == 1:
@@ -103,13 +103,11 @@ def run_with_compare(cfg: DictConfig) -> None:
     failed: AllSamplesFailed | None = None
     for spec in specs:
         try:
-            run(spec, in_sweep=True)  # the report once, below, over every method's rows
+            run(spec, write_report=False)  # the report once, below, over every method's rows
         except AllSamplesFailed as err:
             failed = failed or err
     if specs[0].report:
-        from eval.report import write_report
-
-        write_report(specs[0].results_dir)
+        report_results(specs[0].results_dir)
     if failed is not None:
         raise failed
 

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -26,8 +27,6 @@ JOB_ERROR_FILE = "error.txt"
 
 def record_job_error(message: str) -> Path | None:
     """Write `message` to the current Hydra job's output dir (None outside a Hydra job)."""
-    from hydra.core.hydra_config import HydraConfig
-
     if not HydraConfig.initialized():
         return None
     out = Path(HydraConfig.get().runtime.output_dir) / JOB_ERROR_FILE
@@ -49,10 +48,12 @@ class ReportCallback(Callback):
     concurrently); then, if any point failed, list them and exit with code 2."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from eval.report import write_report
+        # Lazy: Hydra builds the callback in the sweep's launching process, which needs torch and
+        # the models (eval.runner) only here, after the last job.
+        from eval.runner import report_results
 
         for results_dir in sweep_results_dirs(config):
-            write_report(results_dir)
+            report_results(results_dir)
         failed = sweep_errors(config)
         for job, message in failed:
             logger.error("sweep point %s failed: %s", job, message)

@@ -10,16 +10,17 @@ import subprocess
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from functools import cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+import torch
+import transformers
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @cache
 def versions() -> dict[str, str | None]:
-    import torch
-    import transformers
-
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
@@ -28,8 +29,6 @@ def versions() -> dict[str, str | None]:
 
 
 def _own_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
     try:
         return version("snapkv-bench")
     except PackageNotFoundError:  # running from a checkout that is not pip-installed

@@ -28,6 +28,7 @@ stderr) when there is nothing to report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
@@ -45,6 +46,7 @@ from eval.tables import cell as _cell
 from eval.tables import column_order as _column_order  # noqa: F401  (scripts/make_figures.py)
 from eval.tables import md_table, slug
 from eval.tasks import TASKS, ReportOptions, Task
+from snapkv import METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -67,25 +69,56 @@ _ABBREV: dict[str, str] = {
 _KEY_ORDER = ("b", "r", "w", "k", "s")
 # Parameters shown by value only ("max" rather than "pooling=max") when the value is one of these.
 _BARE = {"pooling": ("max", "avg", "mean")}
-# Secondary parameters left out of the label at these values (the methods' defaults). Hiding one
-# fixed value per parameter never gives two different configs the same label.
-QUIET_DEFAULTS: dict[str, Any] = {
-    "gqa_reduce": "mean",
-    "recent_ratio": 0.5,
-    "evict_during_decode": True,
-    "normalize": False,
-    "block_size": 256,
-    "positions": "original",
-    "gqa_order": "reduce_first",
-    "schedule": "exact",
-    "short_prompt": "uniform",
-    "allocation": "adakv",
-    "keep_last": False,
-    "skip_layers": [],
-    "prune_after": 0,
-    "chunk_score": "sum",
-    "reuse_layers": 1,
-}
+# Secondary parameters left out of the label at their default. The default is read from the
+# registered method dataclasses (`snapkv.METHODS`) where the parameter is declared, so the label
+# follows a changed default; a subclass that redeclares it with another default (Ada-KV's
+# short_prompt="clip" over PyramidKV's "uniform") shows it. Hiding one fixed value per parameter
+# never gives two different configs the same label.
+QUIET_PARAMS = (
+    "gqa_reduce",
+    "recent_ratio",
+    "evict_during_decode",
+    "normalize",
+    "block_size",
+    "positions",
+    "gqa_order",
+    "schedule",
+    "short_prompt",
+    "allocation",
+    "keep_last",
+    "skip_layers",
+    "prune_after",
+    "chunk_score",
+    "reuse_layers",
+)
+
+
+def _declared_defaults(names: tuple[str, ...]) -> dict[str, Any]:
+    """Each parameter's default in the method class that declares it (the first in its MRO);
+    ValueError for a name no registered method declares, or declared with different defaults."""
+    found: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for cls in METHODS.values():
+        for name in names:
+            owner = next(
+                (k for k in reversed(cls.__mro__) if name in vars(k).get("__annotations__", {})), None
+            )
+            if owner is not None:
+                f = owner.__dataclass_fields__[name]
+                found[name][owner.__qualname__] = (
+                    f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                )
+    out = {}
+    for name, by_owner in found.items():
+        values = set(map(repr, by_owner.values()))
+        if len(values) != 1:
+            raise ValueError(
+                f"parameter {name!r} needs one declared default to be left out of labels, got {by_owner or 'none'}"
+            )
+        out[name] = next(iter(by_owner.values()))
+    return out
+
+
+QUIET_DEFAULTS: dict[str, Any] = _declared_defaults(QUIET_PARAMS)
 BUDGET_KEYS = ("budget", "max_capacity_prompt", "kv_budget")
 QUERY_AGNOSTIC_SUFFIX = " q-agnostic"
 
@@ -438,7 +471,7 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
 # --------------------------------------------------------------------------------------------- plots
 def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None) -> list[Path]:
     """Each task's plots (`Task.report_plots`, ok rows) and score-vs-budget per task run at >1 budget."""
-    from eval.plots import score_vs_budget
+    from eval.plots import score_vs_budget  # lazy: matplotlib; the runner imports this module
 
     written: list[Path] = []
     ok = df[df["ok"]]

@@ -8,7 +8,9 @@ identical run waits, then skips what the first did). The results file is
 with status ok are skipped (resume). Load the model once, run this job's shard of the remaining
 samples, appending ONE ROW PER SAMPLE as soon as it finishes (schema: `eval.store`; task columns
 from `Task.row_metadata`), and finally rewrite the report of the whole `results_dir`
-(`eval.report.write_report`; in a sweep, once at the end: eval/callbacks.py).
+(`report_results`, the one place reports are written from: `run(..., write_report=False)` leaves
+it to a caller that writes it once over several runs, `run.py`'s comparison and a sweep's last job
+(eval/callbacks.py)).
 
 Progress: the tqdm bar over the samples (`progress=true`) shows the current sample's stage live in
 its postfix (`prefill 2374 tok` -> `decode 37/512`; `SampleProgress`, fed by `generate`'s
@@ -47,13 +49,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
+from transformers import AutoTokenizer
 
 from eval import protocols
 from eval.machine import CpuNoise, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
+from eval.report import method_label
+from eval.report import write_report as write_results_report
 from eval.spec import RunSpec
 from eval.store import ROW_FIELDS, ResultStore, shard
 from eval.tasks import Sample, Task
@@ -75,8 +82,6 @@ class AllSamplesFailed(RuntimeError):
 def load_tokenizer(name: str, model: Any = None):
     """A tokenizer by name (for random-weight models): an embedded model's, a .gguf file's, a local
     directory's or a Hub id's. ValueError when its vocabulary does not fit `model`'s embeddings."""
-    from transformers import AutoTokenizer
-
     if name in EMBEDDED:
         path = fetch_embedded(name)
     else:
@@ -335,12 +340,13 @@ def context_rows(
 
 
 # ----------------------------------------------------------------------------------------------- run
-def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
+def run(cfg: DictConfig | RunSpec, write_report: bool = True) -> Path:
     """Run the configuration `cfg` (conf/config.yaml composed, or a RunSpec); return its results_dir.
 
-    `in_sweep`: a job of a `-m` sweep (the report is then written once, after the last job); None:
-    ask Hydra. Raises ValueError/FileNotFoundError for bad input before the model loads, and
-    `AllSamplesFailed` when every sample it ran failed.
+    `write_report`: rewrite the results_dir's report after the rows (when the config's `report` is
+    on); False leaves it to the caller, which writes it once over several runs (`report_results`).
+    Raises ValueError/FileNotFoundError for bad input before the model loads, and `AllSamplesFailed`
+    when every sample it ran failed.
     """
     t_start = time.perf_counter()
     spec = cfg if isinstance(cfg, RunSpec) else RunSpec.from_config(cfg)
@@ -413,16 +419,20 @@ def run(cfg: DictConfig | RunSpec, in_sweep: bool | None = None) -> Path:
             "done in %.0f s: %d ok, %d error, %d oom; rows in %s",
             time.perf_counter() - t_start, counts["ok"], counts["error"], counts["oom"], path,
         )  # fmt: skip
-    if spec.report and not (_in_multirun() if in_sweep is None else in_sweep):
-        from eval.report import write_report
-
-        write_report(spec.results_dir)
+    if write_report and spec.report:
+        report_results(spec.results_dir)
     if todo and counts["ok"] == 0:
         raise AllSamplesFailed(
             f"all {len(todo)} samples failed ({counts['error']} error, {counts['oom']} oom), "
             f"e.g. {row['sample_id']}: {row['error']}; rows in {path}"
         )
     return spec.results_dir
+
+
+def report_results(results_dir: str | Path) -> None:
+    """Rewrite the report of the whole `results_dir` (`eval.report.write_report`): after a run, after
+    `run.py`'s comparison of several methods, and after a sweep's last job (eval/callbacks.py)."""
+    write_results_report(results_dir)
 
 
 def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
@@ -449,15 +459,10 @@ def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
 
 
 def _label(spec: RunSpec) -> str:
-    from eval.report import method_label
-
     label = method_label(spec.method.name, spec.method.params())
     return label + protocols.label_suffix(spec.protocol)
 
 
 def _in_multirun() -> bool:
     """True inside a job of `python run.py -m ...`: the report is then written once, by ReportCallback."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

@@ -25,6 +25,7 @@ from eval.store import config_hash, model_key, result_path, safe_name
 from eval.tasks import Task, build_task, task_class
 from snapkv import build_method
 from snapkv.methods import Method
+from snapkv.models import DTYPES
 
 # Task-node keys the runner consumes (job sharding) rather than the task.
 RUN_KEYS = ("name", "shard", "num_shards")
@@ -74,8 +75,6 @@ class ModelSpec:
         name = m.get("name")
         if not isinstance(name, str) or not name:
             raise ValueError(f"model.name must be a non-empty string, got model.name={name!r}")
-        from snapkv.models import DTYPES
-
         if m.get("dtype") not in DTYPES:
             raise ValueError(
                 f"model.dtype must be one of {sorted(DTYPES)}, got model.dtype={m.get('dtype')!r}"

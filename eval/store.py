@@ -1,103 +1,9 @@
-"""Results store: one JSONL file per (task x model x method config), one row per sample.
+"""Results store: one JSONL file per (task x model x method config) [x shard], one row per sample,
+appended as each sample finishes (`ResultStore`) and merged over a results dir (`load_dir`).
 
-Layout under a `results_dir`::
-
-    {results_dir}/{task}/{model}/{method}-{hash8}.jsonl              # single job
-    {results_dir}/{task}/{model}/{method}-{hash8}.shard{i}of{n}.jsonl  # shard i of n (parallel jobs)
-
-`hash8` is `config_hash({...})`: the first 8 hex digits of the sha256 of the canonical JSON (sorted keys,
-no whitespace) of everything that changes outputs: method name, method params, query_aware and the
-task's output-relevant config (e.g. max_prompt_tokens, haystack, needle); see eval/spec.py. `model`
-is the short model key (`model_key`: a local path's stem, else the name), made path-safe
-(`HuggingFaceTB/SmolLM2-135M-Instruct` -> `HuggingFaceTB__SmolLM2-135M-Instruct`).
-
-Concurrency: `exclusive()` holds an OS file lock on `.{file}.lock` while a run appends, so two
-identical runs never compute one sample twice (the second waits, then resumes).
-
-Writes: `ResultStore.append` writes one whole line with a single `os.write` on an `O_APPEND`
-descriptor, then `fsync`s, as soon as a sample finishes. A process killed mid-write leaves at most a
-truncated last line: loading skips it with a `TruncatedRowWarning` (so that sample is recomputed on
-resume) and the next `append` cuts it off before writing. A malformed line anywhere else raises
-`ValueError("<file>:<line>: ...")`.
-
-Resume: `done_ids()` is the set of sample_ids whose winning row has status "ok"; "error"/"oom" rows
-are retried. Winning row per sample_id (within a file, across shard files of one config, and in
-`load_dir`): the last "ok" row if there is one, else the last row.
-
-Row schema (filled by the runner; every row is one JSON object on one line). A row is the GENERIC
-columns below plus the task's own metadata columns (`Task.row_metadata`, e.g. the needle task's
-`context_length`, `depth_percent`, LongBench's `length`, `prompt_tokens`, `truncated`; see the task's
-docstring). Nothing here knows a particular task.
-
-| field | type | meaning |
-|---|---|---|
-| `sample_id` | str | task-unique sample id (resume / de-duplication key) |
-| `model` | str | short model key: the results folder name (`model.key`, else a local path's stem, else the name) |
-| `model_path` | str | what was loaded: embedded name, local path or Hub id (`model.name`) |
-| `task` | str | task name (`longbench`, `needle`, ...) |
-| `dataset` | str | dataset / subtask (LongBench dataset name; `needle` for the needle task) |
-| `method` | str | compression method (`full`, `snapkv`, ...) |
-| `method_params` | dict | method parameters (budget, window_size, kernel_size, pooling, ...) |
-| `method_hash` | str | `config_hash` of method + params + query_aware (+ protocol for the shared protocols) + output-relevant task config; in the file name |
-| `query_aware` | bool | question compressed with the context (True, SnapKV/LongBench) or fed after compression (False) |
-| `protocol` | str | `query_aware`, `context_only`, `first_question`, `multi_request` or `multi_turn` (eval/protocols.py); absent in older rows: read from `query_aware` |
-| `context_id` | str \\| null | the context the question is asked about (shared by its questions; null: a single-question task) |
-| `question_index` | int | 0-based order in which the context's questions are asked |
-| `questions_in_context` | int | N, the questions of that context (amortised cost = context_prefill_s / N) |
-| `input_tokens` | int | prompt tokens after truncation (shared protocols: tokens in the cache before the first answer token) |
-| `kv_tokens` | float | mean kept KV tokens per layer and head after compression (= input_tokens when uncompressed) |
-| `kv_bytes_full` | int | bytes the uncompressed KV cache of the prompt would take |
-| `kv_bytes` | int | bytes the stored K/V tensors really allocate after compression (Σ numel·element_size) |
-| `kv_bytes_logical` | int | bytes of the entries kept (= kv_bytes except Ada-KV's padded layout) |
-| `compressed` | bool | whether compression ran at the end of prefill (False e.g. when the prompt fits the budget) |
-| `evicted_during_decode` | bool | whether entries were evicted while decoding (H2O, StreamingLLM) |
-| `decode_evicted` | float | entries evicted while decoding, per KV head, mean over compressible layers |
-| `kv_tokens_end` | float | mean KV entries per layer and head at the end of generation (null where a rollback follows the answer) |
-| `rollback_bytes` | int \\| null | bytes the checkpoint kept alive beyond the cache for the rollback after this question (null: no rollback) |
-| `prefill_s` | float | prefill (prompt forward + compression) wall time, seconds (shared protocols: the context's shared prefill) |
-| `context_prefill_s` | float | the context's prefill + compression, on every question's row (= prefill_s; shared once by `questions_in_context` questions in the shared protocols) |
-| `ttft_s` | float | time to first token, seconds (shared protocols: from feeding the question) |
-| `tpot_s` | float | median time per output token after the first, seconds |
-| `peak_mem_bytes` | int | peak accelerator (or process) memory during the sample, bytes |
-| `attn_impl` | str | attention implementation (`sdpa`, `eager`, `flash_attention_2`) |
-| `dtype` | str | model dtype (`bfloat16`, ...) |
-| `device` | str | device the sample ran on (`cuda:0`, `cpu`, ...) |
-| `other_cores` | float \\| null | cores other processes kept busy while the sample ran (`eval.machine.CpuNoise`: Δ machine busy CPU - Δ this process's CPU, / Δ wall; 0 = quiet) |
-| `load_1m` | float \\| null | 1-minute load average when the sample finished |
-| `torch_threads` | int \\| null | `torch.get_num_threads()` while the sample ran |
-| `cpu_count` | int \\| null | `os.cpu_count()` of the machine |
-| `omp_num_threads` / `mkl_num_threads` / `omp_wait_policy` | str \\| null | those environment variables (`""`: unset) |
-| `prediction` | str \\| null | generated text (null when the sample failed) |
-| `answers` | list[str] | reference answers |
-| `score` | float \\| null | main metric in [0, 1]; null when status != ok |
-| `scores` | dict | extra metrics in [0, 1], e.g. `{"exact": 1.0, "partial": 0.43}` |
-| `status` | str | `ok`, `oom` or `error` |
-| `error` | str \\| null | exception type and message when status != ok |
-| `versions` | dict | `{"torch": ..., "transformers": ..., "snapkv_bench": ...}` |
-| `git_sha` | str \\| null | commit of the harness that produced the row |
-| `git_dirty` | bool \\| null | the checkout had uncommitted changes (tracked or untracked files) |
-| `git_diff_sha` | str \\| null | 12 hex digits of the sha256 of those changes (null when clean) |
-| `slurm_job_id` | int \\| null | `SLURM_JOB_ID` of the job that ran the sample (null outside SLURM) |
-| `slurm_array_job_id` / `slurm_array_task_id` | int \\| null | `SLURM_ARRAY_JOB_ID` / `SLURM_ARRAY_TASK_ID` (a sweep's array and its task; null outside an array) |
-| `slurm_restart_count` | int \\| null | `SLURM_RESTART_COUNT`: times the job had been requeued (preemption, time limit); null before the first |
-| `seed` | int | random seed |
-| `timestamp` | str | ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z` |
-
-The noise columns (`other_cores` ... `omp_wait_policy`) are harness bookkeeping measured around
-each sample by the runner; rows written before they existed load with them absent (None), and the
-report prints "n/a" for them.
-
-Old rows (written before `model_path` existed: the committed `results/` and earlier runs) are read
-as they are, through `normalize_row`: `model_path` = their `model`, `model` = its short key, and the
-columns the old fixed schema wrote as null for other tasks (e.g. `depth_percent: null` on LongBench
-rows) dropped, and `method_params` completed by the method's `upgrade_params` with the values of
-switches added since (SnapKV's `gqa_order: pool_first`, ...), so a report labels them with what
-really ran. Their files resume too when today's config hashes the same (the runner also reads the
-old folder of a local-path model); a config whose defaults changed since gets a new file.
-
-`load_dir` adds a `file` column (path of the source file relative to `results_dir`), and skips with a
-warning any `*.jsonl` whose first row is an object without `sample_id` (not a results file, e.g.
-LongBench-format predictions exported next to the results).
+The row schema is `ROW_SCHEMA` below. Where a file lives: `result_path`; concurrent runs:
+`ResultStore.exclusive`; crash safety: `ResultStore.append`; resume: `ResultStore.done_ids`; rows
+written before today's schema: `normalize_row`.
 """
 
 from __future__ import annotations
@@ -116,66 +22,135 @@ from typing import Any, TypeVar
 import pandas as pd
 from filelock import FileLock, Timeout
 
+from snapkv.methods.registry import METHODS
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-ROW_FIELDS: tuple[str, ...] = (
-    "sample_id",
-    "model",
-    "model_path",
-    "task",
-    "dataset",
-    "method",
-    "method_params",
-    "method_hash",
-    "query_aware",
-    "protocol",
-    "context_id",
-    "question_index",
-    "questions_in_context",
-    "input_tokens",
-    "kv_tokens",
-    "kv_bytes_full",
-    "kv_bytes",
-    "kv_bytes_logical",
-    "compressed",
-    "evicted_during_decode",
-    "decode_evicted",
-    "kv_tokens_end",
-    "rollback_bytes",
-    "prefill_s",
-    "context_prefill_s",
-    "ttft_s",
-    "tpot_s",
-    "peak_mem_bytes",
-    "attn_impl",
-    "dtype",
-    "device",
-    "other_cores",
-    "load_1m",
-    "torch_threads",
-    "cpu_count",
-    "omp_num_threads",
-    "mkl_num_threads",
-    "omp_wait_policy",
-    "prediction",
-    "answers",
-    "score",
-    "scores",
-    "status",
-    "error",
-    "versions",
-    "git_sha",
-    "git_dirty",
-    "git_diff_sha",
-    "slurm_job_id",
-    "slurm_array_job_id",
-    "slurm_array_task_id",
-    "slurm_restart_count",
-    "seed",
-    "timestamp",
-)
+# The generic row schema, in column order: field -> (JSON type, meaning). Every row is one JSON
+# object on one line: these fields (filled by the runner) plus the task's own metadata columns
+# (`Task.row_metadata`, e.g. the needle task's `context_length`, `depth_percent`, LongBench's
+# `length`, `prompt_tokens`, `truncated`; see the task's docstring). Nothing here knows a task.
+# The machine columns (`other_cores` ... `omp_wait_policy`) are absent (None) in rows written
+# before they existed; the report prints "n/a" for them.
+ROW_SCHEMA: dict[str, tuple[str, str]] = {
+    "sample_id": ("str", "task-unique sample id (resume / de-duplication key)"),
+    "model": (
+        "str",
+        "short model key, the results folder name (`model.key`, else a local path's stem, else the name)",
+    ),
+    "model_path": ("str", "what was loaded: embedded name, local path or Hub id (`model.name`)"),
+    "task": ("str", "task name (`longbench`, `needle`, ...)"),
+    "dataset": ("str", "dataset / subtask (LongBench dataset name; `needle` for the needle task)"),
+    "method": ("str", "compression method (`full`, `snapkv`, ...)"),
+    "method_params": ("dict", "all the method's parameters (budget, window, kernel_size, pooling, ...)"),
+    "method_hash": (
+        "str",
+        "`config_hash` of method + params + query_aware (+ protocol for the shared protocols) + output-relevant task config; in the file name",
+    ),
+    "query_aware": (
+        "bool",
+        "question compressed with the context (True, SnapKV/LongBench) or fed after compression (False)",
+    ),
+    "protocol": (
+        "str",
+        "`query_aware`, `context_only`, `first_question`, `multi_request` or `multi_turn` (eval/protocols.py); absent in older rows: read from `query_aware`",
+    ),
+    "context_id": (
+        "str | null",
+        "the context the question is asked about (shared by its questions; null: a single-question task)",
+    ),
+    "question_index": ("int", "0-based order in which the context's questions are asked"),
+    "questions_in_context": (
+        "int",
+        "N, the questions of that context (amortised cost = context_prefill_s / N)",
+    ),
+    "input_tokens": (
+        "int",
+        "prompt tokens after truncation / as built (shared protocols: tokens in the cache before the first answer token)",
+    ),
+    "kv_tokens": (
+        "float",
+        "mean entries kept per compressible layer and KV head after prefill (= input_tokens uncompressed)",
+    ),
+    "kv_bytes_full": ("int", "bytes the uncompressed KV cache of the prompt would take"),
+    "kv_bytes": (
+        "int",
+        "bytes the stored K/V tensors really allocate after compression (Σ numel·element_size)",
+    ),
+    "kv_bytes_logical": ("int", "bytes of the entries kept (= kv_bytes except Ada-KV's padded layout)"),
+    "compressed": (
+        "bool",
+        "whether compression ran at the end of prefill (False e.g. when the prompt fits the budget)",
+    ),
+    "evicted_during_decode": (
+        "bool",
+        "whether entries were evicted while decoding (H2O, StreamingLLM; also with a prompt shorter than the budget)",
+    ),
+    "decode_evicted": ("float", "entries evicted while decoding, per KV head, mean over compressible layers"),
+    "kv_tokens_end": (
+        "float",
+        "mean KV entries per layer and head at the end of generation (null where a rollback follows the answer)",
+    ),
+    "rollback_bytes": (
+        "int | null",
+        "bytes the checkpoint kept alive beyond the cache for the rollback after this question (null: no rollback)",
+    ),
+    "prefill_s": (
+        "float",
+        "prefill (prompt forward + compression) wall time, seconds (shared protocols: the context's shared prefill)",
+    ),
+    "context_prefill_s": (
+        "float",
+        "the context's prefill + compression, on every question's row (= prefill_s; shared once by `questions_in_context` questions in the shared protocols)",
+    ),
+    "ttft_s": ("float", "time to first token, seconds (shared protocols: from feeding the question)"),
+    "tpot_s": ("float", "median time per output token after the first, seconds"),
+    "peak_mem_bytes": (
+        "int",
+        "peak memory during the sample: the CUDA allocator peak on GPU, the process RSS peak (sampled) on CPU",
+    ),
+    "attn_impl": ("str", "attention implementation (`sdpa`, `eager`, `flash_attention_2`)"),
+    "dtype": ("str", "model dtype (`bfloat16`, ...)"),
+    "device": ("str", "device the sample ran on (`cuda:0`, `cpu`, ...)"),
+    "other_cores": (
+        "float | null",
+        "cores other processes kept busy while the sample ran (`eval.machine.CpuNoise`: Δ machine busy CPU - Δ this process's CPU, / Δ wall; 0 = quiet)",
+    ),
+    "load_1m": ("float | null", "1-minute load average when the sample finished"),
+    "torch_threads": ("int | null", "`torch.get_num_threads()` while the sample ran"),
+    "cpu_count": ("int | null", "`os.cpu_count()` of the machine"),
+    "omp_num_threads": ("str | null", 'the OMP_NUM_THREADS environment variable (`""`: unset)'),
+    "mkl_num_threads": ("str | null", 'the MKL_NUM_THREADS environment variable (`""`: unset)'),
+    "omp_wait_policy": ("str | null", 'the OMP_WAIT_POLICY environment variable (`""`: unset)'),
+    "prediction": ("str | null", "generated text (null when the sample failed)"),
+    "answers": ("list[str]", "reference answers"),
+    "score": ("float | null", "main metric in [0, 1]; null when status != ok"),
+    "scores": ("dict", 'extra metrics in [0, 1], e.g. `{"exact": 1.0, "partial": 0.43}`'),
+    "status": ("str", "`ok`, `oom` or `error`"),
+    "error": ("str | null", "the one-line exception type and message when status != ok"),
+    "versions": ("dict", '`{"torch": ..., "transformers": ..., "snapkv_bench": ...}`'),
+    "git_sha": ("str | null", "commit of the harness that produced the row"),
+    "git_dirty": ("bool | null", "the checkout had uncommitted changes (tracked or untracked files)"),
+    "git_diff_sha": ("str | null", "12 hex digits of the sha256 of those changes (null when clean)"),
+    "slurm_job_id": ("int | null", "`SLURM_JOB_ID` of the job that ran the sample (null outside SLURM)"),
+    "slurm_array_job_id": (
+        "int | null",
+        "`SLURM_ARRAY_JOB_ID`: the sweep's job array (null outside an array)",
+    ),
+    "slurm_array_task_id": (
+        "int | null",
+        "`SLURM_ARRAY_TASK_ID`: the array task (one sweep point; null outside an array)",
+    ),
+    "slurm_restart_count": (
+        "int | null",
+        "`SLURM_RESTART_COUNT`: times the job had been requeued (preemption, time limit); null before the first",
+    ),
+    "seed": ("int", "random seed"),
+    "timestamp": ("str", "ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z`"),
+}
+ROW_FIELDS: tuple[str, ...] = tuple(ROW_SCHEMA)
 STATUSES = ("ok", "oom", "error")
 
 _HASH_RE = re.compile(r"-([0-9a-f]{8})(?:\.|$)")
@@ -236,7 +211,16 @@ def model_key(name: str) -> str:
 
 
 def normalize_row(row: dict) -> dict:
-    """A row in today's shape (see "Old rows" above); rows already in it are returned unchanged."""
+    """A row in today's shape; rows already in it (they have `model_path`) are returned unchanged.
+
+    Old rows (written before `model_path` existed: the committed `results/` and earlier runs) are
+    read as they are: `model_path` = their `model`, `model` = its short key, the columns the old
+    fixed schema wrote as null for other tasks (e.g. `depth_percent: null` on LongBench rows)
+    dropped, and `method_params` completed by the method's `upgrade_params` with the values of
+    switches added since (SnapKV's `gqa_order: pool_first`, ...), so a report labels them with what
+    really ran. Their files resume too when today's config hashes the same (the runner also reads
+    the old folder of a local-path model); a config whose defaults changed since gets a new file.
+    """
     if "model_path" in row:
         return row
     row = {k: v for k, v in row.items() if k in ROW_FIELDS or v is not None}
@@ -245,8 +229,6 @@ def normalize_row(row: dict) -> dict:
         row["model"] = model_key(row["model_path"])
     # Switches added since the row was written: the method names what really ran (its own
     # `legacy_params`), so old and new rows never share a label in a report.
-    from snapkv.methods.registry import METHODS
-
     cls = METHODS.get(row.get("method"))
     if cls is not None and isinstance(row.get("method_params"), dict):
         row["method_params"] = cls.upgrade_params(row["method_params"])
@@ -264,6 +246,9 @@ def result_path(
 ) -> Path:
     """`{results_dir}/{task}/{model}/{method}-{hash8}.jsonl` (`.shard{i}of{n}.jsonl` when num_shards > 1).
 
+    `method_hash` (hash8): `config_hash` of everything that changes outputs (method name and params,
+    query_aware, the task's output-relevant config; eval/spec.py). `model`: the short model key
+    (`model_key`). Names are made path-safe (`safe_name`: `org/name` -> `org__name`).
     Give each shard its own file: parallel jobs never write to the same file, and `load_dir`
     merges them.
     """
@@ -460,7 +445,13 @@ class ResultStore:
             os.close(fd)
 
     def append(self, row: dict) -> None:
-        """Append one row as a JSON line, flushed and fsync'ed before returning."""
+        """Append one row as a JSON line, flushed and fsync'ed before returning.
+
+        One whole line per `os.write` on an `O_APPEND` descriptor: a process killed mid-write leaves
+        at most a truncated last line, which loading skips with a `TruncatedRowWarning` (so that
+        sample is recomputed on resume) and the next `append` cuts off before writing. A malformed
+        line anywhere else raises `ValueError("<file>:<line>: ...")` when the file is read.
+        """
         if not isinstance(row, dict):
             raise TypeError(f"row must be a dict, got {type(row).__name__}")
         if "sample_id" not in row:
@@ -481,7 +472,9 @@ class ResultStore:
         De-duplicated on (task, model, method_hash, sample_id) -- method_hash taken from the row, else
         from the file name -- keeping the last "ok" row (else the last row), so shard files and
         overlapping reruns merge without duplicates. Columns: `ROW_FIELDS` (missing ones are None),
-        any extra fields the rows carry, and `file`.
+        any extra fields the rows carry, and `file` (the source file relative to `results_dir`).
+        A `*.jsonl` whose first row is an object without `sample_id` (not a results file, e.g.
+        LongBench-format predictions exported next to the results) is skipped with a warning.
         """
         results_dir = Path(results_dir)
         if not results_dir.is_dir():

@@ -1,6 +1,6 @@
-"""snapkv-bench's library: KV-cache compression (SnapKV, PyramidKV, Ada-KV, CriticalKV, Expected
-Attention, H2O, StreamingLLM, full) inside unmodified HuggingFace transformers models, plus
-generation with timing and memory probes."""
+"""snapkv-bench's library: KV-cache compression (SnapKV, PyramidKV, Ada-KV, ChunkKV, CriticalKV,
+Expected Attention, TOVA, KNorm, H2O, StreamingLLM, full) inside unmodified HuggingFace transformers
+models, plus generation with timing and memory probes."""
 
 import snapkv.compat  # noqa: F401  (first: a transformers outside the supported range fails here)
 from snapkv.cache import CacheMark, CompressedCache, CompressibleLayer
@@ -12,6 +12,7 @@ from snapkv.generation import (
     compress_context,
     generate,
     generate_ids,
+    prefill,
     stop_token_ids,
 )
 from snapkv.headwise import HeadwiseLayer
@@ -35,6 +36,7 @@ __all__ = [
     "generate",
     "generate_ids",
     "hooks_installed",
+    "prefill",
     "register",
     "session",
     "stop_token_ids",

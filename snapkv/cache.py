@@ -368,8 +368,10 @@ def kv_tensors(layer) -> list[torch.Tensor]:
 
 
 def full_attention_layers(config) -> list[int]:
-    """Indices of the layers whose cache may be compressed: transformers' own layer typing
-    (`config.layer_types`, else inferred from `sliding_window`) says `full_attention`."""
+    """Indices of the full-attention layers (`config`: a model config), by transformers' own cache
+    layer typing (`snapkv.compat.layer_types`: `config.layer_types`, else inferred from
+    `sliding_window` / `attention_chunk_size`). Only these see every key, so only these are
+    compressed (`CompressedCache`) or recorded (`snapkv.observe`)."""
     return [i for i, t in enumerate(compat.layer_types(config)) if t == "full_attention"]
 
 

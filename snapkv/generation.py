@@ -35,15 +35,17 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 import psutil
 import torch
+from transformers import Cache
 
+from snapkv import hooks
 from snapkv.cache import CompressedCache
-from snapkv.hooks import cache_kwarg, session
+from snapkv.hooks import Session, cache_kwarg
 from snapkv.methods import Method, build_method
 
 # Chat end-of-turn tokens of common instruct models; used as stop tokens when in the vocabulary.
@@ -153,17 +155,45 @@ def stop_token_ids(model, tokenizer) -> set[int]:
     return ids
 
 
+def chat_templated(tokenizer, chat_template: bool) -> bool:
+    """Whether a prompt goes through the chat template: asked for, and the tokenizer has one."""
+    return bool(chat_template and getattr(tokenizer, "chat_template", None))
+
+
+def render_prompt(
+    tokenizer, content: str, chat_template: bool = True, history: Iterable[tuple[str, str]] = ()
+) -> str:
+    """The text the model sees: `content` as the last user turn of the tokenizer's chat template,
+    after the `history` (user, assistant) exchanges, with the generation prompt, when
+    `chat_templated(tokenizer, chat_template)`; else `content` itself (`history` then unused: raw
+    text has no turns)."""
+    if not chat_templated(tokenizer, chat_template):
+        return content
+    messages = []
+    for user, assistant in history:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    messages.append({"role": "user", "content": content})
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def prompt_token_ids(tokenizer, content: str, chat_template: bool = True) -> list[int]:
+    """Token ids of `render_prompt(tokenizer, content, chat_template)`: a templated text already
+    carries its special tokens, so only a raw prompt gets the tokenizer's own (e.g. BOS)."""
+    text = render_prompt(tokenizer, content, chat_template)
+    templated = chat_templated(tokenizer, chat_template)
+    return tokenizer(text, add_special_tokens=not templated, verbose=False)["input_ids"]
+
+
 def encode_prompt(tokenizer, context: str, question: str, chat_template: bool) -> tuple[list[int], list[int]]:
     """Token ids of (context part, question part) of the prompt, chat template applied if asked.
 
-    The template wraps `context + question` as one user turn; the rendered text is split where the
-    context ends, so the question part carries the template's end-of-turn and assistant header.
+    The template wraps `context + question` as one user turn (`render_prompt`); the rendered text is
+    split where the context ends, so the question part carries the template's end-of-turn and
+    assistant header.
     """
     text = context + question
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-        )
+    if chat_templated(tokenizer, chat_template):
+        rendered = render_prompt(tokenizer, text)
         start = rendered.find(text)
         if start < 0:  # templates that trim the content
             start = rendered.find(text.strip())
@@ -241,6 +271,48 @@ def _chunks(n: int, chunk_size: int | None, min_last: int) -> list[tuple[int, in
     return spans
 
 
+def prefill(
+    model,
+    ids: torch.Tensor,
+    cache: Cache,
+    *,
+    session: Session | None = None,
+    chunk_size: int | None = None,
+    on_chunk: Callable[[int, int, Any], None] | None = None,
+    **model_kwargs: Any,
+) -> Any:
+    """Forward the prompt `ids` `[batch, n]` into `cache`, in chunks of `chunk_size` tokens (None:
+    one forward), with explicit `position_ids` continuing from `cache.get_seq_length()`,
+    `use_cache=True` and `logits_to_keep=1`; `model_kwargs` go to every forward (e.g.
+    `output_attentions=True`). Runs under the caller's grad mode.
+
+    session: the open compression `Session`; its phase is "prefill" for every chunk but the last
+    and "final" for the last (compression right after it), and the last chunk holds at least
+    `session.method.min_last_chunk` tokens (a shorter one merges into the one before).
+    on_chunk(start, end, output): called after each chunk's forward (offsets into `ids`).
+    Returns the last chunk's model output (logits `[batch, 1, vocab]`).
+    """
+    batch, n = ids.shape
+    offset = cache.get_seq_length()
+    spans = _chunks(n, chunk_size, session.method.min_last_chunk if session is not None else 1)
+    kw = cache_kwarg(model)
+    for i, (a, b) in enumerate(spans):
+        if session is not None:
+            session.phase = "final" if i == len(spans) - 1 else "prefill"
+        pos = torch.arange(offset + a, offset + b, device=ids.device).unsqueeze(0).expand(batch, -1)
+        out = model(
+            input_ids=ids[:, a:b],
+            position_ids=pos,
+            use_cache=True,
+            logits_to_keep=1,
+            **model_kwargs,
+            **{kw: cache},
+        )
+        if on_chunk is not None:
+            on_chunk(a, b, out)
+    return out
+
+
 @torch.inference_mode()
 def generate_ids(
     model,
@@ -299,16 +371,18 @@ def generate_ids(
         on_progress(stage, done, total)
         return _now(device) - t
 
-    spans = _chunks(context_ids.shape[1], chunk_size, method.min_last_chunk)
-    with session(model, method, cache) as s, PeakMemory(device) as mem:
+    context_len = context_ids.shape[1]
+    paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
+
+    def between_chunks(start: int, end: int, out) -> None:
+        nonlocal paused
+        if end < context_len:
+            paused += notify("prefill", end, input_tokens)
+
+    with hooks.session(model, method, cache) as s, PeakMemory(device) as mem:
         notify("prefill", 0, input_tokens)
-        paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
         t0 = _now(device)
-        for i, (a, b) in enumerate(spans):
-            if i:
-                paused += notify("prefill", a, input_tokens)
-            s.phase = "final" if i == len(spans) - 1 else "prefill"
-            out = forward(context_ids[:, a:b])
+        out = prefill(model, context_ids, cache, session=s, chunk_size=chunk_size, on_chunk=between_chunks)
         prefill_s = _now(device) - t0 - paused
         kept = cache.kept_tokens()
         kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
@@ -320,7 +394,7 @@ def generate_ids(
             paused += _now(device) - t
         s.phase = "decode"
         if question_ids is not None:
-            paused += notify("prefill", context_ids.shape[1], input_tokens)
+            paused += notify("prefill", context_len, input_tokens)
             out = forward(question_ids)
         token = out.logits[:, -1].argmax(-1)
         ttft_s = _now(device) - t0 - paused
@@ -406,7 +480,7 @@ def compress_context(
         method.check_model_generate()  # what padded batches support is what model.generate supports
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     kw = cache_kwarg(model)
-    with session(model, method, cache) as s:
+    with hooks.session(model, method, cache) as s:
         if padded:
             mask = attention_mask.to(device)
             s.padding, s.phase = mask, "final"
@@ -420,17 +494,7 @@ def compress_context(
                 **{kw: cache},
             )
             return cache
-        spans = _chunks(n, chunk_size, method.min_last_chunk)
-        for i, (a, b) in enumerate(spans):
-            s.phase = "final" if i == len(spans) - 1 else "prefill"
-            pos = torch.arange(a, b, device=device).unsqueeze(0).expand(batch, -1)
-            model(
-                input_ids=context_ids[:, a:b],
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{kw: cache},
-            )
+        prefill(model, context_ids, cache, session=s, chunk_size=chunk_size)
     return cache
 
 
@@ -490,7 +554,7 @@ def answer(
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     mark = cache.checkpoint() if rollback else None
     steps: list[float] = []
-    with session(model, method, cache) as s:
+    with hooks.session(model, method, cache) as s:
         s.phase = "decode"
 
         def forward(ids: torch.Tensor):

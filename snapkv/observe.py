@@ -17,9 +17,11 @@ Recording (`record`), for one prompt of `L` tokens, observation window `w`, pref
    over `prompt + generated[:t+1]` gives the same row at index `L + t`). EOS is never a stop: ids
    in `suppress_ids` get -inf logits (as `min_new_tokens` does), so the answer does not end.
 
-Only full-attention layers are recorded (`config.layer_types`; sliding-window layers of hybrids
-such as Gemma 3 see a different key range). Batch size 1. Heads are query heads (`[heads]` = the
-model's `num_attention_heads`; under GQA query head `h` reads KV head `h // group`).
+Only full-attention layers are recorded (`snapkv.cache.full_attention_layers`, transformers' own
+layer typing): sliding-window layers, of hybrids such as Gemma 3 or of a config with a
+`sliding_window` and no `layer_types` (every layer), see a different key range. Batch size 1.
+Heads are query heads (`[heads]` = the model's `num_attention_heads`; under GQA query head `h`
+reads KV head `h // group`).
 
 Memory: the generation attention is `layers x heads x T x P` values in `store_dtype`
 (`recording_bytes`): SmolLM2-135M (30 layers, 9 heads), fp16: T=384, P=1.5K: 0.30 GiB; T=384,
@@ -53,6 +55,9 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from snapkv.cache import full_attention_layers
+from snapkv.compat import layer_types
+from snapkv.generation import prefill
 from snapkv.hooks import cache_kwarg
 from snapkv.methods.base import pool
 
@@ -109,14 +114,6 @@ def recording_bytes(layers: int, heads: int, new_tokens: int, prefix: int, dtype
     return layers * heads * new_tokens * prefix * torch.tensor([], dtype=dtype).element_size()
 
 
-def full_attention_layers(model) -> list[int]:
-    cfg = model.config.get_text_config(decoder=True)
-    types = getattr(cfg, "layer_types", None)
-    if types:
-        return [i for i, t in enumerate(types) if t == "full_attention"]
-    return list(range(cfg.num_hidden_layers))
-
-
 def record(
     model,
     input_ids: torch.Tensor | Iterable[int],
@@ -163,7 +160,12 @@ def record(
         )
     device = next(model.parameters()).device
     ids = ids.to(device)
-    layers = full_attention_layers(model)
+    layers = full_attention_layers(model.config)
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no full-attention layer to record (layer types: "
+            f"{sorted(set(layer_types(model.config)))})"
+        )
     heads = model.config.get_text_config(decoder=True).num_attention_heads
     prefix, region = length - window, length - tail
     kw = cache_kwarg(model)
@@ -173,10 +175,10 @@ def record(
     original = model.config._attn_implementation
     t0 = time.perf_counter()
 
-    def forward(chunk: torch.Tensor, start: int, attentions: bool):
-        pos = torch.arange(start, start + chunk.numel(), device=device)[None]
-        return model(input_ids=chunk[None], position_ids=pos, use_cache=True, logits_to_keep=1,
-                     output_attentions=attentions, **{kw: cache})  # fmt: skip
+    def decode(token: torch.Tensor, position: int):
+        pos = torch.arange(position, position + 1, device=device)[None]
+        return model(input_ids=token[None], position_ids=pos, use_cache=True, logits_to_keep=1,
+                     output_attentions=True, **{kw: cache})  # fmt: skip
 
     def pick(next_logits: torch.Tensor) -> torch.Tensor:
         logits = next_logits.float().clone()
@@ -184,23 +186,29 @@ def record(
             logits[..., suppress[suppress < logits.shape[-1]]] = -math.inf
         return logits.argmax(-1)
 
+    att: list[torch.Tensor] = []
+    input_votes = [] if input_windows else None
+
+    def collect(start: int, end: int, out) -> None:
+        nonlocal att
+        att = [out.attentions[i][0] for i in layers]  # each [heads, end - start, region + end]
+        if input_votes is not None:
+            input_votes.append(torch.stack([a[:, :, :region].float().sum(1) for a in att]))
+
     with torch.inference_mode():
-        forward(ids[:region], 0, False)  # [:L - tail] through sdpa, full cache, last logits only
+        # [:L - tail] through sdpa, full cache, last logits only
+        prefill(model, ids[None, :region], cache, output_attentions=False)
         try:
             model.set_attn_implementation("eager")
-            # Chunks of the eager tail: the input windows (oldest first), or the observation window.
-            if input_windows:
-                bounds = [
-                    (region + j * input_window, region + (j + 1) * input_window) for j in range(input_windows)
-                ]
-            else:
-                bounds = [(region, length)]
-            input_votes = [] if input_windows else None
-            for s, e in bounds:
-                out = forward(ids[s:e], s, True)
-                att = [out.attentions[i][0] for i in layers]  # each [heads, e - s, e]
-                if input_votes is not None:
-                    input_votes.append(torch.stack([a[:, :, :region].float().sum(1) for a in att]))
+            # Chunks of the eager tail: the input windows (oldest first), or the one observation window.
+            out = prefill(
+                model,
+                ids[None, region:],
+                cache,
+                chunk_size=input_window if input_windows else None,
+                on_chunk=collect,
+                output_attentions=True,
+            )
             # The last chunk ends at L: its last `window` rows are SnapKV's observation window.
             votes = torch.stack([a[:, -window:, :prefix].float().sum(1) for a in att])  # [n_layers, heads, P]
             del att
@@ -209,7 +217,7 @@ def record(
             nxt = pick(out.logits[0, -1])
             for t in range(new_tokens):
                 gen[t] = nxt
-                out = forward(nxt.view(1), length + t, True)
+                out = decode(nxt.view(1), length + t)
                 for li, i in enumerate(layers):
                     gen_att[li, :, t] = out.attentions[i][0, :, 0, :prefix]
                 nxt = pick(out.logits[0, -1])

@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 import snapkv
 import snapkv.methods.snapkv
-from snapkv import CompressedCache, build_method, generate_ids
+from snapkv import CompressedCache, build_method, generate_ids, prefill
 from snapkv.headwise import LAYOUTS
 from snapkv.hooks import cache_kwarg, session
 from snapkv.methods import METHODS, Method, base, register
@@ -159,22 +159,8 @@ def test_gqa_orders_differ_with_max_pooling_and_agree_when_linear():
 
 def _prefilled_cache(model, ids, method, chunk_size=None):
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    kw = cache_kwarg(model)
     with torch.no_grad(), session(model, method, cache) as s:
-        bounds = (
-            [(0, ids.shape[1])]
-            if not chunk_size
-            else [(a, min(a + chunk_size, ids.shape[1])) for a in range(0, ids.shape[1], chunk_size)]
-        )
-        for i, (a, b) in enumerate(bounds):
-            s.phase = "final" if i == len(bounds) - 1 else "prefill"
-            model(
-                input_ids=ids[:, a:b],
-                position_ids=torch.arange(a, b)[None],
-                use_cache=True,
-                logits_to_keep=1,
-                **{kw: cache},
-            )
+        prefill(model, ids, cache, session=s, chunk_size=chunk_size)
     return cache
 
 
@@ -437,8 +423,7 @@ def test_prefill_holds_one_uncompressed_layer_at_a_time():
     snapkv.hooks.Session.after_attention = spy
     try:
         with torch.no_grad(), session(model, method, cache) as s:
-            s.phase = "final"
-            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+            prefill(model, ids, cache, session=s)
     finally:
         snapkv.hooks.Session.after_attention = orig
     per_token = 2 * 2 * 16 * 4  # kv heads x head_dim x (K, V) x fp32

@@ -13,8 +13,8 @@ from reference import eager_attentions
 
 from eval.analysis.digits import digits_ablation_figure
 from eval.analysis.kept_positions import kept_fractions, main
-from snapkv import CompressedCache, build_method
-from snapkv.hooks import cache_kwarg, session
+from snapkv import CompressedCache, build_method, prefill
+from snapkv.hooks import session
 from snapkv.methods.base import pool, reduce_group, window_attention
 from snapkv.methods.snapkv import spread_forward
 
@@ -41,8 +41,7 @@ def test_spread_forward_carries_a_vote_forward_only():
 def _prefill(model, ids, method) -> CompressedCache:
     cache = CompressedCache(model.config)
     with torch.no_grad(), session(model, method, cache) as s:
-        s.phase = "final"
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+        prefill(model, ids, cache, session=s)
     return cache
 
 

@@ -33,9 +33,9 @@ from conftest import random_ids, tiny_model
 from reference import masked_reference_logits, record_visible
 
 import snapkv
-from snapkv import METHODS, CompressedCache, build_method, generate_ids
+from snapkv import METHODS, CompressedCache, build_method, generate_ids, prefill
 from snapkv.generation import PeakMemory
-from snapkv.hooks import cache_kwarg, session
+from snapkv.hooks import session
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = [
@@ -81,19 +81,8 @@ def positions(layer) -> torch.Tensor:
 
 def prefilled(model, ids: torch.Tensor, method, chunk_size: int | None = None) -> CompressedCache:
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    n = ids.shape[1]
-    bounds = [(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)] if chunk_size else [(0, n)]
     with torch.no_grad(), session(model, method, cache) as s:
-        for i, (a, b) in enumerate(bounds):
-            s.phase = "final" if i == len(bounds) - 1 else "prefill"
-            pos = torch.arange(a, b, device=ids.device)[None]
-            model(
-                input_ids=ids[:, a:b],
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{cache_kwarg(model): cache},
-            )
+        prefill(model, ids, cache, session=s, chunk_size=chunk_size)
     return cache
 
 

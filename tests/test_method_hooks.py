@@ -12,7 +12,7 @@ import torch
 from conftest import random_ids, tiny_model
 
 import snapkv
-from snapkv import generate_ids
+from snapkv import generate_ids, prefill
 from snapkv.cache import CompressibleLayer
 from snapkv.methods import Method
 
@@ -71,10 +71,7 @@ def test_a_method_defined_outside_the_package_uses_every_hook():
     # Chunks of 24: the last one (18 < min_last_chunk = 20) merges into the one before.
     cache = snapkv.CompressedCache(model.config, layer_factory=method.cache_layer)
     with torch.no_grad(), snapkv.hooks.session(model, method, cache) as s:
-        for i, (a, b) in enumerate([(0, 24), (24, 48), (48, 90)]):
-            s.phase = "final" if i == 2 else "prefill"
-            pos = torch.arange(a, b)[None]
-            model(input_ids=ids[:, a:b], position_ids=pos, **{snapkv.hooks.cache_kwarg(model): cache})
+        prefill(model, ids, cache, session=s, chunk_size=24)
     for _, layer in cache.compressible_layers():
         assert layer.method_state == _ProbeState(chunks=[24, 24, 42], pruned=True)
         layer.reset()

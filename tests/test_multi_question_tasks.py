@@ -31,10 +31,11 @@ from eval.tasks.kv_retrieval.task import (
 )
 from eval.tasks.multi_question import question_tables
 from eval.tasks.needle import multi
-from eval.tasks.needle.task import NEEDLES, NeedleTask, count_prompt_tokens
+from eval.tasks.needle.task import NEEDLES, NeedleTask
 from eval.tasks.ruler.config import FAMILIES
 from eval.tasks.ruler.task import RulerTask
 from eval.tasks.ruler.task import prompt_tokens as ruler_prompt_tokens
+from snapkv.generation import prompt_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (
@@ -161,7 +162,7 @@ def test_needle_k_needles_one_question_each(tok):
                 == f"\n\nWhat is the special magic number for {s.extra['needle_key']} mentioned in the provided text?"
             )
             assert s.answers[0] not in s.question
-            assert s.extra["actual_tokens"] == count_prompt_tokens(tok, s.prompt, True)
+            assert s.extra["actual_tokens"] == len(prompt_token_ids(tok, s.prompt, True))
             assert s.extra["context_id"] == s.context_id and s.extra["question_index"] == s.question_index
         length, depth = group[0].extra["context_length"], group[0].extra["depth_percent"]
         assert abs(group[0].extra["actual_tokens"] - length) <= 2  # sized with question 0

@@ -23,13 +23,12 @@ from eval.tasks.base import Sample
 from eval.tasks.needle.task import (
     NEEDLES,
     NeedleTask,
-    count_prompt_tokens,
     exact_match,
     partial_match,
-    render_prompt,
     word_recall,
 )
 from snapkv import pypi
+from snapkv.generation import prompt_token_ids, render_prompt
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -105,7 +104,7 @@ def test_lengths_match_target(tokenizer, raw_tokenizer, chat):
         target = s.extra["context_length"]
         assert abs(s.extra["actual_tokens"] - target) <= 2, (s.sample_id, s.extra["actual_tokens"])
         # actual_tokens is the count of the prompt as rendered for the model
-        assert s.extra["actual_tokens"] == count_prompt_tokens(tok, s.prompt, s.chat_template)
+        assert s.extra["actual_tokens"] == len(prompt_token_ids(tok, s.prompt, s.chat_template))
     exact = sum(s.extra["actual_tokens"] == s.extra["context_length"] for s in samples)
     assert exact >= 12
 

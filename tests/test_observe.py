@@ -13,12 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from conftest import COMMON, random_ids, tiny_model
 from reference import eager_attentions
+from transformers import AutoModelForCausalLM, MistralConfig
 
 import eval.analysis.observation
-from snapkv import CompressedCache
-from snapkv.hooks import cache_kwarg, session
+from snapkv import CompressedCache, prefill
+from snapkv.cache import full_attention_layers
+from snapkv.hooks import session
 from snapkv.methods.base import Method, window_attention
 from snapkv.observe import (
     Observation,
@@ -86,8 +88,8 @@ def test_votes_equal_snapkv_window_attention_summed_over_groups():
             captured[module.layer_idx] = window_attention(query, key, W, module.scaling)  # [b, kv, g, L]
 
     cache = CompressedCache(model.config)
-    with session(model, Capture(), cache), torch.no_grad():
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    with session(model, Capture(), cache) as s, torch.no_grad():
+        prefill(model, ids, cache, session=s)
     obs = record(model, ids, window=W, new_tokens=1)
     for li in obs.layers:
         ref = captured[li].flatten(1, 2)[0, :, : L - W]  # query head h = kv * group + g
@@ -351,3 +353,12 @@ def test_observation_script_runs_as_a_file(tmp_path):
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "no_such_option" in proc.stderr
+
+
+def test_a_sliding_window_config_without_layer_types_has_no_layer_to_record():
+    # No `layer_types` and a `sliding_window`: transformers types every layer as sliding attention.
+    config = MistralConfig(num_hidden_layers=2, sliding_window=16, **COMMON)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    assert full_attention_layers(model.config) == []
+    with pytest.raises(ValueError, match="no full-attention layer.*sliding_attention"):
+        record(model, random_ids(40), window=W, new_tokens=2)

@@ -24,7 +24,7 @@ from reference import eager_attentions, masked_attention, masked_reference_logit
 from transformers import DynamicCache
 
 import snapkv
-from snapkv import CompressedCache, build_method, generate_ids
+from snapkv import CompressedCache, build_method, generate_ids, prefill
 from snapkv.hooks import cache_kwarg, session
 from snapkv.methods.adakv import head_budgets
 from snapkv.methods.chunkkv import ChunkKV
@@ -35,8 +35,7 @@ W = 8
 def _prefilled(model, ids, method):
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     with torch.no_grad(), session(model, method, cache) as s:
-        s.phase = "final"
-        model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        prefill(model, ids, cache, session=s)
     return cache
 
 

@@ -11,7 +11,7 @@ from reference import masked_reference_logits, record_visible
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import snapkv.headwise as headwise
-from snapkv import CompressedCache, build_method, generate_ids
+from snapkv import CompressedCache, build_method, generate_ids, prefill
 from snapkv.headwise import HeadwiseLayer, segment_attention
 from snapkv.hooks import cache_kwarg, session
 from snapkv.methods.adakv import head_budgets
@@ -28,13 +28,8 @@ def run(model, method, ids, question=None, **kw):
 
 def prefilled(model, ids, method, chunk_size=None):
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    n = ids.shape[1]
-    bounds = [(a, min(a + chunk_size, n)) for a in range(0, n, chunk_size)] if chunk_size else [(0, n)]
     with torch.no_grad(), session(model, method, cache) as s:
-        for i, (a, b) in enumerate(bounds):
-            s.phase = "final" if i == len(bounds) - 1 else "prefill"
-            pos = torch.arange(a, b)[None].expand(ids.shape[0], -1)
-            model(input_ids=ids[:, a:b], position_ids=pos, use_cache=True, **{cache_kwarg(model): cache})
+        prefill(model, ids, cache, session=s, chunk_size=chunk_size)
     return cache
 
 

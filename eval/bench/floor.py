@@ -26,6 +26,8 @@ def _cpu(f: Callable[[], object], n: int = 2) -> float:
 
 
 def main(length: int = 8192, heads: int = 9, kv: int = 3, d: int = 64) -> str:
+    # Lazy: scripts/bench_floor.py sets HF_HUB_OFFLINE before calling this, and huggingface_hub
+    # (loaded with snapkv) reads it when imported.
     import torch
 
     from snapkv.methods.base import blockwise_attention, grouped

@@ -15,17 +15,19 @@ import statistics
 import sys
 from typing import Any
 
+import torch
+
 from eval.bench.clock import PhaseProbe, Reference
 from eval.machine import CpuNoise, thread_settings
+from snapkv import build_method, generate_ids
 from snapkv.errors import first_line
+from snapkv.models import load_model
 
 log = logging.getLogger(__name__)
 
 
 def load(model_cfg: dict[str, Any], seed: int):
     """(model, vocab size) from a conf/model node."""
-    from snapkv.models import load_model
-
     model, _, _ = load_model(
         model_cfg["name"], model_cfg["dtype"], model_cfg["device"], model_cfg["attn_implementation"], seed
     )
@@ -42,10 +44,6 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
     prefill_ref / tpot_ref and the references' CPU; their wall time is taken off prefill_s, ttft_s
     and each step of tpot_s, so those stay the generation's (what a reference leaves behind, e.g.
     colder caches, is not)."""
-    import torch
-
-    from snapkv import build_method, generate_ids
-
     method = build_method(spec["method"], **spec["params"])
     length, batch = spec["input_tokens"], spec["batch_size"]
     gen = torch.Generator().manual_seed(spec["seed"] + length)

@@ -18,6 +18,8 @@ from typing import Any
 def main(
     model: str = "smollm2-135m-instruct", short: int = 512, long: int = 1024, pairs: int = 6, decode: int = 32
 ) -> dict[str, Any]:
+    # Lazy: scripts/bench_pair.py sets HF_HUB_OFFLINE before calling this, and huggingface_hub
+    # (loaded with torch's model stack) reads it when imported.
     import torch
 
     from eval.bench.measure import load, measure

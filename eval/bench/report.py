@@ -275,6 +275,7 @@ def last_line(rows: Sequence[dict[str, Any]], clock: str = "wall") -> str:
 def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     """TPOT and peak memory vs input length (medians over the kept rounds), and the longest input
     each method ran: `<out stem>_{tpot,peak_mem,longest}.png` beside the CSV."""
+    # Lazy: matplotlib only when plotting, and pyplot only after the Agg backend is chosen.
     import matplotlib
 
     matplotlib.use("Agg")

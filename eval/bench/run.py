@@ -26,12 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from eval.bench import measure
+from eval.bench import report as bench_report
 from eval.conf import CONF_DIR, load_option, options
 from eval.machine import THREAD_ENV
+from snapkv import METHODS, build_method
 from snapkv.errors import first_line
+from snapkv.models import EMBEDDED, RANDOM_SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +76,6 @@ def _model_options() -> list[str]:
 
 def _check_model_name(name: str) -> None:
     """A `model=` value that is not a conf/model name must be something load_model takes."""
-    from snapkv.models import EMBEDDED, RANDOM_SHAPES
-
     if name.startswith("random:"):
         if name.split(":", 1)[1] not in RANDOM_SHAPES:
             raise ValueError(
@@ -85,8 +92,6 @@ def _check_model_name(name: str) -> None:
 
 
 def _method_node(name: str) -> dict[str, Any]:
-    from snapkv import METHODS
-
     if name not in METHODS or name not in options("method"):
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}")
     return OmegaConf.to_container(load_option("method", name))
@@ -95,8 +100,6 @@ def _method_node(name: str) -> dict[str, Any]:
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str]], dict[str, str]]:
     """(Hydra overrides for conf/bench.yaml, per-method `{method: {param: value}}`, every-method
     `{param: value}`) from `key=value` arguments (see conf/bench.yaml)."""
-    from snapkv import METHODS
-
     bench_keys = set(OmegaConf.load(CONF_DIR / "bench.yaml")) - {"defaults"}
     hydra_args: list[str] = []
     per_method: dict[str, dict[str, str]] = {}
@@ -126,11 +129,6 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str
 def compose(argv: list[str]) -> DictConfig:
     """conf/bench.yaml composed with conf/model/* and the command line; `cfg.method_params` holds each
     listed method's full parameters (conf/method/<name>.yaml + overrides), validated by building it."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from snapkv import build_method
-
     hydra_args, per_method, every = split_overrides(argv)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = hydra_compose(config_name="bench", overrides=hydra_args)
@@ -155,15 +153,11 @@ def compose(argv: list[str]) -> DictConfig:
 
 
 def build_method_fields(name: str) -> set[str]:
-    from snapkv import METHODS
-
     return set(METHODS[name].__dataclass_fields__)
 
 
 def _parse(value: Any) -> Any:
     """A command-line string as YAML would read it (`16` -> 16, `null` -> None, `avg` -> 'avg')."""
-    import yaml
-
     return yaml.safe_load(value) if isinstance(value, str) and value else value
 
 
@@ -273,8 +267,6 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     out.parent.mkdir(parents=True, exist_ok=True)
     model = vocab = None
     if not use_sub and cfg.threads and cfg.model.device == "cpu":
-        import torch
-
         torch.set_num_threads(cfg.threads)
     rows: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
@@ -331,11 +323,6 @@ def _print_row(row: dict[str, Any], took: float) -> None:
 def main(argv: list[str]) -> int:
     """The benchmark CLI: exit 2 with one line naming a bad value (before any model loads), else 0,
     whether or not the targets are met (the numbers are the result)."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    from eval.bench import report as bench_report
-
     try:
         cfg = compose(argv)
     except (ValueError, HydraException, OmegaConfBaseException) as err:

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
+from eval.tables import score_table
+
 
 @dataclass
 class Sample:
@@ -125,8 +127,6 @@ class Task:
     @classmethod
     def report_tables(cls, df: pd.DataFrame) -> list[str]:
         """Markdown tables for this task's rows (all models); default: one score table per model."""
-        from eval.tables import score_table
-
         return [
             score_table(part, f"{task} — {model}")
             for (task, model), part in df.groupby(["task", "model"], sort=True)

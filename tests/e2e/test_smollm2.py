@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from snapkv import CompressedCache, build_method, generate
+from snapkv import CompressedCache, build_method, generate, prefill
 from snapkv.generation import encode_prompt
-from snapkv.hooks import cache_kwarg, session
+from snapkv.hooks import session
 from snapkv.models import fetch_embedded, load_model
 
 pytestmark = pytest.mark.slow
@@ -65,8 +65,7 @@ def test_full_answers_and_big_budgets_are_identical(smollm2, needle_prompt):
 def _kept_fraction(model, ids, method, pos):
     cache = CompressedCache(model.config)
     with torch.no_grad(), session(model, method, cache) as s:
-        s.phase = "final"
-        model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **{cache_kwarg(model): cache})
+        prefill(model, torch.tensor([ids]), cache, session=s)
     layers = cache.compressible_layers()
     heads = sum(layer.positions.shape[1] for _, layer in layers)
     return sum(int((layer.positions == pos).any(-1).sum()) for _, layer in layers) / heads

@@ -49,6 +49,7 @@ from eval.tasks.base import Sample, Task
 from eval.tasks.multi_question import question_tables
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.task import fit
+from snapkv.generation import encode_prompt
 
 INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below.\n\n"
 QUESTION = '\n\nKey: "{key}"\nThe value associated with the specified key is:'
@@ -122,8 +123,6 @@ def render_context(entries: list[tuple[str, str]]) -> str:
 
 def prompt_tokens(tokenizer: Any, context: str, question: str, templated: bool) -> int:
     """Prompt length exactly as the generator encodes it (context and question parts)."""
-    from snapkv.generation import encode_prompt
-
     head, tail = encode_prompt(tokenizer, context, question, chat_template=templated)
     return len(head) + len(tail)
 

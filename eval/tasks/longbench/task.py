@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import huggingface_hub
 import pandas as pd
 
 from eval.tables import column_order, md_table, score_table
@@ -47,6 +48,7 @@ from eval.tasks.longbench.prompts import (
 )
 from eval.tasks.registry import register_task
 from snapkv.errors import one_line
+from snapkv.hub import hub_unavailable
 from snapkv.paths import cache_root
 
 logger = logging.getLogger(__name__)
@@ -121,14 +123,10 @@ def _download_and_extract(target: Path) -> None:
     """Download `data.zip` from the Hub once and extract its `*.jsonl` files into `target/data/`."""
     unavailable = None
     try:
-        from huggingface_hub import hf_hub_download
-
-        from snapkv.hub import hub_unavailable
-
         # One probe of the endpoint first: when it does not answer, the Hugging Face cache only (an
         # archive downloaded before still works; a missing one fails at once, not after retries).
         unavailable = hub_unavailable()
-        archive = hf_hub_download(
+        archive = huggingface_hub.hf_hub_download(
             repo_id=HUB_REPO_ID,
             filename=HUB_FILENAME,
             repo_type="dataset",

@@ -7,9 +7,9 @@ the chat template when used) is sized in the model's own tokenizer to the reques
 Sizing: the haystack is tokenized once per `samples()` call (with character offsets), each cell
 takes a token budget of it, and the budget is corrected (a few short re-tokenizations of the final
 prompt) until the full prompt measures the requested length; the measured length goes to
-``extra["actual_tokens"]``. Prompts are counted as `render_prompt` renders them: through
-``tokenizer.apply_chat_template`` (user turn, generation prompt) and encoded without extra special
-tokens when the sample uses the chat template, else the raw text with the tokenizer's special tokens.
+``extra["actual_tokens"]``. Prompts are counted as the model sees them
+(`snapkv.generation.prompt_token_ids`): through the chat template (user turn, generation prompt)
+without extra special tokens when the sample uses it, else the raw text with the tokenizer's own.
 
 Insertion (gkamradt convention): at token ``int(n * depth / 100)`` of the n haystack tokens, moved back
 to the previous sentence end (a '.' followed by whitespace, an upper-case letter or the end). Depth 0
@@ -41,6 +41,7 @@ from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
 from eval.tasks.multi_question import question_tables
 from eval.tasks.needle import multi
 from eval.tasks.registry import register_task
+from snapkv.generation import chat_templated, prompt_token_ids
 
 # --------------------------------------------------------------------------------------------------
 # Needles
@@ -139,32 +140,6 @@ def word_recall(prediction: str, answer: str) -> float:
 
 
 METRICS = {"exact": exact_match, "partial": partial_match, "word_recall": word_recall}
-
-# --------------------------------------------------------------------------------------------------
-# Prompt rendering / counting (shared with the runner so counts match what the model sees)
-
-
-def has_chat_template(tokenizer: Any) -> bool:
-    return bool(getattr(tokenizer, "chat_template", None))
-
-
-def render_prompt(tokenizer: Any, prompt: str, chat_template: bool) -> str:
-    """The text fed to the model: the prompt as a user turn in the chat template (with the
-    generation prompt) when ``chat_template`` and the tokenizer has one, else the prompt itself."""
-    if chat_template and has_chat_template(tokenizer):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
-    return prompt
-
-
-def count_prompt_tokens(tokenizer: Any, prompt: str, chat_template: bool) -> int:
-    """Token count of the prompt as the model sees it (see `render_prompt`); a templated text already
-    carries its special tokens, so only a raw prompt gets the tokenizer's own (e.g. BOS)."""
-    templated = chat_template and has_chat_template(tokenizer)
-    text = render_prompt(tokenizer, prompt, chat_template)
-    return len(tokenizer(text, add_special_tokens=not templated, verbose=False)["input_ids"])
-
 
 # --------------------------------------------------------------------------------------------------
 # Haystack tokens and insertion
@@ -347,7 +322,7 @@ class NeedleTask(Task):
     def samples(self, tokenizer: Any) -> Iterator[Sample]:
         """Validate every length against the prompt overhead (ValueError naming a length too small
         to hold the prompt), tokenize the haystack once, and return an iterator over the samples."""
-        templated = self.chat_template and has_chat_template(tokenizer)
+        templated = chat_templated(tokenizer, self.chat_template)
         if self.needles > 1:
             return self._samples_multi(tokenizer, templated)
         overheads = {}
@@ -355,7 +330,7 @@ class NeedleTask(Task):
             for depth in self.depths:
                 needle, _, question = self._pieces(length, depth, templated)
                 prompt = self.spec.instruction + needle + question
-                overhead = count_prompt_tokens(tokenizer, prompt, templated)
+                overhead = len(prompt_token_ids(tokenizer, prompt, templated))
                 if overhead >= length:
                     raise ValueError(
                         f"context length {length} is too small: the prompt without haystack already "
@@ -385,7 +360,7 @@ class NeedleTask(Task):
                     before = hay.text[: hay.char_at(p)]
                     after = hay.text[hay.char_at(p) : hay.char_at(budget)]
                     context = spec.instruction + _join(before, needle, after)
-                    actual = count_prompt_tokens(tokenizer, context + question, templated)
+                    actual = len(prompt_token_ids(tokenizer, context + question, templated))
                     key = (abs(actual - length), actual > length)
                     if best is None or key < best[0]:
                         best = (key, context, actual, budget, p)
@@ -421,7 +396,7 @@ class NeedleTask(Task):
                 prompt = (
                     multi.INSTRUCTION + " ".join(n.sentence for n in needles) + needles[0].question(templated)
                 )
-                overhead = count_prompt_tokens(tokenizer, prompt, templated)
+                overhead = len(prompt_token_ids(tokenizer, prompt, templated))
                 if overhead >= length:
                     raise ValueError(
                         f"context length {length} is too small: the prompt without haystack already "
@@ -448,7 +423,7 @@ class NeedleTask(Task):
                 tried.add(budget)
                 text, points = multi.insert_needles(hay, budget, needles)
                 context = multi.INSTRUCTION + text
-                actual = count_prompt_tokens(tokenizer, context + first, templated)
+                actual = len(prompt_token_ids(tokenizer, context + first, templated))
                 key = (abs(actual - length), actual > length)
                 if best is None or key < best[0]:
                     best = (key, context, budget, points)
@@ -473,7 +448,7 @@ class NeedleTask(Task):
                         "context_length": length,
                         "depth_percent": depth,
                         "needle": needle.sentence,
-                        "actual_tokens": count_prompt_tokens(tokenizer, context + question, templated),
+                        "actual_tokens": len(prompt_token_ids(tokenizer, context + question, templated)),
                         "actual_depth_percent": round(100.0 * points[k] / budget, 2),
                         "haystack": self.haystack,
                         "needles": self.needles,
@@ -587,7 +562,7 @@ def _report_tables(df: pd.DataFrame) -> list[str]:
 def _report_plots(df: pd.DataFrame, options: ReportOptions) -> list[Path]:
     """One heatmap (depth x context length) per (task, model, config), and its partial-credit twin.
     The dashed trained-context line: `options.trained_context` if given, else the rows' value."""
-    from eval.plots import needle_heatmap
+    from eval.plots import needle_heatmap  # lazy: matplotlib; every run imports this task
 
     written: list[Path] = []
     if "context_length" not in df or "depth_percent" not in df:
@@ -632,7 +607,7 @@ def _compare_plots(needle: pd.DataFrame, options: ReportOptions, several_tasks: 
     """`needle_compare_<model>.png` (and `_partial`): every config of a (task, model) side by side, the
     full cache first, one colour scale: what compression costs, in one picture. Skipped for a single
     config, and above MAX_COMPARE_PANELS configs (a sweep: its score-vs-budget plot reads better)."""
-    from eval.plots import needle_compare
+    from eval.plots import needle_compare  # lazy: matplotlib; every run imports this task
 
     written: list[Path] = []
     for (task, model), g in needle.groupby(["task", "model"], sort=True):

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from wonderwords import random_word
 
 from eval.tasks.ruler.config import DOCUMENT_PROMPT, FAMILIES, NIAH_NEEDLE, NOISE
 
@@ -77,8 +78,6 @@ def _split(template: str, answer_prefix: str, **kw: Any) -> tuple[str, str, str]
 @cache
 def wonder_words(kind: str) -> tuple[str, ...]:
     """A `wonderwords` list as RULER reads it: ``noun``, ``adjective`` or ``verb``."""
-    from wonderwords import random_word
-
     return tuple(random_word._get_words_from_text_file(f"{kind}list.txt"))
 
 
@@ -109,6 +108,7 @@ def essay_words(text: str) -> list[str]:
 
 @cache
 def _punkt():
+    # Lazy: nltk takes seconds to import and only the essay haystack needs it.
     from nltk.tokenize.punkt import PunktSentenceTokenizer
 
     return PunktSentenceTokenizer()

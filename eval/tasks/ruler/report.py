@@ -20,7 +20,10 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib.figure import Figure
 
+from eval.plots import NEEDLE_CMAP, _save
+from eval.tables import md_table, slug
 from eval.tasks.ruler.config import TASKS
 
 
@@ -100,8 +103,6 @@ def paired_differences(
 def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
     """The report's "RULER" tables (none without RULER rows): per model, the suite average (config x
     length) and per config the task x length table. ``column_order(part)``: config labels in order."""
-    from eval.tables import md_table
-
     rows_df = df[is_ruler(df)]
     if rows_df.empty:
         return []
@@ -169,8 +170,6 @@ def _draw_grid(ax, grid: pd.DataFrame):
     """Draw a tasks (rows, the last one the average) x columns grid of score x100 on `ax`: one colour
     scale 0-100, cells annotated, missing cells grey, a rule above the average row; the task names
     as y ticks. Returns the image (for a colour bar)."""
-    from eval.plots import NEEDLE_CMAP
-
     values = np.ma.masked_invalid(grid.to_numpy(dtype=float))
     im = ax.imshow(values, cmap=NEEDLE_CMAP.with_extremes(bad="#D9D9D9"), vmin=0, vmax=100,
                    aspect="auto", interpolation="nearest")  # fmt: skip
@@ -185,10 +184,6 @@ def _draw_grid(ax, grid: pd.DataFrame):
 
 def ruler_heatmap(sub: pd.DataFrame, path: Path, title: str) -> Path:
     """Task (rows, RULER order, then the suite average) x length (columns) heatmap of score x100."""
-    from matplotlib.figure import Figure
-
-    from eval.plots import _save
-
     grid = sub.pivot_table(index="ruler_task", columns="ruler_length", values="score", aggfunc="mean")
     grid = grid.reindex(index=_task_order(sub["ruler_task"]), columns=sorted(grid.columns))
     grid.loc["average"] = grid.mean(axis=0)
@@ -204,8 +199,6 @@ def ruler_heatmap(sub: pd.DataFrame, path: Path, title: str) -> Path:
 
 def ruler_heatmaps(df: pd.DataFrame, out: Path) -> list[Path]:
     """`ruler_<model>_<label>.png` per (model, method config) with RULER rows."""
-    from eval.tables import slug
-
     rows_df = df[is_ruler(df)]
     if rows_df.empty:
         return []
@@ -221,8 +214,6 @@ def ruler_compare_figure(means: pd.DataFrame, labels: list[str], title: str):
     """One panel per length: tasks (rows, RULER order, then the suite average) x configs (columns, in
     `labels` order: the full cache first is the caller's choice), score x100, one colour scale,
     cells annotated, missing cells grey; each column's label carries its number of ok samples."""
-    from matplotlib.figure import Figure
-
     if not labels:
         raise ValueError("ruler_compare: no config labels to draw")
     lengths = sorted(means["ruler_length"].unique())
@@ -253,9 +244,6 @@ def ruler_compare_figure(means: pd.DataFrame, labels: list[str], title: str):
 
 def ruler_compare(df: pd.DataFrame, out: Path, column_order) -> list[Path]:
     """`ruler_compare_<model>.png` per model with RULER rows of two or more configs (full first)."""
-    from eval.plots import _save
-    from eval.tables import slug
-
     rows_df = df[is_ruler(df)]
     if rows_df.empty:
         return []

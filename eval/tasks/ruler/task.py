@@ -68,6 +68,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
+from eval.tables import column_order
 from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack
 from eval.tasks.multi_question import question_tables
@@ -100,6 +101,7 @@ from eval.tasks.ruler.generate import (
     vt_text,
     wonder_words,
 )
+from snapkv.generation import chat_templated, encode_prompt, render_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +126,8 @@ def render(tokenizer: Any, prompt: Prompt, templated: bool) -> tuple[str, str]:
     if not templated:
         shots = "".join(user + assistant + "\n" for user, assistant in prompt.shots)
         return shots + prompt.head, prompt.tail + prompt.answer_prefix
-    messages = []
-    for user, assistant in prompt.shots:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     user = prompt.head + prompt.tail
-    messages.append({"role": "user", "content": user})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = render_prompt(tokenizer, user, history=prompt.shots)
     start, head = text.rfind(user), prompt.head
     if start < 0:  # templates that trim the content
         user, head = user.strip(), prompt.head.lstrip()
@@ -146,8 +144,6 @@ def render(tokenizer: Any, prompt: Prompt, templated: bool) -> tuple[str, str]:
 
 def prompt_tokens(tokenizer: Any, context: str, question: str) -> int:
     """Prompt length exactly as the generator encodes it (`snapkv.generation.encode_prompt`)."""
-    from snapkv.generation import encode_prompt
-
     head, tail = encode_prompt(tokenizer, context, question, chat_template=False)
     return len(head) + len(tail)
 
@@ -520,7 +516,7 @@ class RulerTask(Task):
 
     # ---- samples
     def samples(self, tokenizer: Any) -> Iterator[Sample]:
-        self._templated = bool(self.chat_template and getattr(tokenizer, "chat_template", None))
+        self._templated = chat_templated(tokenizer, self.chat_template)
         self.num_samples()
         return self._iter(tokenizer)
 
@@ -737,7 +733,7 @@ class RulerTask(Task):
     # ---- reporting (eval.tasks.ruler.report)
     @classmethod
     def report_tables(cls, df: pd.DataFrame) -> list[str]:
-        from eval.tables import column_order
+        # Lazy: the report module draws with matplotlib, and every run imports this task.
         from eval.tasks.ruler.report import ruler_tables
 
         tables = ruler_tables(df, column_order)
@@ -745,7 +741,6 @@ class RulerTask(Task):
 
     @classmethod
     def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
-        from eval.tables import column_order
-        from eval.tasks.ruler.report import ruler_compare, ruler_heatmaps
+        from eval.tasks.ruler.report import ruler_compare, ruler_heatmaps  # lazy: matplotlib
 
         return ruler_heatmaps(df, options.out) + ruler_compare(df, options.out, column_order)

@@ -93,32 +93,30 @@ QUIET_PARAMS = (
 )
 
 
-def _declared_defaults(names: tuple[str, ...]) -> dict[str, Any]:
-    """Each parameter's default in the method class that declares it (the first in its MRO);
-    ValueError for a name no registered method declares, or declared with different defaults."""
-    found: dict[str, dict[str, Any]] = {name: {} for name in names}
-    for cls in METHODS.values():
-        for name in names:
-            owner = next(
-                (k for k in reversed(cls.__mro__) if name in vars(k).get("__annotations__", {})), None
-            )
-            if owner is not None:
-                f = owner.__dataclass_fields__[name]
-                found[name][owner.__qualname__] = (
-                    f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                )
+def _declared_defaults(names: tuple[str, ...], cls: type) -> dict[str, Any]:
+    """The defaults of `names` in method class `cls`, each read where it is first declared in its
+    MRO (the base-most class: Ada-KV's redeclared short_prompt="clip" is not PyramidKV's "uniform",
+    so it stays in Ada-KV's labels)."""
     out = {}
-    for name, by_owner in found.items():
-        values = set(map(repr, by_owner.values()))
-        if len(values) != 1:
-            raise ValueError(
-                f"parameter {name!r} needs one declared default to be left out of labels, got {by_owner or 'none'}"
-            )
-        out[name] = next(iter(by_owner.values()))
+    for name in names:
+        owner = next((k for k in reversed(cls.__mro__) if name in vars(k).get("__annotations__", {})), None)
+        if owner is not None:
+            f = owner.__dataclass_fields__[name]
+            out[name] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
     return out
 
 
-QUIET_DEFAULTS: dict[str, Any] = _declared_defaults(QUIET_PARAMS)
+def quiet_defaults(method: str | None) -> dict[str, Any]:
+    """The secondary parameters left out of `method`'s labels, with the value at which they are
+    (`QUIET_PARAMS` at their declared defaults; {} for a method that is not registered). ValueError
+    for a quiet parameter no registered method declares."""
+    unknown = [n for n in QUIET_PARAMS if not any(n in c.__dataclass_fields__ for c in METHODS.values())]
+    if unknown:
+        raise ValueError(f"quiet parameters {unknown} are declared by no registered method")
+    cls = METHODS.get(method) if method else None
+    return _declared_defaults(QUIET_PARAMS, cls) if cls is not None else {}
+
+
 BUDGET_KEYS = ("budget", "max_capacity_prompt", "kv_budget")
 QUERY_AGNOSTIC_SUFFIX = " q-agnostic"
 
@@ -168,16 +166,17 @@ def method_label(method: str | None, params: dict | None = None, query_aware: bo
     Known parameters get short keys in a fixed order (b=budget, r=ratio, w=window, k=kernel,
     s=sinks), other parameters follow as `name=value` (sorted), `pooling` is shown by value last
     (`max`/`avg`; `pooling=none` otherwise). None-valued parameters and secondary parameters at their
-    default (`QUIET_DEFAULTS`, e.g. gqa_reduce=mean) are omitted. `query_aware=False` appends
+    default (`quiet_defaults`, e.g. gqa_reduce=mean) are omitted. `query_aware=False` appends
     " q-agnostic" (None/True: nothing).
     """
     params = params if isinstance(params, dict) else {}
+    quiet = quiet_defaults(method)
     known: dict[str, str] = {}
     other: list[str] = []
     bare: list[str] = []
     for name in sorted(params):
         value = params[name]
-        if value is None or (name in QUIET_DEFAULTS and value == QUIET_DEFAULTS[name]):
+        if value is None or (name in quiet and value == quiet[name]):
             continue
         if name in _BARE and value in _BARE[name]:
             bare.append(_fmt_value(value))

@@ -12,7 +12,7 @@ import pytest
 import eval.plots
 from eval import report
 from eval.plots import needle_compare_figure, needle_heatmap, score_vs_budget, trained_context_position
-from eval.report import QUIET_DEFAULTS, budget_of, main, method_label, slug
+from eval.report import budget_of, main, method_label, quiet_defaults, slug
 from eval.store import ResultStore, config_hash, result_path
 from eval.tasks.needle.task import _score_metric
 from snapkv import METHODS, Method, build_method
@@ -465,20 +465,31 @@ def test_cost_table_prints_timing_medians_with_the_noise_beside_them(tmp_path, c
 
 def test_quiet_defaults_are_the_declared_method_defaults(monkeypatch):
     # Ada-KV redeclares PyramidKV's short_prompt with another default: its value stays in the label.
-    assert QUIET_DEFAULTS["short_prompt"] == PyramidKV.short_prompt == "uniform" != AdaKV.short_prompt
-    assert QUIET_DEFAULTS["block_size"] == H2O.block_size
+    assert (
+        quiet_defaults("adakv")["short_prompt"] == PyramidKV.short_prompt == "uniform" != AdaKV.short_prompt
+    )
+    assert quiet_defaults("h2o")["block_size"] == H2O.block_size
+    assert (
+        quiet_defaults("knorm")["evict_during_decode"] is False
+        and quiet_defaults("h2o")["evict_during_decode"]
+    )
     assert "short_prompt=clip" in method_label("adakv", build_method("adakv").params())
     assert "short_prompt" not in method_label("pyramidkv", build_method("pyramidkv").params())
+    assert "evict_during_decode" not in method_label("knorm", build_method("knorm").params())
+    assert "evict_during_decode=true" in method_label(
+        "knorm", build_method("knorm", evict_during_decode=True).params()
+    )
 
     @dataclass
     class Other(Method):
         block_size: int = 64
 
     monkeypatch.setitem(METHODS, "other", Other)
-    with pytest.raises(ValueError, match="'block_size' needs one declared default"):
-        report._declared_defaults(("block_size",))
+    assert "block_size" not in method_label("other", {"block_size": 64})
+    assert "block_size=64" in method_label("h2o", {"block_size": 64})
+    monkeypatch.setattr(report, "QUIET_PARAMS", ("no_such_param",))
     with pytest.raises(ValueError, match="'no_such_param'"):
-        report._declared_defaults(("no_such_param",))
+        quiet_defaults("h2o")
 
 
 def test_configs_that_share_a_label_are_told_apart(tmp_path):
@@ -523,9 +534,9 @@ def test_method_label_leaves_tova_knorm_chunkkv_switches_at_their_defaults_out()
     assert label("tova", keep_last=True, evict_during_decode=False) == (
         "tova b=128 evict_during_decode=false keep_last=true"
     )
-    assert label("knorm") == "knorm b=128 evict_during_decode=false"
-    assert label("knorm", skip_layers=[0, 1], prune_after=2048) == (
-        "knorm b=128 evict_during_decode=false prune_after=2048 skip_layers=0,1"
+    assert label("knorm") == "knorm b=128"  # its own default (false), not H2O's and TOVA's (true)
+    assert label("knorm", skip_layers=[0, 1], prune_after=2048, evict_during_decode=True) == (
+        "knorm b=128 evict_during_decode=true prune_after=2048 skip_layers=0,1"
     )
     assert label("chunkkv") == "chunkkv b=128 w=32 k=7 chunk_length=10 max"
     assert label("chunkkv", chunk_score="mean", reuse_layers=4) == (

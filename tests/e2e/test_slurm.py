@@ -86,7 +86,7 @@ def tiny_dir(cluster, tmp_path_factory) -> str:
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
     from eval.tasks import haystack as hs
-    from eval.tasks.needle import NEEDLES
+    from eval.tasks.needle.task import NEEDLES
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -90,9 +90,12 @@ def feed(m, cache, method, tokens: torch.Tensor) -> None:
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("name,params", ENTRIES, ids=ids(ENTRIES))
 def test_second_question_after_rollback_equals_a_fresh_copy(arch, name, params):
-    if arch == "gemma3" and params.get("positions") == "compacted":
-        pytest.skip("positions=compacted is refused on Gemma 3 (no single rotary embedding)")
     m, method = model(arch), build_method(name, **params)
+    if arch == "gemma3" and params.get("positions") == "compacted":
+        # Gemma 3 has no single rotary embedding to re-rotate with: the library refuses it.
+        with pytest.raises(ValueError, match="rotary|RoPE|rope"):
+            compress_context(m, context(), method)
+        return
     cache = compress_context(m, context(), method)
     fresh = copy.deepcopy(cache)
     ask(m, cache, method, Q1)

@@ -53,9 +53,9 @@ N_CELLS = len(LENGTHS) * len(DEPTHS)
 
 
 # ------------------------------------------------------------------------------------------ fixtures
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> str:
-    """A saved tiny model directory: random 2-layer Llama (GQA 4/2) + byte-level BPE with a chat template."""
+def save_tiny_model(out: Path) -> str:
+    """Save a tiny model directory at `out`: random 2-layer Llama (GQA 4/2) + byte-level BPE with a
+    ChatML chat template, trained on the noise haystack and the needles (the runner tests' model)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -68,7 +68,6 @@ def tiny_dir(tmp_path_factory) -> str:
     tok.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
     tokenizer.chat_template = CHATML
-    out = tmp_path_factory.mktemp("models") / "tiny-llama"
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -78,6 +77,11 @@ def tiny_dir(tmp_path_factory) -> str:
     )  # fmt: skip
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 def tiny_overrides(tiny_dir: str, results: Path, task: str = "needle") -> list[str]:

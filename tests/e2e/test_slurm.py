@@ -22,14 +22,11 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from test_runner import save_tiny_model
 
 from eval.store import read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SLOW_SAMPLE_S = 1.0
 # submitit re-reads job states from `sacct` at 2, 4, 8, 16 ... s after submission: give it time.
 SWEEP_TIMEOUT_S = 420
@@ -80,37 +77,8 @@ def accounting(cluster) -> None:
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
 def tiny_dir(cluster, tmp_path_factory) -> str:
-    """A saved tiny model directory: random 2-layer Llama (GQA 4/2) + byte-level BPE with a chat template."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
-
-    from eval.tasks import haystack as hs
-    from eval.tasks.needle.task import NEEDLES
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(
-        [hs.NOISE_TEXT] * 10 + [s.instruction + s.needle + s.question for s in NEEDLES.values()], trainer
-    )
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    tokenizer.chat_template = CHATML
-    out = tmp_path_factory.mktemp("models") / "tiny-llama"
-    tokenizer.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return str(out)
+    """The runner tests' tiny model directory (random Llama + byte-level BPE with a chat template)."""
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 SLOW_SITECUSTOMIZE = '''

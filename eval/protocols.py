@@ -252,9 +252,20 @@ class _Shared:
         }
         return a, fields
 
-    def turn_ids(self, history: list[tuple[str, str]], question: str) -> list[int]:
-        text = next_turn_text(self.tokenizer, history, question, self.chat_template)
+    def turn_ids(self, history: list[tuple[str, str]], s: Sample) -> list[int]:
+        """Sample `s`'s question as the next user turn after `history` (see `Sample.turn`)."""
+        if s.turn is None:
+            text = next_turn_text(self.tokenizer, history, s.question, self.chat_template)
+        else:
+            user, prefix = s.turn
+            text = next_turn_text(self.tokenizer, history, user, chat_template=True) + prefix
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    @staticmethod
+    def in_cache(s: Sample, reply: str) -> str:
+        """The assistant text the cache holds after `s`'s generation prompt: its answer prefix (a
+        task that renders its own template puts it there) and `reply`."""
+        return (s.turn[1] if s.turn is not None else "") + reply
 
     # ---- the protocols
     def multi_request(self) -> Iterator[Outcome]:
@@ -293,7 +304,7 @@ class _Shared:
         fed = len(head)
         for i, s in enumerate(self.samples):
             try:
-                ids = tail if i == 0 else pending + self.turn_ids(history, s.question)
+                ids = tail if i == 0 else pending + self.turn_ids(history, s)
                 fed += len(ids)
                 a, fields = self.ask(cache, s, ids, rollback=False)
                 out = a.ids[0].tolist()
@@ -303,7 +314,8 @@ class _Shared:
                 stopped = a.stop_reason == "eos"
                 pending = [] if stopped else out[-1:]
                 reply = self.tokenizer.decode(out[:-1] if stopped else out, skip_special_tokens=True)
-                history.append((s.context + s.question if i == 0 else s.question, reply))
+                user = s.context + s.question if i == 0 else (s.turn[0] if s.turn else s.question)
+                history.append((user, self.in_cache(s, reply)))
             except Exception as err:  # noqa: BLE001 - later turns build on this one: they fail too
                 yield from self.fail(self.samples[i : i + 1], err)
                 later = ValueError(f"an earlier turn ({s.sample_id}) failed: {type(err).__name__}: {err}")
@@ -354,12 +366,13 @@ class _Shared:
                 fields = {**measured, **self.shared, "rollback_bytes": rolled_back}
                 fields["peak_mem_bytes"] = result.peak_mem_bytes
                 yield Outcome(first, result.text, fields)
-        history = [(first.context + first.question, "")]  # an empty assistant turn after question 1
+        # an empty assistant turn after question 1 (its answer prefix, where the task has one)
+        history = [(first.context + first.question, self.in_cache(first, ""))]
         for s in self.samples[1:]:
             if not self.wanted(s):
                 continue
             try:
-                ids = self.turn_ids(history, s.question)
+                ids = self.turn_ids(history, s)
                 a, fields = self.ask(cache, s, ids, rollback=True)
                 fields["input_tokens"] = len(head) + len(tail) + len(ids)
                 yield Outcome(s, _text(self.tokenizer, a.ids[0].tolist(), self.stops), fields)

@@ -411,6 +411,12 @@ def test_ruler_multiquery_separate_questions(tok, essays):
             assert s.extra["actual_tokens"] == ruler_prompt_tokens(tok, s.context, s.question) <= budget
             assert task.score(s, s.answers[0]) == 1.0
             assert task.score(s, group[0].answers[0]) == float(s is group[0])
+            # as a later turn (first_question, multi_turn): the question alone, then the prefix
+            assert s.extra["chat_template_applied"]
+            assert s.turn == (
+                f"What is the special magic number for {key} mentioned in the provided text?",
+                f" The special magic number for {key} mentioned in the provided text is",
+            )
         assert max(s.extra["actual_tokens"] for s in group) >= budget - 64
     # niah_multivalue: one key, four values: still one question
     multivalue = [s for s in samples if s.dataset == "niah_multivalue"]

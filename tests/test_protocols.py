@@ -5,6 +5,7 @@ bad input; the next-turn rendering; config hashes of the two older protocols unc
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -21,7 +22,7 @@ from eval.store import read_rows
 from eval.tasks import TASKS, Sample, Task, register_task
 from eval.tasks import haystack as hs
 from snapkv import build_method, generate
-from snapkv.generation import encode_prompt, next_turn_text
+from snapkv.generation import encode_prompt, next_turn_text, render_prompt
 from tests import test_runner
 from tests.test_runner import _no_model_load, make_cfg, result_files, run_cli_in_process
 
@@ -432,3 +433,50 @@ def test_later_questions_are_fed_as_the_next_user_turn(askmany, tiny_dir, monkey
         assert tokenizer.decode(feed).endswith(
             f"<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
         )
+
+
+def test_prerendered_questions_are_asked_as_template_turns_with_their_answer_prefix(
+    askmany, tiny_dir, monkeypatch
+):
+    """A task that renders the chat template itself (RULER: `chat_template=False`, the question
+    holding the turn markers and an answer prefix) gives `Sample.turn`: a later question is the
+    template's next user turn with its own answer prefix, and the earlier prefix counts as assistant
+    text already in the cache."""
+    model, tokenizer, _ = runner.get_model(RunSpec.from_config(cfg_for(tiny_dir, "unused", "query_aware")))
+    (context, *_) = protocols.group_contexts(AskMany().samples(tokenizer))
+    prefix = " Answer:"
+    rendered = []
+    for s in context.samples:
+        text = render_prompt(tokenizer, s.context + s.question)
+        head = text[: text.index(s.question)]
+        rendered.append(
+            dataclasses.replace(
+                s,
+                context=head,
+                question=text[len(head) :] + prefix,
+                chat_template=False,
+                turn=(s.question, prefix),
+            )
+        )
+    context = dataclasses.replace(context, samples=rendered)
+    fed = []
+    monkeypatch.setattr(
+        protocols,
+        "answer",
+        lambda m, c, q, *a, **k: fed.append(q[0].tolist()) or REAL_ANSWER(m, c, q, *a, **k),
+    )
+    method = build_method("snapkv", budget=40, window=8, kernel_size=5)
+    todo = {s.sample_id for s in rendered}
+    for protocol in ("first_question", "multi_turn"):
+        fed.clear()
+        outcomes = list(
+            protocols.ask_context(protocol, context, todo, model, tokenizer, method, chat_template=False)
+        )
+        assert [o.error for o in outcomes] == [None] * 3
+        later = fed if protocol == "first_question" else fed[1:]
+        assert len(later) == 2
+        for feed, s in zip(later, rendered[1:]):
+            turn = f"<|im_end|>\n<|im_start|>user\n{s.turn[0]}<|im_end|>\n<|im_start|>assistant\n{prefix}"
+            assert tokenizer.decode(feed).endswith(turn)
+        if protocol == "first_question":  # after question 1's prefix: the empty turn closes at once
+            assert tokenizer.decode(fed[0]).startswith("<|im_end|>")

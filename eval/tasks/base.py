@@ -47,6 +47,12 @@ class Sample:
     # its own (every single-question task).
     context_id: str | None = None
     question_index: int = 0
+    # How the question is asked as a later turn of a conversation whose cache already holds the
+    # context (`first_question`, `multi_turn`), for tasks that render their prompt with the chat
+    # template themselves (`chat_template=False` while `question` holds the template's turn markers):
+    # (user text, answer prefix); the protocol renders the turn with the tokenizer's template and
+    # appends the prefix. None: `question` is the user text (a later turn renders it as it is).
+    turn: tuple[str, str] | None = None
 
     @property
     def prompt(self) -> str:

@@ -709,6 +709,8 @@ class RulerTask(Task):
                     },
                 )
                 sample.context_id, sample.question_index = context_id, k
+                if self._templated:  # a later turn: the question alone as the user's text
+                    sample.turn = (prompt.tail.strip(), prompt.answer_prefix)
                 yield sample
 
     def _haystack_name(self, task: str) -> str | None:

@@ -9,6 +9,9 @@ where the rows carry several question indices or several protocols.
   difference (`scipy.stats.bootstrap` on the per-question differences, percentile method, seeded:
   the same rows give the same interval); also over questions 2..N alone, where `first_question`
   differs from `query_aware` (its question 1 is `query_aware`'s run).
+- Compression loss per protocol: score minus the full cache's under the same protocol (paired), and
+  its shift from `query_aware` (a paired difference of differences): what compression costs apart
+  from what the protocol costs every cache.
 - Amortised cost: per method and protocol, the prefill + compression per question (median over
   questions of `context_prefill_s` / N for the shared protocols, where one compressed context serves
   its N questions; `prefill_s` for the per-question ones), the median question ttft and tpot, the
@@ -193,6 +196,90 @@ def penalty_table(part: pd.DataFrame, title: str) -> str | None:
     )
 
 
+def compression_penalty(part: pd.DataFrame) -> pd.DataFrame:
+    """Per (method_key, protocol), compressed methods only: score x100 minus the full cache's under the
+    SAME protocol on the same sample_ids (`loss`, `low` / `high`, n), and how that loss moves from
+    query_aware to this protocol (`shift` = loss here minus loss under query_aware, on the sample_ids
+    all four rows share; `shift_low` / `shift_high`, `n_shift`). The loss separates what compression
+    costs from what the protocol costs every cache (the full cache too: a later question asked after
+    an empty assistant turn, a conversation's own drift); the shift is SnapKV's thesis in one number:
+    near 0 where the question in the window does not matter, negative where the kept entries were
+    chosen for a question that is no longer the one asked. Empty without full-cache rows."""
+    ok = part[part["ok"] & part["score"].notna()]
+    full_keys = natural_sorted(ok.loc[ok["method"] == "full", "method_key"].unique())
+    if not full_keys:
+        return pd.DataFrame()
+    full = ok[ok["method_key"] == full_keys[0]]
+    records = []
+    for method_key, protocol in _order(part):
+        if method_key in full_keys:
+            continue
+        mine = ok[(ok["method_key"] == method_key) & (ok["protocol"] == protocol)][["sample_id", "score"]]
+        base = full[full["protocol"] == protocol][["sample_id", "score"]]
+        pairs = mine.merge(base, on="sample_id", suffixes=("", "_full"))
+        if pairs.empty:
+            continue
+        loss = _penalty((pairs["score"] - pairs["score_full"]) * 100)
+        qa_mine = ok[(ok["method_key"] == method_key) & (ok["protocol"] == "query_aware")]
+        qa = qa_mine[["sample_id", "score"]].merge(
+            full[full["protocol"] == "query_aware"][["sample_id", "score"]],
+            on="sample_id",
+            suffixes=("_qa", "_qa_full"),
+        )
+        four = pairs.merge(qa, on="sample_id")
+        shift = (
+            _penalty(
+                ((four["score"] - four["score_full"]) - (four["score_qa"] - four["score_qa_full"])) * 100
+            )
+            if protocol != "query_aware"
+            else {"n": 0, "penalty": math.nan, "low": math.nan, "high": math.nan}
+        )
+        records.append(
+            {
+                "method_key": method_key,
+                "protocol": protocol,
+                "n": loss["n"],
+                "loss": loss["penalty"],
+                "low": loss["low"],
+                "high": loss["high"],
+                "n_shift": shift["n"],
+                "shift": shift["penalty"],
+                "shift_low": shift["low"],
+                "shift_high": shift["high"],
+            }
+        )
+    return pd.DataFrame.from_records(records)
+
+
+def compression_table(part: pd.DataFrame, title: str) -> str | None:
+    table = compression_penalty(part)
+    if table.empty:
+        return None
+    rows = [
+        [r.method_key, r.protocol, r.n, _signed(r.loss), _interval(r.low, r.high),
+         r.n_shift or "—", _signed(r.shift), _interval(r.shift_low, r.shift_high)]
+        for r in table.itertuples()
+    ]  # fmt: skip
+    headers = [
+        "method",
+        "protocol",
+        "n",
+        "vs full",
+        "95% CI",
+        "n (shift)",
+        "shift vs query_aware",
+        "95% CI (shift)",
+    ]
+    return (
+        f"### Compression loss per protocol — {title}\n\nScore x100 minus the full cache's under the same "
+        "protocol on the same questions (what compression costs, apart from what the protocol costs "
+        "every cache), and the shift of that loss from query_aware to the protocol on the questions "
+        f"all four runs share (negative: the cache kept entries for a question it is no longer asked); "
+        f"95% paired bootstrap intervals ({N_RESAMPLES} resamples, seed {SEED}).\n\n"
+        + md_table(headers, rows, text_columns=2)
+    )
+
+
 # ---------------------------------------------------------------------------------------------- cost
 def amortised(part: pd.DataFrame) -> pd.DataFrame:
     """Per (method_key, protocol), over ok rows: `contexts`, mean questions per context `N`,
@@ -254,7 +341,12 @@ def sections(df: pd.DataFrame) -> list[str]:
         if not applies(part):
             continue
         title = f"{task} — {model}"
-        tables = [decay_table(part, title), penalty_table(part, title), cost_table(part, title)]
+        tables = [
+            decay_table(part, title),
+            penalty_table(part, title),
+            compression_table(part, title),
+            cost_table(part, title),
+        ]
         parts += ["", "\n\n".join(t for t in tables if t)]
     return ["", "## Protocols", "", INTRO] + parts if parts else []
 

@@ -130,6 +130,32 @@ def test_reuse_penalty_is_paired_by_sample_with_a_seeded_bootstrap(part):
     assert (again["n"], again["penalty"]) == (5, -40.0)
 
 
+def test_compression_loss_is_paired_against_the_full_cache_under_the_same_protocol(part):
+    table = protocol_report.compression_penalty(part).set_index(["method_key", "protocol"])
+    # no full-cache rows under first_question / multi_turn: nothing to pair with
+    assert list(table.index) == [("snapkv b=64", "query_aware"), ("snapkv b=64", "multi_request")]
+    qa, mr = table.loc[("snapkv b=64", "query_aware")], table.loc[("snapkv b=64", "multi_request")]
+    assert (qa["n"], qa["loss"], qa["n_shift"]) == (6, 0.0, 0) and math.isnan(qa["shift"])
+    # multi_request minus full multi_request: 0, -100, -100, 0, 0, -100; query_aware's loss is 0
+    assert (mr["n"], mr["loss"], mr["n_shift"], mr["shift"]) == (6, -50.0, 6, -50.0)
+    diffs = np.array([0.0, -100.0, -100.0, 0.0, 0.0, -100.0])
+    assert (mr["low"], mr["high"]) == protocol_report.paired_bootstrap(diffs)
+    md = protocol_report.compression_table(part, "askmany — m")
+    assert (
+        "| snapkv b=64 | multi_request | 6 | -50.00 |" in md
+        and "| snapkv b=64 | query_aware | 6 | +0.00 |" in md
+    )
+    # the full cache failing one multi_request question drops that pair from the loss and the shift
+    rows = hand_rows()
+    for r in rows:
+        if (r["method"], r["protocol"], r["sample_id"]) == ("full", "multi_request", "c0_q1"):
+            r.update(status="error", score=None)
+    again = protocol_report.compression_penalty(protocol_report.frame(prepare(pd.DataFrame(rows))))
+    again = again.set_index(["method_key", "protocol"]).loc[("snapkv b=64", "multi_request")]
+    assert (again["n"], again["loss"], again["n_shift"], again["shift"]) == (5, -40.0, 5, -40.0)
+    assert protocol_report.compression_penalty(part[part["method"] != "full"]).empty
+
+
 def test_paired_bootstrap_edge_cases():
     assert protocol_report.paired_bootstrap(np.array([-20.0, -20.0, -20.0])) == (-20.0, -20.0)
     assert all(math.isnan(v) for v in protocol_report.paired_bootstrap(np.array([5.0])))

@@ -237,6 +237,8 @@ class NeedleTask(Task):
     # number survives in part): partial credit shows what each budget buys.
     budget_values: ClassVar[dict[str, str]] = {"score": "needle score", "partial": "partial credit"}
     report_section: ClassVar[str] = "Needle in a haystack"
+    paired_strata: ClassVar[tuple[str, ...]] = ("context_length",)
+    flip_columns: ClassVar[tuple[str, ...]] = ("context_length", "depth_percent")
     # One needle is the task as it was before `needles` existed: same hash, same results file.
     hash_defaults: ClassVar[dict[str, Any]] = {"needles": 1}
 

@@ -14,6 +14,10 @@ Writes into `--out` (default: RESULTS_DIR):
   / tpot with the median `other_cores` of the same rows beside them, and a line saying how loaded
   the machine was: those timings are bookkeeping), and the code versions the rows came from (a
   warning when they differ).
+- `paired.csv`, `flips.csv` and report.md's "Paired comparisons" section (eval/paired.py): every
+  compressed config minus the full cache and minus SnapKV at its budget on the samples both ran
+  (matched by `prompt_sha` / `target_sha`, or by task, dataset and sample_id in rows without them),
+  with n, a 95% interval, p and Holm's p; the samples compression broke or fixed.
 - each task's plots (`Task.report_plots`, e.g. `needle_<model>_<label>.png`) and
   `score_vs_budget_<task>.png` for tasks run at more than one budget.
 - where rows carry several question indices or protocols: a "Protocols" section and

@@ -14,6 +14,10 @@ Writes into `--out` (default: RESULTS_DIR):
   / tpot with the median `other_cores` of the same rows beside them, and a line saying how loaded
   the machine was: those timings are bookkeeping), and the code versions the rows came from (a
   warning when they differ).
+- `paired.csv`, `flips.csv` and report.md's "Paired comparisons" section (eval/paired.py): every
+  compressed config minus the full cache and minus SnapKV at its budget on the samples both ran
+  (matched by `prompt_sha` / `target_sha`, or by task, dataset and sample_id in rows without them),
+  with n, a 95% interval, p and Holm's p; the samples compression broke or fixed.
 - each task's plots (`Task.report_plots`, e.g. `needle_<model>_<label>.png`) and
   `score_vs_budget_<task>.png` for tasks run at more than one budget.
 - where rows carry several question indices or protocols: a "Protocols" section and
@@ -39,7 +43,7 @@ from typing import Any
 
 import pandas as pd
 
-from eval import protocol_report, protocols
+from eval import paired, protocol_report, protocols
 from eval.stats import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell
@@ -430,7 +434,19 @@ def code_versions(df: pd.DataFrame) -> tuple[str, bool]:
     return table, len(rows) > 1
 
 
-def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
+def paired_reports(df: pd.DataFrame) -> list[paired.PairedReport]:
+    """Per (task, model): the paired comparisons and flips of its configs (eval/paired.py), with
+    the task's `paired_strata` and `flip_columns`."""
+    out = []
+    for (task, _), part in df.groupby(["task", "model"], sort=True):
+        cls = _task_class(task)
+        out.append(paired.task_model_report(part, cls.paired_strata, cls.flip_columns))
+    return out
+
+
+def build_markdown(
+    df: pd.DataFrame, results_dir: Path, pairs: list[paired.PairedReport] | None = None
+) -> str:
     n_bad = int((~df["ok"]).sum())
     parts = [
         "# snapkv-bench report",
@@ -445,6 +461,7 @@ def build_markdown(df: pd.DataFrame, results_dir: Path) -> str:
     for heading, tables in sections.items():
         if tables:
             parts += ["", f"## {heading}", ""] + ["\n\n".join(tables)]
+    parts += paired.section(paired_reports(df) if pairs is None else pairs)
     parts += protocol_report.sections(df)
     parts += [
         "",
@@ -521,6 +538,8 @@ class Report:
     report_md: Path
     summary_csv: Path
     plots: list[Path] = field(default_factory=list)
+    paired_csv: Path | None = None
+    flips_csv: Path | None = None
 
 
 def build_report(
@@ -547,10 +566,21 @@ def build_report(
     out.mkdir(parents=True, exist_ok=True)
     df = prepare(raw)
     summarize(df).to_csv(out / "summary.csv", index=False)
-    markdown = build_markdown(df, results_dir)
+    pairs = paired_reports(df)
+    rows = [p.rows for p in pairs if not p.rows.empty]
+    (pd.concat(rows) if rows else pd.DataFrame(columns=paired.PAIRED_COLUMNS)).to_csv(
+        out / "paired.csv", index=False
+    )
+    flipped = [p.flips for p in pairs if not p.flips.empty]
+    (pd.concat(flipped) if flipped else pd.DataFrame(columns=paired.FLIP_COLUMNS)).to_csv(
+        out / "flips.csv", index=False
+    )
+    markdown = build_markdown(df, results_dir, pairs)
     (out / "report.md").write_text(markdown, encoding="utf-8")
     written = write_plots(df, out, trained_context=trained_context) if plots else []
-    return Report(markdown, out / "report.md", out / "summary.csv", written)
+    return Report(
+        markdown, out / "report.md", out / "summary.csv", written, out / "paired.csv", out / "flips.csv"
+    )
 
 
 def write_report(results_dir: str | Path, **kwargs: Any) -> Report | None:

@@ -62,10 +62,11 @@ from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.report import method_label
 from eval.report import write_report as write_results_report
 from eval.spec import RunSpec
-from eval.store import ROW_FIELDS, ResultStore, shard
+from eval.store import ROW_FIELDS, ResultStore, sha256_hex, shard, target_sha
 from eval.tasks import Sample, Task
 from snapkv import ProgressCallback, generate
 from snapkv.errors import first_line, one_line
+from snapkv.generation import render_prompt
 from snapkv.hub import cache_only_kwargs
 from snapkv.models import EMBEDDED, fetch_embedded, load_model
 
@@ -253,7 +254,9 @@ def run_sample(
     """
     row = _new_row(sample, task, base)
     noise = CpuNoise()
+    chat_template = bool(sample.chat_template and spec.model.chat_template)
     try:
+        row["prompt_sha"] = prompt_sha(tokenizer, sample, chat_template)
         with noise:
             result = generate(
                 model,
@@ -262,7 +265,7 @@ def run_sample(
                 question=sample.question,
                 method=spec.method,
                 query_aware=spec.query_aware,
-                chat_template=bool(sample.chat_template and spec.model.chat_template),
+                chat_template=chat_template,
                 max_new_tokens=sample.max_new_tokens,
                 chunk_size=spec.chunk_size,
                 on_progress=on_progress,
@@ -282,7 +285,15 @@ def _new_row(sample: Sample, task: Task, base: dict) -> dict[str, Any]:
     row.update({k: v for k, v in task.row_metadata(sample).items() if k not in ROW_FIELDS})
     row.update(base)
     row.update(sample_id=sample.sample_id, dataset=sample.dataset, answers=list(sample.answers), scores={})
+    row["target_sha"] = target_sha(sample.answers)
     return row
+
+
+def prompt_sha(tokenizer: Any, sample: Sample, chat_template: bool) -> str:
+    """The row's `prompt_sha`: sha256 of the sample's prompt (context + question) rendered as the
+    model sees it (`render_prompt`: the chat template where the run applies it). The same text for
+    every protocol and method config of a model, so the report pairs their rows by it."""
+    return sha256_hex(render_prompt(tokenizer, sample.prompt, chat_template))
 
 
 def _score(row: dict, sample: Sample, task: Task, text: str) -> None:
@@ -313,10 +324,10 @@ def context_rows(
     """The rows of one context's questions in `todo` under the run's shared protocol
     (`protocols.ask_context`), each yielded as soon as it is answered; the noise columns are measured
     around each question (the first one's include the context's prefill)."""
+    chat_template = bool(context.samples[0].chat_template and spec.model.chat_template)
     outcomes = protocols.ask_context(
         spec.protocol, context, todo, model, tokenizer, spec.method,
-        chat_template=bool(context.samples[0].chat_template and spec.model.chat_template),
-        chunk_size=spec.chunk_size,
+        chat_template=chat_template, chunk_size=spec.chunk_size,
     )  # fmt: skip
     while True:
         noise = CpuNoise()
@@ -331,6 +342,7 @@ def context_rows(
             _fail(row, outcome.error)
         else:
             try:
+                row["prompt_sha"] = prompt_sha(tokenizer, sample, chat_template)
                 _score(row, sample, task, outcome.text)
             except Exception as err:  # noqa: BLE001 - a failing metric is recorded, the run goes on
                 _fail(row, err)

@@ -126,6 +126,14 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
     "omp_wait_policy": ("str | null", 'the OMP_WAIT_POLICY environment variable (`""`: unset)'),
     "prediction": ("str | null", "generated text (null when the sample failed)"),
     "answers": ("list[str]", "reference answers"),
+    "prompt_sha": (
+        "str | null",
+        "sha256 (hex) of the sample's prompt text as the model saw it (context + question, chat template applied as the run applied it; the shared protocols' later turns add to it); the report pairs samples by it; absent in older rows",
+    ),
+    "target_sha": (
+        "str",
+        "sha256 (hex) of the reference answers (`canonical_json` of `answers`); absent in older rows",
+    ),
     "score": ("float | null", "main metric in [0, 1]; null when status != ok"),
     "scores": ("dict", 'extra metrics in [0, 1], e.g. `{"exact": 1.0, "partial": 0.43}`'),
     "status": ("str", "`ok`, `oom` or `error`"),
@@ -189,6 +197,41 @@ def config_hash(obj: dict, length: int = 8) -> str:
     if not isinstance(obj, dict):
         raise TypeError(f"config_hash expects a dict, got {type(obj).__name__}")
     return hashlib.sha256(canonical_json(obj).encode("utf-8")).hexdigest()[:length]
+
+
+def sha256_hex(text: str) -> str:
+    """The sha256 hex digest of `text` (UTF-8): the rows' `prompt_sha` / `target_sha`."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def target_sha(answers: Sequence[str]) -> str:
+    """`target_sha` of a row: sha256 of the canonical JSON of its reference answers (order kept)."""
+    return sha256_hex(canonical_json(list(answers)))
+
+
+def sample_keys(rows: pd.DataFrame, by_content: bool | None = None) -> pd.Series:
+    """Per row, a string identifying its sample across configs: `prompt_sha:target_sha` (by
+    content) or the JSON of `[task, dataset, sample_id]` (rows written before the hashes existed).
+
+    by_content None: by content when every row carries both hashes, else by id for all of them (a
+    key of one kind never matches one of the other).
+    """
+    if by_content is None:
+        by_content = has_content_hashes(rows)
+    if by_content:
+        keys = [f"{p}:{t}" for p, t in zip(rows["prompt_sha"], rows["target_sha"])]
+    else:
+        ids = zip(rows["task"], rows["dataset"], rows["sample_id"])
+        keys = [canonical_json([str(t), str(d), str(s)]) for t, d, s in ids]
+    return pd.Series(keys, index=rows.index, dtype=object)
+
+
+def has_content_hashes(rows: pd.DataFrame) -> bool:
+    """Whether every row carries `prompt_sha` and `target_sha` (rows written since they exist)."""
+    return all(
+        c in rows.columns and rows[c].map(lambda v: isinstance(v, str) and bool(v)).all()
+        for c in ("prompt_sha", "target_sha")
+    )
 
 
 def safe_name(name: str) -> str:

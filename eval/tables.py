@@ -8,6 +8,8 @@ from typing import Any
 
 import pandas as pd
 
+from eval.store import sample_keys
+
 
 def cell(v: Any, digits: int = 2) -> str:
     """A table cell: `—` for missing values, floats with `digits` decimals."""
@@ -29,6 +31,26 @@ def md_table(headers: list[str], rows: list[list[Any]], text_columns: int = 1) -
     for row in rows:
         lines.append("| " + " | ".join(esc(cell(v)) for v in row) + " |")
     return "\n".join(lines)
+
+
+MIXED_NOTE = (
+    "The configs in this table ran on different samples: each cell gives its n (ok samples); the "
+    "Paired comparisons section compares them on the samples they share."
+)
+
+
+def samples_differ(part: pd.DataFrame, col: str = "config_label") -> bool:
+    """Whether the configs (`col`) of `part` scored different sets of samples (ok rows; samples
+    identified by `eval.store.sample_keys`)."""
+    ok = part[part["ok"]]
+    keys = ok.assign(_key=sample_keys(ok)).groupby(col)["_key"].agg(frozenset)
+    return keys.nunique() > 1
+
+
+def with_n(value: Any, n: int, digits: int = 2) -> str:
+    """A score cell with its sample count beside it: `38.00 (n=5)`; `—` when missing."""
+    text = cell(value, digits)
+    return text if text == "—" else f"{text} (n={int(n)})"
 
 
 def column_order(df: pd.DataFrame, col: str = "config_label") -> list[str]:
@@ -66,7 +88,12 @@ def score_table(
     ok = part[part["ok"]]
     means = ok.groupby(["dataset", "config_label"])["score"].mean().mul(100).unstack()
     means = means.reindex(index=datasets, columns=cols)
-    rows: list[list[Any]] = [[ds] + [means.at[ds, c] for c in cols] for ds in means.index]
+    mixed = samples_differ(part)
+    counts = ok.groupby(["dataset", "config_label"]).size().unstack().reindex(index=datasets, columns=cols)
+    rows: list[list[Any]] = [
+        [ds] + [with_n(means.at[ds, c], counts.at[ds, c]) if mixed else means.at[ds, c] for c in cols]
+        for ds in means.index
+    ]
     incomplete = False
 
     def macro(sub: pd.DataFrame, c: str) -> Any:
@@ -87,6 +114,8 @@ def score_table(
             if len(members):
                 rows.append([f"*{cat}*"] + [macro(means.loc[members], c) for c in cols])
     note = "\n\n† mean over only the datasets this config has scores for." if incomplete else ""
+    if mixed:
+        note += f"\n\n{MIXED_NOTE} The averages weigh every dataset equally, whatever its n."
     return (
         f"### {title}\n\nScore x100 (mean over ok samples).\n\n" + md_table(["dataset"] + cols, rows) + note
     )

@@ -1,4 +1,5 @@
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from eval import report
 from eval.plots import needle_compare_figure, needle_heatmap, score_vs_budget, trained_context_position
 from eval.report import budget_of, main, method_label, quiet_defaults, slug
 from eval.store import ResultStore, config_hash, result_path
+from eval.tables import MIXED_NOTE
 from eval.tasks.needle.task import _score_metric
 from snapkv import METHODS, Method, build_method
 from snapkv.methods.adakv import AdaKV
@@ -252,7 +254,9 @@ def test_report_marks_average_over_missing_datasets(tmp_path, monkeypatch, capsy
     write(tmp_path / "r", rows)
     assert main([str(tmp_path / "r"), "--no-plots"]) == 0
     report = (tmp_path / "r" / "report.md").read_text()
-    assert "| hotpotqa | — | 25.00 |" in report
+    # The two configs ran different samples: every cell gives its n, and the text says so.
+    assert "| qasper | 50.00 (n=1) | 25.00 (n=1) |" in report and "| hotpotqa | — | 25.00 (n=1) |" in report
+    assert MIXED_NOTE in report
     assert "| **Average** | 50.00† | 25.00 |" in report
     assert "† mean over only the datasets" in report
 
@@ -412,12 +416,19 @@ def test_committed_results_still_report_the_same_tables(tmp_path, capsys):
 
     def without_cost(text: str) -> tuple[str, str]:
         head, rest = text.split("## Cost", 1)
+        head = (
+            head.split("\n## Paired comparisons", 1)[0].rstrip() + "\n\n"
+        )  # added since: tests/test_paired.py
         cost, tail = rest.split("## Code versions", 1)
         return head + "## Code versions" + tail, cost
 
     # Every table as committed except the cost table (medians + other cores since the noise record).
     body, _ = without_cost(body)
     new_rest, cost = without_cost(new)
+    # Tables whose configs ran on different samples now give each cell its n and say so (added since).
+    assert "(n=1)" in new_rest and MIXED_NOTE in new_rest
+    new_rest = re.sub(r" \(n=\d+\)", "", new_rest)
+    new_rest = re.sub(rf"\n\n{re.escape(MIXED_NOTE)}[^\n]*", "", new_rest)
     assert body.strip() in new_rest
     lines = [ln for ln in cost.splitlines() if ln.startswith("| needle |")]
     configs = pd.read_csv(src / "summary.csv")[["model", "label"]].drop_duplicates()

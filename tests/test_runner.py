@@ -8,6 +8,7 @@ touches the Hub; only the `slow` test loads the real default model (cached).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import logging
@@ -38,6 +39,7 @@ from eval.spec import RunSpec
 from eval.store import ResultStore, fields_missing, read_rows, result_path
 from eval.tasks import haystack as hs
 from eval.tasks.needle.task import NEEDLES, NeedleTask
+from snapkv.generation import render_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
@@ -650,6 +652,15 @@ def test_run_sample_reports_progress_and_records_the_noise(tiny_dir, tmp_path):
     assert row["torch_threads"] == torch.get_num_threads() and row["cpu_count"] == os.cpu_count()
     assert row["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "")
     assert row["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS", "")
+    # The content hashes the report pairs samples by: the prompt as rendered for the model, the answers.
+    rendered = render_prompt(
+        tokenizer, sample.context + sample.question, sample.chat_template and spec.model.chat_template
+    )
+    assert row["prompt_sha"] == hashlib.sha256(rendered.encode("utf-8")).hexdigest()
+    assert (
+        row["target_sha"]
+        == hashlib.sha256(json.dumps(sample.answers, separators=(",", ":")).encode()).hexdigest()
+    )
 
 
 def test_a_failed_sample_records_the_noise_too(tiny_dir, tmp_path, monkeypatch):

@@ -78,7 +78,11 @@ class Task:
     of the hash while they hold it, so the results of every earlier config keep their file),
     `report_section` (heading of the report section holding `report_tables`), `budget_values`
     (row columns the report draws against the KV budget, each with its axis name: `score` always;
-    a task adds a graded column, e.g. the needle's partial credit, where the main score is flat).
+    a task adds a graded column, e.g. the needle's partial credit, where the main score is flat),
+    `paired_strata` (row columns within whose values the report's paired bootstrap resamples the
+    shared samples, and whose per-value means its pooled differences weigh equally, as the task's
+    own averages do: eval/paired.py) and `flip_columns` (row columns naming a sample in the flip
+    tables: what compression broke or fixed).
     """
 
     name: ClassVar[str] = ""
@@ -87,6 +91,8 @@ class Task:
     hash_defaults: ClassVar[dict[str, Any]] = {}
     report_section: ClassVar[str] = "Scores"
     budget_values: ClassVar[dict[str, str]] = {"score": "score"}
+    paired_strata: ClassVar[tuple[str, ...]] = ("dataset",)
+    flip_columns: ClassVar[tuple[str, ...]] = ("dataset",)
 
     def hash_params(self, config: dict[str, Any]) -> dict[str, Any]:
         """The task config as it enters the config hash: minus `selection_keys`, and minus each

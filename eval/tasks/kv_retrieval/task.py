@@ -157,6 +157,8 @@ class KVRetrievalTask(Task):
     selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "samples")
     budget_values: ClassVar[dict[str, str]] = {"score": "string match", "partial": "partial credit"}
     report_section: ClassVar[str] = "Key-value retrieval"
+    paired_strata: ClassVar[tuple[str, ...]] = ("context_length",)
+    flip_columns: ClassVar[tuple[str, ...]] = ("context_length", "question_index", "key_depth_percent")
 
     def __init__(
         self,

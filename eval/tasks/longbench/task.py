@@ -235,6 +235,7 @@ class LongBenchTask(Task):
     # Bump when prompts, truncation or data handling change (result rows from different versions differ).
     version: ClassVar[int] = 1
     selection_keys: ClassVar[tuple[str, ...]] = ("datasets", "limit", "data_dir")
+    flip_columns: ClassVar[tuple[str, ...]] = ("dataset", "length")
 
     datasets: list[str] = field(default_factory=_default_datasets)
     data_dir: str | None = None

@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 
 import pandas as pd
 
-from eval.tables import column_order, md_table, slug
+from eval.tables import MIXED_NOTE, column_order, md_table, samples_differ, slug, with_n
 from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
 from eval.tasks.multi_question import question_tables
@@ -237,6 +237,8 @@ class NeedleTask(Task):
     # number survives in part): partial credit shows what each budget buys.
     budget_values: ClassVar[dict[str, str]] = {"score": "needle score", "partial": "partial credit"}
     report_section: ClassVar[str] = "Needle in a haystack"
+    paired_strata: ClassVar[tuple[str, ...]] = ("context_length",)
+    flip_columns: ClassVar[tuple[str, ...]] = ("context_length", "depth_percent")
     # One needle is the task as it was before `needles` existed: same hash, same results file.
     hash_defaults: ClassVar[dict[str, Any]] = {"needles": 1}
 
@@ -555,7 +557,17 @@ def _report_tables(df: pd.DataFrame) -> list[str]:
                 ["method"] + [str(int(v)) if float(v).is_integer() else str(v) for v in lengths] + ["avg"]
             )
             rows = [[lab] + [table.at[lab, c] for c in lengths] + [table.loc[lab].mean()] for lab in labels]
-            out.append(f"### {task} — {model}\n\n{caption}\n\n" + md_table(headers, rows))
+            note = ""
+            if samples_differ(part):
+                ok = part[part["ok"] & part[value].notna()]
+                n = ok.groupby(["config_label", "context_length"]).size()
+                rows = [
+                    [r[0]] + [with_n(v, n.get((r[0], c), 0)) for v, c in zip(r[1:-1], lengths)] + [r[-1]]
+                    for r in rows
+                ]
+                uneven = any(n[lab].nunique() > 1 for lab in labels if lab in n.index.get_level_values(0))
+                note = f"\n\n{MIXED_NOTE}" + (" avg pools lengths with different n." if uneven else "")
+            out.append(f"### {task} — {model}\n\n{caption}\n\n" + md_table(headers, rows) + note)
     return out
 
 

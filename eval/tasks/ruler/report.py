@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from eval.paired import stratified_bootstrap
 from eval.plots import NEEDLE_CMAP, _save
 from eval.tables import md_table, slug
 from eval.tasks.ruler.config import TASKS
@@ -60,17 +61,12 @@ def suite_average(means: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["model", "config_label", "ruler_length", "score", "complete"])
 
 
-def _suite(scores: np.ndarray, task_of: np.ndarray) -> np.ndarray:
-    """Suite average x100 of `scores` [resamples, samples] (columns grouped by `task_of` codes)."""
-    return 100 * np.mean([scores[:, task_of == t].mean(axis=1) for t in np.unique(task_of)], axis=0)
-
-
 def paired_differences(
     rows: pd.DataFrame, pairs: list[tuple[str, str]], resamples: int = 2000, seed: int = 0
 ) -> list[list]:
     """Per (config, baseline) pair and length: [config, baseline, length, shared samples, suite avg
     difference config - baseline, "[lo, hi]"] over the ok samples both ran (a stratified bootstrap
-    within task: module doc). `rows`: one model's RULER rows with `sample_id`, `ruler_task`,
+    within task: module doc, `eval.paired.stratified_bootstrap`). `rows`: one model's RULER rows with `sample_id`, `ruler_task`,
     `ruler_length`, `score`, `ok`, `config_label`."""
     ok = rows[rows["ok"]].assign(ruler_length=lambda d: pd.to_numeric(d["ruler_length"]).astype(int))
     out = []
@@ -87,16 +83,9 @@ def paired_differences(
             shared = b.index.intersection(a.index).sort_values()
             if shared.empty:
                 continue
-            task = pd.Categorical(b.loc[shared, "ruler_task"]).codes
             diff = a.loc[shared, "score"].to_numpy(float) - b.loc[shared, "score"].to_numpy(float)
-            rng = np.random.default_rng(seed)
-            idx = np.empty((resamples, len(shared)), dtype=int)
-            for t in np.unique(task):
-                members = np.flatnonzero(task == t)
-                idx[:, members] = rng.choice(members, size=(resamples, len(members)))
-            lo, hi = np.percentile(_suite(diff[idx], task), [2.5, 97.5])
-            point = float(_suite(diff[None, :], task)[0])
-            out.append([label, baseline, int(length), len(shared), point, f"[{lo:+.1f}, {hi:+.1f}]"])
+            c = stratified_bootstrap(100 * diff, b.loc[shared, "ruler_task"], resamples, seed)
+            out.append([label, baseline, int(length), len(shared), c.diff, f"[{c.lo:+.1f}, {c.hi:+.1f}]"])
     return out
 
 

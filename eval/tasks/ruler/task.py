@@ -290,6 +290,8 @@ class RulerTask(Task):
     # choose samples (each sample id carries its record's hash), not one sample's output.
     selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "tasks", "samples", "data_dir")
     report_section: ClassVar[str] = "RULER"
+    paired_strata: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
+    flip_columns: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
     # Joined questions are RULER's task as it was before the switch existed: same hash and file.
     hash_defaults: ClassVar[dict[str, Any]] = {"separate_questions": False}
 

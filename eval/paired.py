@@ -1,0 +1,419 @@
+"""Paired comparisons of method configs on the samples both ran: the report's "Paired comparisons"
+section, `paired.csv` and `flips.csv`.
+
+Every compressed config of a (task, model) is compared with two baselines where they exist: the
+full cache (`method == "full"`; the same protocol where there is one) and SnapKV at the same budget
+and protocol (where several SnapKV configs share that budget: the one whose parameters differ least
+from SnapKV's defaults). Only ok rows count, and only samples both configs ran (`shared`): matched
+by content (`prompt_sha`, `target_sha`) when every row of both carries the hashes, else by
+(task, dataset, sample_id) (rows written before the hashes existed). A row per dataset, and where
+the pair shares more than one dataset a row `all` over every shared sample.
+
+A row (`PAIRED_COLUMNS`): `n_shared`, `diff` = config minus baseline x100, its 95% interval `lo` /
+`hi`, the two-sided `p`, `p_holm` (Holm's step-down adjustment over the rows of one (task, model)
+table with a p) and `test`:
+
+- `mcnemar`: every score of both sides is 0 or 1. `diff` is the difference of the proportions
+  right (each shared sample weighs the same); `p` the exact McNemar test, a two-sided binomial test
+  of the discordant pairs (`fixed` among `broke + fixed`, p = 1/2; p = 1 with none); the interval is
+  the exact (Clopper-Pearson) interval of that binomial proportion, mapped onto the difference,
+  conditional on the number of discordant pairs ([0, 0] when there is none).
+- `bootstrap`: any other score. `diff` is the mean over strata of the per-stratum mean differences
+  (the task's `paired_strata`, e.g. context length, LongBench dataset, RULER task and length: the
+  tables' averages weigh them so); the interval the 2.5 / 97.5 percentiles of `RESAMPLES`
+  stratified bootstrap resamples (the shared samples resampled within each stratum, seed `SEED`:
+  the report rebuilds byte-identical); `p` = 2 x the smaller fraction of resamples on either side
+  of 0 (+1 / RESAMPLES + 1), capped at 1: the level at which the percentile interval would just
+  reach 0.
+
+Below `MIN_N` shared samples the interval and p are withheld (the report prints "n<5").
+`kv_bytes` / `baseline_kv_bytes`: mean realised KV bytes (the rows' `kv_bytes`) over the shared
+samples; `bytes_differ` where they differ by more than `BYTES_TOLERANCE` between two compressed
+configs (against the full cache they differ by design): the pair is then not budget-matched.
+
+Flips (`flips`): per config against the full cache, the shared samples compression broke (the full
+cache right, the config wrong) and those it fixed, "right" meaning score >= `CORRECT_AT`, with the
+task's `flip_columns` (needle: length and depth; LongBench: dataset; RULER: task and length).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+from scipy.stats import binomtest
+
+from eval.store import has_content_hashes, sample_keys
+from eval.tables import cell, column_order, md_table
+
+MIN_N = 5
+RESAMPLES = 2000
+SEED = 0
+CONFIDENCE = 0.95
+BYTES_TOLERANCE = 0.01
+CORRECT_AT = 0.5
+FLIPS_LISTED = 6  # samples named per config and direction in report.md (all of them in flips.csv)
+ALL = "all"
+
+PAIRED_COLUMNS = [
+    "task",
+    "dataset",
+    "model",
+    "config",
+    "baseline",
+    "n_shared",
+    "diff",
+    "lo",
+    "hi",
+    "p",
+    "p_holm",
+    "test",
+    "matched_by",
+    "kv_bytes",
+    "baseline_kv_bytes",
+    "bytes_differ",
+]
+FLIP_COLUMNS = [
+    "task",
+    "model",
+    "config",
+    "baseline",
+    "change",
+    "dataset",
+    "sample_id",
+    "baseline_score",
+    "score",
+]
+
+
+# ---------------------------------------------------------------------------------------------- tests
+@dataclass(frozen=True)
+class Comparison:
+    """One paired comparison: difference x100 with its interval and p (NaN where withheld)."""
+
+    n: int
+    diff: float
+    lo: float
+    hi: float
+    p: float
+    test: str
+
+
+def mcnemar(config: np.ndarray, baseline: np.ndarray, confidence: float = CONFIDENCE) -> Comparison:
+    """Exact McNemar test of paired 0/1 scores `config` [n] and `baseline` [n] (module doc)."""
+    config, baseline = np.asarray(config, float), np.asarray(baseline, float)
+    n = len(config)
+    if n == 0:
+        raise ValueError("mcnemar needs at least one pair, got n=0")
+    fixed = int(((config == 1) & (baseline == 0)).sum())
+    broke = int(((config == 0) & (baseline == 1)).sum())
+    discordant = fixed + broke
+    diff = 100 * (fixed - broke) / n
+    if discordant == 0:
+        return Comparison(n, diff, 0.0, 0.0, 1.0, "mcnemar")
+    res = binomtest(fixed, discordant, 0.5)
+    ci = res.proportion_ci(confidence_level=confidence, method="exact")
+    # fixed / discordant = q  ->  (fixed - broke) / n = (2q - 1) * discordant / n
+    lo, hi = (100 * (2 * q - 1) * discordant / n for q in (ci.low, ci.high))
+    return Comparison(n, diff, lo, hi, float(res.pvalue), "mcnemar")
+
+
+def _stratum_mean(values: np.ndarray, codes: np.ndarray, n_strata: int) -> np.ndarray:
+    """Mean over strata of the per-stratum means of `values` [..., n] (`codes` [n]: 0..n_strata-1)."""
+    return np.mean([values[..., codes == s].mean(axis=-1) for s in range(n_strata)], axis=0)
+
+
+def stratified_bootstrap(
+    diffs: np.ndarray,
+    strata: Sequence | None = None,
+    resamples: int = RESAMPLES,
+    seed: int = SEED,
+    confidence: float = CONFIDENCE,
+) -> Comparison:
+    """Percentile bootstrap of the mean over strata of the per-stratum mean of `diffs` [n] (paired
+    differences, already x100 if wanted), resampling within each stratum (`strata` [n] labels; None:
+    one stratum). Strata are visited in sorted order with one generator seeded `seed`."""
+    diffs = np.asarray(diffs, float)
+    n = len(diffs)
+    if n == 0:
+        raise ValueError("stratified_bootstrap needs at least one difference, got n=0")
+    labels = np.zeros(n, dtype=int) if strata is None else np.asarray(pd.Series(list(strata)).astype(str))
+    if len(labels) != n:
+        raise ValueError(f"strata must have one label per difference, got {len(labels)} for n={n}")
+    _, codes = np.unique(labels, return_inverse=True)
+    k = int(codes.max()) + 1
+    rng = np.random.default_rng(seed)
+    idx = np.empty((resamples, n), dtype=int)
+    for s in range(k):
+        members = np.flatnonzero(codes == s)
+        idx[:, members] = rng.choice(members, size=(resamples, len(members)))
+    stats = _stratum_mean(diffs[idx], codes, k)
+    alpha = 1 - confidence
+    lo, hi = np.percentile(stats, [100 * alpha / 2, 100 * (1 - alpha / 2)])
+    point = float(_stratum_mean(diffs, codes, k))
+    tail = min(int((stats <= 0).sum()), int((stats >= 0).sum()))
+    p = min(1.0, 2 * (tail + 1) / (resamples + 1))
+    return Comparison(n, point, float(lo), float(hi), p, "bootstrap")
+
+
+def holm(pvalues: Sequence[float]) -> np.ndarray:
+    """Holm's step-down adjusted p-values (Holm 1979): sort the m p-values ascending, multiply the
+    i-th smallest (1-based) by m - i + 1, carry the running maximum forward, cap at 1. NaN entries
+    are left out of m and stay NaN."""
+    p = np.asarray(pvalues, float)
+    out = np.full(p.shape, np.nan)
+    finite = np.flatnonzero(~np.isnan(p))
+    m = len(finite)
+    if m == 0:
+        return out
+    order = finite[np.argsort(p[finite], kind="stable")]
+    adjusted = np.maximum.accumulate(np.minimum(1.0, (m - np.arange(m)) * p[order]))
+    out[order] = adjusted
+    return out
+
+
+def is_binary(*scores: np.ndarray) -> bool:
+    """Whether every score is 0 or 1 (then the exact McNemar test applies)."""
+    return all(np.isin(np.asarray(s, float), (0.0, 1.0)).all() for s in scores)
+
+
+def compare(config: np.ndarray, baseline: np.ndarray, strata: Sequence | None = None) -> Comparison:
+    """Config minus baseline x100 on paired scores in [0, 1] (`mcnemar` for 0/1 scores, else the
+    `stratified_bootstrap`), the interval and p withheld (NaN) below `MIN_N` pairs."""
+    config, baseline = np.asarray(config, float), np.asarray(baseline, float)
+    if is_binary(config, baseline):
+        c = mcnemar(config, baseline)
+    else:
+        c = stratified_bootstrap(100 * (config - baseline), strata)
+    if c.n < MIN_N:
+        return Comparison(c.n, c.diff, math.nan, math.nan, math.nan, c.test)
+    return c
+
+
+# ------------------------------------------------------------------------------------------ baselines
+def _protocol(part: pd.DataFrame, label: str) -> str:
+    return str(part.loc[part["config_label"] == label, "protocol"].iloc[0])
+
+
+def _params(part: pd.DataFrame, label: str) -> dict:
+    p = part.loc[part["config_label"] == label, "method_params"].iloc[0]
+    return p if isinstance(p, dict) else {}
+
+
+def _snapkv_defaults() -> dict:
+    from snapkv import METHODS
+
+    cls = METHODS["snapkv"]
+    return {name: f.default for name, f in cls.__dataclass_fields__.items() if f.init}
+
+
+def baselines(part: pd.DataFrame) -> list[tuple[str, str]]:
+    """(config, baseline) label pairs of one (task, model)'s prepared rows: every config that is not
+    the full cache against the full cache, and every config against SnapKV at its budget (module
+    doc), in `column_order`."""
+    labels = column_order(part)
+    method = part.drop_duplicates("config_label").set_index("config_label")["method"]
+    budget = part.drop_duplicates("config_label").set_index("config_label")["budget"]
+    full = [c for c in labels if method[c] == "full"]
+    snap = [c for c in labels if method[c] == "snapkv"]
+    defaults = _snapkv_defaults()
+
+    def distance(label: str) -> int:
+        params = _params(part, label)
+        return sum(params.get(k) != v for k, v in defaults.items() if k != "budget" and k in params)
+
+    pairs = []
+    for label in labels:
+        if method[label] == "full":
+            continue
+        if full:
+            same = [c for c in full if _protocol(part, c) == _protocol(part, label)]
+            pairs.append((label, (same or full)[0]))
+        at = [c for c in snap if budget[c] == budget[label] and _protocol(part, c) == _protocol(part, label)]
+        if at:
+            base = min(at, key=lambda c: (distance(c), at.index(c)))
+            if base != label:
+                pairs.append((label, base))
+    return pairs
+
+
+# -------------------------------------------------------------------------------------------- tables
+def _shared(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """The ok rows of configs `a` and `b` on their shared samples, aligned (one row per sample, in
+    the baseline's key order), and how they were matched (`content` or `sample_id`)."""
+    by_content = has_content_hashes(a) and has_content_hashes(b)
+    a = a.assign(_key=sample_keys(a, by_content)).drop_duplicates("_key").set_index("_key")
+    b = b.assign(_key=sample_keys(b, by_content)).drop_duplicates("_key").set_index("_key")
+    shared = [k for k in b.index if k in a.index]
+    return a.loc[shared], b.loc[shared], "content" if by_content else "sample_id"
+
+
+def paired_rows(part: pd.DataFrame, strata: Sequence[str] = ("dataset",)) -> pd.DataFrame:
+    """`PAIRED_COLUMNS` rows of one (task, model)'s prepared rows (`eval.report.prepare`), with
+    Holm's adjustment over them. `strata`: the task's `paired_strata` (row columns)."""
+    ok = part[part["ok"] & part["score"].notna()]
+    task, model = str(part["task"].iloc[0]), str(part["model"].iloc[0])
+    records = []
+    for label, base in baselines(part):
+        a, b, matched = _shared(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
+        if a.empty:
+            continue
+        compressed_base = str(b["method"].iloc[0]) != "full"
+        groups = [
+            (str(ds), a.index[b["dataset"].astype(str) == ds])
+            for ds in sorted(b["dataset"].astype(str).unique())
+        ]
+        if len(groups) > 1:
+            groups.append((ALL, a.index))
+        for dataset, keys in groups:
+            ca, cb = a.loc[keys], b.loc[keys]
+            cols = [c for c in strata if c in cb.columns and (dataset == ALL or c != "dataset")]
+            labels = cb[cols].astype(str).agg("/".join, axis=1) if cols else None
+            c = compare(ca["score"].to_numpy(float), cb["score"].to_numpy(float), labels)
+            kv_a, kv_b = ca["kv_bytes"].mean(), cb["kv_bytes"].mean()
+            differ = bool(compressed_base and kv_b > 0 and abs(kv_a / kv_b - 1) > BYTES_TOLERANCE)
+            records.append(
+                [task, dataset, model, label, base, c.n, c.diff, c.lo, c.hi, c.p, math.nan, c.test, matched,
+                 kv_a, kv_b, differ]
+            )  # fmt: skip
+    out = pd.DataFrame(records, columns=PAIRED_COLUMNS)
+    out["p_holm"] = holm(out["p"].to_numpy(float)) if len(out) else []
+    return out
+
+
+def flips(part: pd.DataFrame, columns: Sequence[str] = ("dataset",)) -> pd.DataFrame:
+    """`FLIP_COLUMNS` + the task's `columns` (its `flip_columns`): per config against the full
+    cache, the shared samples it broke (`change` "broke": full right, config wrong) or fixed."""
+    ok = part[part["ok"] & part["score"].notna()]
+    extra = [c for c in columns if c in part.columns and c != "dataset"]
+    records = []
+    for label, base in baselines(part):
+        if str(ok.loc[ok["config_label"] == base, "method"].iloc[0]) != "full":
+            continue
+        a, b, _ = _shared(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
+        right_a, right_b = a["score"] >= CORRECT_AT, b["score"] >= CORRECT_AT
+        for change, mask in (("broke", right_b & ~right_a), ("fixed", right_a & ~right_b)):
+            for (_, ra), (_, rb) in zip(a[mask.to_numpy()].iterrows(), b[mask.to_numpy()].iterrows()):
+                records.append(
+                    [rb["task"], rb["model"], label, base, change, rb["dataset"], rb["sample_id"], rb["score"],
+                     ra["score"]] + [rb[c] for c in extra]
+                )  # fmt: skip
+    return pd.DataFrame(records, columns=FLIP_COLUMNS + extra)
+
+
+# ---------------------------------------------------------------------------------------- markdown
+def interval_cell(row: pd.Series) -> str:
+    """`[lo, hi]`, or `n<MIN_N` where the interval is withheld."""
+    if row["n_shared"] < MIN_N:
+        return f"n<{MIN_N}"
+    return f"[{row['lo']:+.1f}, {row['hi']:+.1f}]"
+
+
+def _p_cell(p: float) -> str:
+    if isinstance(p, float) and math.isnan(p):
+        return "—"
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def paired_table(rows: pd.DataFrame) -> str:
+    """The markdown table of one (task, model)'s `paired_rows`."""
+    table = []
+    for _, r in rows.iterrows():
+        table.append(
+            [
+                r["dataset"],
+                r["config"],
+                r["baseline"],
+                f"{r['diff']:+.1f} (n={int(r['n_shared'])})",
+                interval_cell(r),
+                _p_cell(r["p"]),
+                _p_cell(r["p_holm"]),
+                r["test"],
+                f"{cell(r['kv_bytes'] / 2**20, 2)} / {cell(r['baseline_kv_bytes'] / 2**20, 2)}",
+                "bytes differ" if r["bytes_differ"] else "",
+            ]
+        )
+    headers = ["dataset", "method", "minus", "difference x100 (n)", "95% interval", "p", "p Holm", "test",
+               "KV MiB (method / minus)", "budget check"]  # fmt: skip
+    return md_table(headers, table, text_columns=3)
+
+
+def _describe(row: pd.Series, columns: Sequence[str]) -> str:
+    def text(v) -> str:
+        if isinstance(v, float) and v.is_integer():
+            return str(int(v))
+        return str(v)
+
+    return "/".join(text(row[c]) for c in columns) if columns else str(row["sample_id"])
+
+
+def flip_table(rows: pd.DataFrame, configs: Sequence[str], columns: Sequence[str]) -> str:
+    """The markdown flip table of one (task, model)'s `flips`: per config of `configs` (those
+    compared with the full cache), the counts broke / fixed and the first `FLIPS_LISTED` samples of
+    each, described by `columns`."""
+    table = []
+    for label in configs:
+        g = rows[rows["config"] == label]
+        row: list = [label]
+        for change in ("broke", "fixed"):
+            sub = g[g["change"] == change]
+            named = ", ".join(_describe(r, columns) for _, r in sub.head(FLIPS_LISTED).iterrows())
+            more = f" (+{len(sub) - FLIPS_LISTED} more)" if len(sub) > FLIPS_LISTED else ""
+            row += [len(sub), named + more]
+        table.append(row)
+    what = " / ".join(columns) if columns else "sample id"
+    return md_table(["method", "broke", f"broke ({what})", "fixed", f"fixed ({what})"], table)
+
+
+INTRO = (
+    "Each compressed config minus the full cache, and minus SnapKV at the same budget, on the samples "
+    "both ran (ok rows only; matched by the rows' prompt and answer hashes, or by task, dataset and "
+    "sample id for rows written before the hashes existed: the `matched_by` column of `paired.csv`). "
+    f"n: shared samples. `mcnemar`: exact McNemar test (0/1 scores; interval: exact, conditional on "
+    f"the discordant pairs); `bootstrap`: {RESAMPLES} stratified paired bootstrap resamples (interval: "
+    f"percentiles). Below n={MIN_N} the interval and p are withheld (n<{MIN_N}). p Holm: adjusted over "
+    'the rows of the table. budget check: "bytes differ" where the two compressed configs\' mean '
+    f"realised KV bytes on these samples differ by more than {BYTES_TOLERANCE:.0%} (not budget-matched). "
+    "Every row is in `paired.csv`; every flipped sample in `flips.csv`."
+)
+FLIPS_INTRO = (
+    f"Per config against the full cache: shared samples it broke (full cache right, config wrong; right "
+    f"= score >= {CORRECT_AT}) and fixed."
+)
+
+
+@dataclass
+class PairedReport:
+    """One (task, model)'s paired rows, flips and markdown (`markdown`: [] without any pair)."""
+
+    rows: pd.DataFrame
+    flips: pd.DataFrame
+    markdown: list[str]
+
+
+def task_model_report(
+    part: pd.DataFrame, strata: Sequence[str] = ("dataset",), flip_columns: Sequence[str] = ("dataset",)
+) -> PairedReport:
+    """`paired_rows`, `flips` and the markdown tables of one (task, model)'s prepared rows."""
+    rows = paired_rows(part, strata)
+    flipped = flips(part, flip_columns)
+    if rows.empty:
+        return PairedReport(rows, flipped, [])
+    task, model = str(part["task"].iloc[0]), str(part["model"].iloc[0])
+    md = [f"### {task} — {model}: paired differences", "", paired_table(rows), ""]
+    method = part.drop_duplicates("config_label").set_index("config_label")["method"]
+    vs_full = list(dict.fromkeys(rows.loc[rows["baseline"].map(method) == "full", "config"]))
+    if vs_full:
+        cols = [c for c in flip_columns if c in part.columns]
+        md += [f"### {task} — {model}: flips against the full cache", "", FLIPS_INTRO, "",
+               flip_table(flipped, vs_full, cols), ""]  # fmt: skip
+    return PairedReport(rows, flipped, md)
+
+
+def section(reports: Sequence[PairedReport]) -> list[str]:
+    """The report's "Paired comparisons" section (empty when no report has a pair)."""
+    body = [line for r in reports for line in r.markdown]
+    return ["", "## Paired comparisons", "", INTRO, "", *body] if body else []

@@ -77,9 +77,14 @@ def table_after(doc: str, anchor: str) -> list[list[str]]:
 
 
 @functools.cache
+def all_rows(folder: str) -> pd.DataFrame:
+    """Every row of one results folder, de-duplicated as every report reads them."""
+    return ResultStore.load_dir(RESULTS / folder)
+
+
 def rows(folder: str) -> pd.DataFrame:
-    """The ok rows of one results folder (de-duplicated as every report reads them)."""
-    df = ResultStore.load_dir(RESULTS / folder)
+    """The ok rows of one results folder."""
+    df = all_rows(folder)
     return df[df["status"] == "ok"]
 
 
@@ -139,22 +144,30 @@ class Claim:
 
 @dataclass(frozen=True)
 class Row:
-    """The first table after `anchor` in `doc` has a row starting with the cells `key`, and its
-    other cells are `cells()`."""
+    """The first table after `anchor` in `doc` has the row `cells()`; its first `keys` cells name
+    it (they may hold numbers too, e.g. a sample count)."""
 
     doc: str
     anchor: str
-    key: tuple[str, ...]
+    name: str
     cells: Callable[[], list[str]]
+    keys: int = 1
 
     @property
     def id(self) -> str:
-        return f"{self.doc}: {self.anchor[:40]} | {' | '.join(self.key)}"
+        return f"{self.doc}: {self.anchor[:40]} | {self.name}"
 
     def check(self) -> None:
-        found = [r for r in table_after(self.doc, self.anchor) if tuple(r[: len(self.key)]) == self.key]
-        assert len(found) == 1, f"{len(found)} rows start with {self.key} after {self.anchor!r}"
-        assert found[0][len(self.key) :] == self.cells()
+        expected = self.cells()
+        key = expected[: self.keys]
+        found = [r for r in table_after(self.doc, self.anchor) if r[: self.keys] == key]
+        assert len(found) == 1, f"{len(found)} rows start with {key} after {self.anchor!r}"
+        assert found[0] == expected
+
+
+def keyed(key: tuple[str, ...], cells: Callable[[], list[str]]) -> Callable[[], list[str]]:
+    """A row's cells: the fixed `key` cells, then `cells()`."""
+    return lambda: list(key) + cells()
 
 
 # ----------------------------------------------------------------------------------- needle tables
@@ -227,8 +240,11 @@ NEEDLE_ROWS = [
     Row(
         GALLERY,
         anchor,
-        (label,),
-        functools.partial(needle_methods_row, QWEN if anchor == QWEN_NEEDLE else SMOL, method, params),
+        label,
+        keyed(
+            (label,),
+            functools.partial(needle_methods_row, QWEN if anchor == QWEN_NEEDLE else SMOL, method, params),
+        ),
     )
     for anchor, configs in NEEDLE_CONFIGS.items()
     for label, method, params in configs
@@ -399,7 +415,7 @@ def git_of_todays_defaults() -> tuple:
 
 def rows_without_dirty_flag() -> tuple:
     folders = sorted({p.relative_to(RESULTS).parts[0] for p in RESULTS.glob("*/*/*/*.jsonl")})
-    return (sum(int(ResultStore.load_dir(RESULTS / f)["git_dirty"].isna().sum()) for f in folders),)
+    return (sum(int(all_rows(f)["git_dirty"].isna().sum()) for f in folders),)
 
 
 HEADER_CLAIMS = [
@@ -456,7 +472,7 @@ def budget_gains() -> tuple:
         budget_partial("snapkv", 1024),
         budget_partial("adakv", 128),
         budget_partial("adakv", 1024),
-        budget_partial("pyramidkv", 256),
+        budget_partial("pyramidkv", 128),
         budget_partial("pyramidkv", 512),
         budget_partial("pyramidkv", 1024),
         budget_partial("h2o", 128),
@@ -473,10 +489,12 @@ BUDGET_ROWS = [
     Row(
         GALLERY,
         BUDGET_ANCHOR,
-        ("full (no budget)",),
-        lambda: [budget_cell(config("needle_budget", SMOL, "full")), "", "", ""],
+        "full",
+        keyed(
+            ("full (no budget)",), lambda: [budget_cell(config("needle_budget", SMOL, "full")), "", "", ""]
+        ),
     )
-] + [Row(GALLERY, BUDGET_ANCHOR, (m,), functools.partial(budget_row, m)) for m in BUDGET_METHODS]
+] + [Row(GALLERY, BUDGET_ANCHOR, m, keyed((m,), functools.partial(budget_row, m))) for m in BUDGET_METHODS]
 BUDGET_CLAIMS = [
     Claim(
         GALLERY,
@@ -491,10 +509,10 @@ BUDGET_CLAIMS = [
     Claim(
         GALLERY,
         "SnapKV gains most with budget ({:.1f} -> {:.1f}); Ada-KV starts higher and ends level with it "
-        "({:.1f} -> {:.1f}); PyramidKV stays at 20.0 up to 256 and rises from 512 ({:.1f}, {:.1f}); H2O gains "
+        "({:.1f} -> {:.1f}); PyramidKV stays at {:.1f} up to 256 and rises from 512 ({:.1f}, {:.1f}); H2O gains "
         "least ({:.1f} -> {:.1f}) and is the lowest only at 1024 (at 128 it is above SnapKV, PyramidKV and "
         "StreamingLLM, all {:.1f})",
-        lambda: budget_gains()[:4] + budget_gains()[5:],
+        budget_gains,
     ),
 ]
 
@@ -522,6 +540,7 @@ def first_five() -> list[str]:
     """The records pyramidkv and adakv ran (the same 5 for both)."""
     ids = set(lb(SMOL, "pyramidkv (`pool_first`, `short_prompt=clip`)")["sample_id"])
     assert ids == set(lb(SMOL, "adakv (`pool_first`, `allocation=exact`, varlen)")["sample_id"])
+    assert ids == set(lb(SMOL, "full")["sample_id"].iloc[: len(ids)])  # the first records, in file order
     return sorted(ids)
 
 
@@ -611,7 +630,13 @@ def snapkv_losses() -> tuple:
 
 
 LB_ROWS = [
-    Row(GALLERY, LB_ANCHOR, (name, label), functools.partial(lb_row, name, label))
+    Row(
+        GALLERY,
+        LB_ANCHOR,
+        f"{name} {label}",
+        keyed((name, label), functools.partial(lb_row, name, label)),
+        keys=2,
+    )
     for name, label in [
         ("Qwen2.5-Coder-0.5B", "full"),
         ("Qwen2.5-Coder-0.5B", "snapkv (today's defaults)"),
@@ -619,7 +644,7 @@ LB_ROWS = [
         ("SmolLM2-135M", "snapkv (`gqa_order=pool_first`)"),
     ]
 ] + [
-    Row(GALLERY, LB_SAME5, (label,), functools.partial(lb_same5_row, label))
+    Row(GALLERY, LB_SAME5, label, keyed((label,), functools.partial(lb_same5_row, label)))
     for label in (
         "full",
         "snapkv (`gqa_order=pool_first`)",
@@ -687,7 +712,15 @@ def exact_in_ablations() -> tuple:
     assert reached == {(8, 256), (8, 512), (16, 512)}, reached
     assert all(exact[k] == exact[(SWEEP, "pool_first") + k[2:]] for k in exact if k[0] == SWEEP)
     (value,) = {v for v in exact.values() if v > 0}
-    return needle(full, "exact").mean(), needle(full, "partial").mean(), len(reached), value
+    windows = 9  # windows 8/16/32 x budgets 128/256/512
+    return (
+        needle(full, "exact").mean(),
+        needle(full, "partial").mean(),
+        windows - len(reached),
+        windows,
+        len(reached),
+        value,
+    )
 
 
 def partial(df: pd.DataFrame) -> float:
@@ -785,7 +818,7 @@ ABLATION_CLAIMS = [
     Claim(
         GALLERY,
         "SmolLM2 (first two rows; the full cache is {:.0f} exact and {:.0f} partial on these 6 prompts). "
-        "Exact match is 0 below the full cache at every pooling setting and at 6 of the 9 window settings; "
+        "Exact match is 0 below the full cache at every pooling setting and at {} of the {} window settings; "
         "the other {} (window 8 at budgets 256 and 512, window 16 at 512) reach {:.1f}, one prompt of 6",
         exact_in_ablations,
     ),
@@ -864,9 +897,7 @@ def digits_row(df: pd.DataFrame) -> list[str]:
 
 
 def every_digits_row_pool_first() -> tuple:
-    orders = {p.get("gqa_order") for p in rows("digits").query("method == 'snapkv'")["method_params"]}
-    assert "pool_first" in orders
-    for label in DIGITS_CONFIGS:
+    for label in DIGITS_CONFIGS:  # `digits` selects gqa_order=pool_first
         assert len(digits(label)) == 15
     return ()
 
@@ -895,8 +926,14 @@ def span8_worse_at_2k() -> tuple:
     return ()
 
 
-DIGITS_ROWS = [Row(GALLERY, DIGITS_ANCHOR, ("full cache",), lambda: digits_row(digits_full()))] + [
-    Row(GALLERY, DIGITS_ANCHOR, (label,), functools.partial(lambda lab: digits_row(digits(lab)), label))
+def digits_config_row(label: str) -> list[str]:
+    return digits_row(digits(label))
+
+
+DIGITS_ROWS = [
+    Row(GALLERY, DIGITS_ANCHOR, "full cache", keyed(("full cache",), lambda: digits_row(digits_full())))
+] + [
+    Row(GALLERY, DIGITS_ANCHOR, label, keyed((label,), functools.partial(digits_config_row, label)))
     for label in DIGITS_CONFIGS
 ]
 
@@ -1010,9 +1047,11 @@ def suite(model: str, length: int, method: str) -> float:
 
 
 def ruler_row(model: str, method: str) -> list[str]:
+    """`method (rows)`, the task means at 4K and the suite average."""
     means = task_means(model, 4096, method)
     assert means.notna().all()
-    return [f"{x:.0f}" for x in means] + [f"**{means.mean():.1f}**"]
+    n = len(ruler(model, 4096).query("config_label == @method"))
+    return [f"{method} ({n})"] + [f"{x:.0f}" for x in means] + [f"**{means.mean():.1f}**"]
 
 
 def paired(model: str, length: int, a: str, b: str) -> tuple[float, str]:
@@ -1070,12 +1109,7 @@ def qwen_snapkv_losses() -> tuple:
 
 
 RULER_ROWS = [
-    Row(
-        GALLERY,
-        anchor,
-        (f"{m} ({len(ruler(model, 4096).query('config_label == @m'))})",),
-        functools.partial(ruler_row, model, m),
-    )
+    Row(GALLERY, anchor, m, functools.partial(ruler_row, model, m))
     for anchor, model in ((SMOL_RULER, SMOL), (QWEN_RULER, QWEN))
     for m in RULER_METHODS
 ]
@@ -1333,27 +1367,36 @@ def readme_cache_cut() -> tuple:
     return (ratio,)
 
 
+README_GRID = "What it shows, from the committed rows of the same 6 prompts"
+
+
+def readme_full_row() -> list[str]:
+    full = config(SWEEP, SMOL, "full")
+    return [f"{needle(full, m).mean():.0f}" for m in ("exact", "partial")]
+
+
+def readme_snapkv_row() -> list[str]:
+    readme_default_grid()
+    df = snap(SWEEP, gqa_order="reduce_first", window=32, budget=512)
+    return [f"{needle(df, m).mean():.0f}" for m in ("exact", "partial")]
+
+
 README_ROWS = [
     Row(
         README,
-        "What it shows, from the committed rows of the same 6 prompts",
-        ("full cache",),
-        lambda: (
-            [f"{needle(config(SWEEP, SMOL, 'full'), m).mean():.0f}" for m in ("exact", "partial")]
-            + ["the 135M model finds the number at every depth"]
+        README_GRID,
+        "full cache",
+        keyed(
+            ("full cache",), lambda: readme_full_row() + ["the 135M model finds the number at every depth"]
         ),
     ),
     Row(
         README,
-        "What it shows, from the committed rows of the same 6 prompts",
-        ("snapkv (window 32, kernel 7, max-pool)",),
-        lambda: (
-            list(readme_default_grid())
-            + [
-                f"{needle(snap(SWEEP, gqa_order='reduce_first', window=32, budget=512), m).mean():.0f}"
-                for m in ("exact", "partial")
-            ]
-            + ["keeps the number's first digits, loses its tail"]
+        README_GRID,
+        "snapkv",
+        keyed(
+            ("snapkv (window 32, kernel 7, max-pool)",),
+            lambda: readme_snapkv_row() + ["keeps the number's first digits, loses its tail"],
         ),
     ),
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import functools
 import json
+import string
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,6 +118,12 @@ def holds(condition: bool, what: str) -> tuple:
     return ()
 
 
+def one(values: set):
+    """The one value of a set that must hold exactly one."""
+    (value,) = values
+    return value
+
+
 def same_records(df: pd.DataFrame, ids) -> pd.DataFrame:
     out = df[df["sample_id"].isin(set(ids))]
     assert len(out) == len(set(ids)), "not every record ran"
@@ -138,7 +145,10 @@ class Claim:
         return f"{self.doc}: {self.text[:70]}"
 
     def check(self) -> None:
-        expected = self.text.format(*self.values())
+        values = tuple(self.values())
+        fields = sum(1 for _, name, _, _ in string.Formatter().parse(self.text) if name is not None)
+        assert len(values) == fields, f"{fields} fields, {len(values)} values"
+        expected = self.text.format(*values)
         assert expected in flat(self.doc), f"{self.doc} does not say: {expected!r}"
 
 
@@ -1072,6 +1082,13 @@ def per_task(model: str, length: int) -> int:
     return int(counts.iloc[0])
 
 
+def shared_samples(model: str) -> int:
+    """Every method ran the same samples at 4K: their number."""
+    ids = ruler(model, 4096).groupby("config_label")["sample_id"].agg(frozenset)
+    assert ids.nunique() == 1, "the methods ran different samples"
+    return len(ids.iloc[0])
+
+
 def fp32_reading() -> tuple:
     fp32 = config("ruler_fp32", SMOL, "full").set_index("sample_id")
     bf16 = ruler(SMOL, 4096).query("config_label == 'full'").set_index("sample_id").loc[fp32.index]
@@ -1114,6 +1131,30 @@ RULER_ROWS = [
     for m in RULER_METHODS
 ]
 RULER_CLAIMS = [
+    Claim(
+        GALLERY,
+        "RULER's {} tasks that need no external data ({} needle variants, variable tracking, common and "
+        "frequent words extraction;",
+        lambda: (
+            len(set(ruler(SMOL, 4096)["ruler_task"])),
+            sum(t.startswith("niah_") for t in set(ruler(SMOL, 4096)["ruler_task"])),
+        ),
+    ),
+    Claim(
+        GALLERY,
+        "Every method ran the same {} samples, so the differences are paired",
+        lambda: (shared_samples(SMOL),),
+    ),
+    Claim(
+        GALLERY,
+        "the same {} generated samples for every method). Score x100 per task at 4K",
+        lambda: (shared_samples(QWEN),),
+    ),
+    Claim(
+        GALLERY,
+        "Paired differences ({} shared samples, 95% stratified-bootstrap interval)",
+        lambda: (paired_differences(ruler(QWEN, 4096), [("snapkv", "full")])[0][3],),
+    ),
     Claim(
         GALLERY,
         "(4K: SmolLM2 and Qwen2.5-Coder, {} samples per task, every method; Qwen 8K: {} per task)",
@@ -1303,6 +1344,11 @@ def raw_cpu_spreads() -> tuple:
 
 
 BENCH_CLAIMS = [
+    Claim(
+        GALLERY,
+        "Three {}-round runs at 8K with the reference clock",
+        lambda: (one({run.rounds for run in bench_runs("validation8k_ref")}),),
+    ),
     Claim(
         GALLERY,
         "TPOT snapkv(8K, b=512)/full(512) {} ({:.1f}%, meets <= 1.05), TPOT full(8K)/snapkv(8K) {} (meets >= "

@@ -411,12 +411,15 @@ def load_note(df: pd.DataFrame) -> str:
 
 
 def _code_version(row: pd.Series) -> tuple[str, str, str]:
+    """`(git commit, working tree, snapkv-bench version)` of one row; the working tree is "unknown"
+    for rows written before the dirty flag was recorded (their checkout may have had changes)."""
+
     def text(v: Any) -> str:
         return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
 
     dirty = row.get("git_dirty")
     state = (
-        "—"
+        "unknown"
         if dirty is None or (isinstance(dirty, float) and math.isnan(dirty))
         else (f"dirty (diff {text(row.get('git_diff_sha'))})" if dirty else "clean")
     )

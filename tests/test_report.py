@@ -404,6 +404,25 @@ def test_report_lists_code_versions_and_warns_when_they_differ(tmp_path, capsys)
     assert "**Warning: these rows come from more than one version of the code.**" in report
 
 
+def test_code_versions_say_unknown_for_rows_without_a_dirty_flag(tmp_path):
+    """Rows written before the dirty flag existed (no `git_dirty` key) and rows with a null flag
+    are "unknown", never "clean"; a recorded flag still reads clean / dirty."""
+    d = tmp_path / "r"
+    old = _needle_rows(git_sha="b" * 40)  # no git_dirty key at all
+    assert all("git_dirty" not in r for r in old)
+    null = _needle_rows(git_sha="c" * 40, git_dirty=None)
+    clean = _needle_rows(git_sha="a" * 40, git_dirty=False, git_diff_sha=None)
+    for tag, rows in (("null", null), ("clean", clean)):
+        for r in rows:
+            r["sample_id"] += f"-{tag}"
+    write(d, old + null + clean)
+    table, differ = report.code_versions(ResultStore.load_dir(d))
+    assert "| bbbbbbbbbbbb | unknown | 0.1.0 | 4 |" in table
+    assert "| cccccccccccc | unknown | 0.1.0 | 4 |" in table
+    assert "| aaaaaaaaaaaa | clean | 0.1.0 | 4 |" in table
+    assert differ
+
+
 def test_committed_results_still_report_the_same_tables(tmp_path, capsys):
     """Old rows (the committed results/, written before the schema change) read and report as before."""
     src = Path(__file__).resolve().parents[1] / "results" / "needle_methods"
@@ -414,22 +433,25 @@ def test_committed_results_still_report_the_same_tables(tmp_path, capsys):
     old = (src / "report.md").read_text()
     body = old.split("\n", 3)[3]  # after the header line naming the results dir
 
-    def without_cost(text: str) -> tuple[str, str]:
+    def without_cost(text: str) -> tuple[str, str, str]:
         head, rest = text.split("## Cost", 1)
         head = (
             head.split("\n## Paired comparisons", 1)[0].rstrip() + "\n\n"
         )  # added since: tests/test_paired.py
-        cost, tail = rest.split("## Code versions", 1)
-        return head + "## Code versions" + tail, cost
+        cost, versions = rest.split("## Code versions", 1)
+        return head, cost, versions
 
-    # Every table as committed except the cost table (medians + other cores since the noise record).
-    body, _ = without_cost(body)
-    new_rest, cost = without_cost(new)
+    # Every table as committed except the cost table (medians + other cores since the noise record)
+    # and the code versions, whose rows without a dirty flag now read "unknown" (committed: "—").
+    body, _, old_versions = without_cost(body)
+    new_rest, cost, new_versions = without_cost(new)
     # Tables whose configs ran on different samples now give each cell its n and say so (added since).
     assert "(n=1)" in new_rest and MIXED_NOTE in new_rest
-    new_rest = re.sub(r" \(n=\d+\)", "", new_rest)
-    new_rest = re.sub(rf"\n\n{re.escape(MIXED_NOTE)}[^\n]*", "", new_rest)
+    new_rest, body = (re.sub(r" \(n=\d+\)", "", t) for t in (new_rest, body))
+    new_rest, body = (re.sub(rf"\n\n{re.escape(MIXED_NOTE)}[^\n]*", "", t) for t in (new_rest, body))
     assert body.strip() in new_rest
+    assert new_versions.strip() == old_versions.replace("| — |", "| unknown |").strip()
+    assert "| unknown |" in new_versions
     lines = [ln for ln in cost.splitlines() if ln.startswith("| needle |")]
     configs = pd.read_csv(src / "summary.csv")[["model", "label"]].drop_duplicates()
     assert len(lines) == len(configs) and all(ln.split(" | ")[13] == "n/a" for ln in lines)  # rows predate it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from eval.bench.report import (
 from eval.bench.run import compose, plan, rotated
 from eval.stats import Spread, timing_summary
 from snapkv import build_method, generate_ids
+from snapkv.methods import METHODS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -345,3 +347,14 @@ def test_bench_pair_alternates_in_one_process(capsys):
     assert printed.count("pair ") == 2 and "PAIRED TPOT snapkv(b=48)@96 / full@48: median" in printed
     with pytest.raises(ValueError, match="short=96, long=32"):
         pair.main("random:llama-tiny", short=96, long=32)
+
+
+def test_every_catalogue_method_plans_a_json_spec():
+    """A worker receives its configuration as JSON: list-valued parameters (knorm's skip_layers)
+    must arrive as plain lists."""
+    names = sorted(METHODS)
+    cfg = bench.compose([f"methods=[{','.join(names)}]", "lengths=[64]", "skip_layers=[0,1]"])
+    specs = [bench.spec_of(cfg, c) for c in bench.plan(cfg)]
+    assert sorted(s["method"] for s in specs) == names
+    knorm = next(s for s in specs if s["method"] == "knorm")
+    assert json.loads(json.dumps(knorm))["params"]["skip_layers"] == [0, 1]

@@ -226,7 +226,8 @@ def rotated(configs: list[Config], r: int) -> list[Config]:
 def spec_of(cfg: DictConfig, c: Config) -> dict[str, Any]:
     return dict(
         method=c.method,
-        params=dict(c.params),
+        # list-valued parameters (knorm's skip_layers) are ListConfig inside the composed config
+        params={k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in c.params},
         input_tokens=c.input_tokens,
         batch_size=c.batch_size,
         decode_tokens=cfg.decode_tokens,

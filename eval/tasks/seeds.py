@@ -5,9 +5,8 @@ A generated task draws its content (magic numbers, keys, haystack offsets) from 
 seeds can be told apart from its sampling spread (`eval.stats.seed_variance`). ``seeds`` only
 chooses which samples run (a task's `selection_keys`): the results file stays the one of ``seed``,
 and adding seeds resumes into it. Samples of ``seed`` keep their sample ids; those of another seed
-carry ``-seed<N>`` at the end of their context's id and record their generator seed in the row
-column `task_seed`; rows of ``seed`` stay as they were before ``seeds`` existed (no `task_seed`: the
-seed is the config's), so a results file grown by seeds holds one kind of row per seed.
+carry ``-seed<N>`` at the end of their context's id. Every generated sample records its generator
+seed in the row field `task_seed` (`eval.store.ROW_SCHEMA`).
 """
 
 from __future__ import annotations
@@ -36,9 +35,3 @@ def seed_suffix(seed: int, base: int) -> str:
     """What a context id of generator seed ``seed`` carries: nothing for the task's own ``base`` seed
     (its ids as they were before ``seeds`` existed), else ``-seed<N>``."""
     return "" if seed == base else f"-seed{seed}"
-
-
-def seed_columns(seed: int, base: int) -> dict[str, int]:
-    """The row columns of a sample of generator seed ``seed``: ``{"task_seed": seed}``, or none for
-    the task's own ``base`` seed (module docstring)."""
-    return {} if seed == base else {"task_seed": seed}

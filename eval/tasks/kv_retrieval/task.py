@@ -49,7 +49,7 @@ from eval.tasks.base import Sample, Task
 from eval.tasks.multi_question import question_tables
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.task import fit
-from eval.tasks.seeds import generator_seeds, seed_columns, seed_suffix
+from eval.tasks.seeds import generator_seeds, seed_suffix
 from snapkv.generation import encode_prompt
 
 INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below.\n\n"
@@ -150,7 +150,7 @@ class KVRetrievalTask(Task):
 
     Row columns (`extra`): context_length (requested), actual_tokens (this question's prompt),
     num_pairs, key_depth_percent (place of the asked pair in the object), kv_index (context index),
-    questions, context_id, question_index; task_seed (a seed from ``seeds`` other than ``seed``). Report: score per method config x length x question.
+    questions, context_id, question_index, task_seed (the generator seed). Report: score per method config x length x question.
     """
 
     name: ClassVar[str] = "kv_retrieval"
@@ -282,7 +282,7 @@ class KVRetrievalTask(Task):
                             "questions": self.questions,
                             "context_id": context_id,
                             "question_index": q,
-                            **seed_columns(seed, self.seed),
+                            "task_seed": seed,
                         },
                     )
 

@@ -41,7 +41,7 @@ from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
 from eval.tasks.multi_question import question_tables
 from eval.tasks.needle import multi
 from eval.tasks.registry import register_task
-from eval.tasks.seeds import generator_seeds, seed_columns, seed_suffix
+from eval.tasks.seeds import generator_seeds, seed_suffix
 from snapkv.generation import chat_templated, prompt_token_ids
 
 # --------------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ class NeedleTask(Task):
     in its own sample (`eval.tasks.needle.multi`; needle=magic_number, number unset).
 
     Row columns (`extra`): context_length, depth_percent (the grid cell), needle, actual_tokens,
-    actual_depth_percent, haystack, task_seed (a seed from ``seeds`` other than ``seed``); with needles > 1 also needles, needle_key,
+    actual_depth_percent, haystack, task_seed (the generator seed); with needles > 1 also needles, needle_key,
     needle_depth_percent, context_id, question_index (the asked needle's). Report: accuracy (and partial credit) per config x context
     length, mean over depths, and one heatmap per config.
     """
@@ -392,7 +392,7 @@ class NeedleTask(Task):
                     "actual_tokens": actual,
                     "actual_depth_percent": round(100.0 * p / budget, 2),
                     "haystack": self.haystack,
-                    **seed_columns(seed, self.seed),
+                    "task_seed": seed,
                 },
             )
 
@@ -465,7 +465,7 @@ class NeedleTask(Task):
                         "needle_depth_percent": needle.depth,
                         "context_id": context_id,
                         "question_index": k,
-                        **seed_columns(seed, self.seed),
+                        "task_seed": seed,
                     },
                 )
 

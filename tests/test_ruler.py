@@ -465,6 +465,7 @@ def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):
     assert set(df["status"]) == {"ok"}, df["error"].tolist()
     assert set(df["ruler_length"]) == {1024} and set(df["task"]) == {"ruler"}
     assert (df["input_tokens"] == df["actual_tokens"]).all()  # the measured length is what ran
+    assert (df["task_seed"] == df["seed"]).all()  # the generator seed (task.seed = ${seed}) is a row field
     assert set(df["dataset"]) == set(df["ruler_task"])
 
     assert build_report(results).plots

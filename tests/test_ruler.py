@@ -36,7 +36,7 @@ from eval.tasks.ruler.config import (
     string_match_all,
     string_match_part,
 )
-from eval.tasks.ruler.generate import _zeta, common_words, cwe_words, freq_words
+from eval.tasks.ruler.generate import _zeta, common_words, cwe_words, essay_words, freq_words
 from eval.tasks.ruler.report import (
     paired_differences,
     ruler_compare,
@@ -662,6 +662,14 @@ def test_paper_growth_steps_and_stops_short(tok, data):
     assert got["fwe"].extra["actual_tokens"] > LENGTH - FAMILIES["freq_words_extraction"].tokens_to_generate
     with pytest.raises(ValueError, match="unknown RULER haystack_growth 'steps'; known: fill, paper"):
         RulerTask(haystack_growth="steps")
+
+
+def test_paper_growth_never_repeats_the_essay(tok, data):
+    words = len(essay_words(PROSE))
+    kw = dict(tasks=["niah_single_2"], lengths=[2048], samples=1)
+    (paper,) = make_task(data, **kw, haystack_growth="paper").samples(tok)
+    (fill,) = make_task(data, **kw).samples(tok)
+    assert paper.extra["haystack_units"] == words < fill.extra["haystack_units"]  # RULER now repeats it
 
 
 def test_generator_version_and_growth_enter_the_hash():

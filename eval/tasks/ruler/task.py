@@ -20,8 +20,8 @@ prompts land within one haystack unit below the target. ``paper``: the sizing of
 scripts (up to `RULER_PAPER_COMMIT`), for comparison with published RULER numbers: the haystack
 grows from one step in fixed steps while the prompt fits (niah: 500 essay words, 25 noise /
 distractor lines, 5 below 4096 tokens; vt, cwe, qa: 10; fwe: from L // 6 coded words in steps of
-L // 32, sized to L itself with a vocabulary of L // 50), so prompts stop up to one step short of
-the target. The content generators are RULER_COMMIT's in both. The prompt is measured as the model
+L // 32, sized to L itself with a vocabulary of L // 50; the essay haystack never repeated), so
+prompts stop up to one step short of the target. The content generators are RULER_COMMIT's in both. The prompt is measured as the model
 sees it -- chat template, BOS and the answer prefix included -- and stored (`actual_tokens`;
 `length` = actual_tokens + tokens_to_generate, RULER's record field).
 
@@ -647,7 +647,9 @@ class RulerTask(Task):
         if self.haystack_growth == "fill":
             return fit(measure, budget, lo, hi, hint)
         family = TASKS[task].family
-        kind = self._niah_haystack(task)[0] if family == "niah" else None
+        kind, source = self._niah_haystack(task) if family == "niah" else (None, None)
+        if kind == "essay":  # the paper-era script never repeated the essays
+            hi = len(self._essay(source))
         start, step = paper_steps(family, kind, length)
         return grow(measure, budget, max(start, lo), step, hi)
 

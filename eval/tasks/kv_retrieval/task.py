@@ -150,7 +150,8 @@ class KVRetrievalTask(Task):
 
     Row columns (`extra`): context_length (requested), actual_tokens (this question's prompt),
     num_pairs, key_depth_percent (place of the asked pair in the object), kv_index (context index),
-    questions, context_id, question_index, task_seed (the generator seed). Report: score per method config x length x question.
+    questions, context_id, question_index, task_seed (the generator seed). Report: score per method
+    config x length x question.
     """
 
     name: ClassVar[str] = "kv_retrieval"

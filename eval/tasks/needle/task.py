@@ -228,8 +228,8 @@ class NeedleTask(Task):
     in its own sample (`eval.tasks.needle.multi`; needle=magic_number, number unset).
 
     Row columns (`extra`): context_length, depth_percent (the grid cell), needle, actual_tokens,
-    actual_depth_percent, haystack, task_seed (the generator seed); with needles > 1 also needles, needle_key,
-    needle_depth_percent, context_id, question_index (the asked needle's). Report: accuracy (and partial credit) per config x context
+    actual_depth_percent, haystack, task_seed (the generator seed); with needles > 1 also needles,
+    needle_key, needle_depth_percent, context_id, question_index (the asked needle's). Report: accuracy (and partial credit) per config x context
     length, mean over depths, and one heatmap per config.
     """
 

@@ -21,9 +21,10 @@ scripts (up to `RULER_PAPER_COMMIT`), for comparison with published RULER number
 grows from one step in fixed steps while the prompt fits (niah: 500 essay words, 25 noise /
 distractor lines, 5 below 4096 tokens; vt, cwe, qa: 10; fwe: from L // 6 coded words in steps of
 L // 32, sized to L itself with a vocabulary of L // 50; the essay haystack never repeated), so
-prompts stop up to one step short of the target. The content generators are RULER_COMMIT's in both. The prompt is measured as the model
-sees it -- chat template, BOS and the answer prefix included -- and stored (`actual_tokens`;
-`length` = actual_tokens + tokens_to_generate, RULER's record field).
+prompts stop up to one step short of the target. The content generators are RULER_COMMIT's in
+both. The prompt is measured as the model sees it -- chat template, BOS and the answer prefix
+included -- and stored (`actual_tokens`; `length` = actual_tokens + tokens_to_generate, RULER's
+record field).
 
 Chat template (``chat_template``, from the model config). RULER puts its answer prefix AFTER the
 model template, as the start of the assistant's turn; so does this task: the prompt is rendered with
@@ -321,8 +322,8 @@ class RulerTask(Task):
     fill | paper (module docstring).
 
     Row columns: ruler_task, ruler_family, ruler_length, ruler_index, actual_tokens, haystack,
-    source, task_seed (generated samples: their generator seed); with
-    separate_questions, niah_multiquery rows add ruler_query, context_id,
+    source, task_seed (generated samples: their generator seed); with separate_questions,
+    niah_multiquery rows add ruler_query, context_id,
     question_index. Report: suite average per length and a task x length table per config (section
     "RULER"), and a task x length heatmap per config (`eval.tasks.ruler.report`).
     """

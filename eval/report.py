@@ -48,7 +48,7 @@ from eval.stats import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell
 from eval.tables import column_order as _column_order  # noqa: F401  (scripts/make_figures.py)
-from eval.tables import md_table, slug
+from eval.tables import md_table, seed_tables, slug
 from eval.tasks import TASKS, ReportOptions, Task
 from snapkv import METHODS
 
@@ -460,7 +460,7 @@ def build_markdown(
     sections: dict[str, list[str]] = {Task.report_section: []}  # the generic "Scores" first
     for task, part in df.groupby("task", sort=True):
         cls = _task_class(task)
-        sections.setdefault(cls.report_section, []).extend(cls.report_tables(part))
+        sections.setdefault(cls.report_section, []).extend(cls.report_tables(part) + seed_tables(part))
     for heading, tables in sections.items():
         if tables:
             parts += ["", f"## {heading}", ""] + ["\n\n".join(tables)]

@@ -62,7 +62,7 @@ from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.report import method_label
 from eval.report import write_report as write_results_report
 from eval.spec import RunSpec
-from eval.store import ROW_FIELDS, ResultStore, sha256_hex, shard, target_sha
+from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, sha256_hex, shard, target_sha
 from eval.tasks import Sample, Task
 from snapkv import ProgressCallback, generate
 from snapkv.errors import first_line, one_line
@@ -282,7 +282,9 @@ def run_sample(
 
 def _new_row(sample: Sample, task: Task, base: dict) -> dict[str, Any]:
     row: dict[str, Any] = {k: None for k in ROW_FIELDS}
-    row.update({k: v for k, v in task.row_metadata(sample).items() if k not in ROW_FIELDS})
+    row.update(
+        {k: v for k, v in task.row_metadata(sample).items() if k not in ROW_FIELDS or k in TASK_FIELDS}
+    )
     row.update(base)
     row.update(sample_id=sample.sample_id, dataset=sample.dataset, answers=list(sample.answers), scores={})
     row["target_sha"] = target_sha(sample.answers)

@@ -1,5 +1,6 @@
-"""Spreads of repeated measurements: median and interquartile range, and the per-group timing
-summary the benchmark and the report print beside every timing."""
+"""Spreads of repeated measurements: median and interquartile range, the per-group timing summary
+the benchmark and the report print beside every timing, and the split of a mean score's variance
+into its generator-seed and sampling components (`seed_variance`)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,64 @@ def timing_summary(rows, by: Sequence[str] = ("config_label",), columns: Sequenc
             rec["other_cores_median"] = s.median if s else math.nan
         out.append(rec)
     return pd.DataFrame(out)
+
+
+@dataclass(frozen=True)
+class SeedVariance:
+    """The variance of a config's mean score over k generator seeds, split in two (`seed_variance`).
+
+    mean: the mean of the k per-seed means; between: the part of Var(mean) that comes from the
+    seeds, sigma_seed^2 / k; within: the part that comes from sampling inside each seed,
+    sum_j s_j^2 / n_j / k^2. Both are variances of the mean, so they add up.
+    """
+
+    seeds: int
+    n: int
+    mean: float
+    between: float
+    within: float
+
+    @property
+    def seed_sd(self) -> float:
+        """Standard deviation of the mean that the seeds contribute: sqrt(between)."""
+        return math.sqrt(self.between)
+
+    @property
+    def sampling_sd(self) -> float:
+        """Standard deviation of the mean that sampling within the seeds contributes: sqrt(within)."""
+        return math.sqrt(self.within)
+
+    def interval(self, z: float = 1.96) -> tuple[float, float]:
+        """Normal-approximation interval of the mean, both components included (z=1.96: 95%)."""
+        half = z * math.sqrt(self.between + self.within)
+        return self.mean - half, self.mean + half
+
+
+def seed_variance(scores: Iterable[float], seeds: Iterable) -> SeedVariance | None:
+    """Split the variance of the mean of ``scores`` (one per sample; ``seeds``: each sample's
+    generator seed) into its between-seed and within-seed components (one-way random effects,
+    method of moments): with k seeds, seed j holding n_j samples of mean m_j and variance s_j^2
+    (ddof=1),
+
+        within  = sum_j (s_j^2 / n_j) / k^2                (sampling noise of the mean of the m_j)
+        sigma^2 = max(0, var_j(m_j, ddof=1) - mean_j(s_j^2 / n_j))   (seed-to-seed spread beyond it)
+        between = sigma^2 / k
+
+    so that Var(mean_j m_j) = between + within. None unless there are at least two seeds, each
+    with at least two finite scores.
+    """
+    frame = pd.DataFrame({"score": list(scores), "seed": list(seeds)})
+    frame = frame[pd.to_numeric(frame["score"], errors="coerce").notna()].astype({"score": float})
+    per_seed = frame.groupby("seed")["score"].agg(["mean", "var", "size"])
+    if len(per_seed) < 2 or (per_seed["size"] < 2).any():
+        return None
+    k = len(per_seed)
+    noise = per_seed["var"] / per_seed["size"]  # s_j^2 / n_j: sampling variance of each m_j
+    sigma2 = max(0.0, float(per_seed["mean"].var(ddof=1)) - float(noise.mean()))
+    return SeedVariance(
+        seeds=k,
+        n=int(per_seed["size"].sum()),
+        mean=float(per_seed["mean"].mean()),
+        between=sigma2 / k,
+        within=float(noise.sum()) / k**2,
+    )

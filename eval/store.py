@@ -156,9 +156,15 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
         "`SLURM_RESTART_COUNT`: times the job had been requeued (preemption, time limit); null before the first",
     ),
     "seed": ("int", "random seed"),
+    "task_seed": (
+        "int | null",
+        "generator seed of a generated sample (needle, RULER, kv_retrieval: `task.seed` or one of `task.seeds`); null: a sample not drawn from a seed, or a row written before the field (its seed is then the config's `task.seed`)",
+    ),
     "timestamp": ("str", "ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z`"),
 }
 ROW_FIELDS: tuple[str, ...] = tuple(ROW_SCHEMA)
+# The generic fields a task fills itself, through `Task.row_metadata` (the runner fills the others).
+TASK_FIELDS: tuple[str, ...] = ("task_seed",)
 STATUSES = ("ok", "oom", "error")
 
 _HASH_RE = re.compile(r"-([0-9a-f]{8})(?:\.|$)")

@@ -8,6 +8,7 @@ from typing import Any
 
 import pandas as pd
 
+from eval.stats import seed_variance
 from eval.store import sample_keys
 
 
@@ -119,3 +120,37 @@ def score_table(
     return (
         f"### {title}\n\nScore x100 (mean over ok samples).\n\n" + md_table(["dataset"] + cols, rows) + note
     )
+
+
+def seed_tables(part: pd.DataFrame) -> list[str]:
+    """Per (task, model), a table of the configs whose ok rows span two or more generator seeds
+    (`task_seed`; rows written before the field count as the row's `seed`): the mean score x100
+    (mean of the per-seed means), its 95% interval, and the two components of that interval apart
+    (`eval.stats.seed_variance`): "seed sd", what the choice of generated contexts adds, and
+    "sampling sd", what the samples within each seed add. None when no config spans two seeds."""
+    if "task_seed" not in part or part["task_seed"].isna().all():
+        return []
+    ok = part[part["ok"]]
+    seed = ok["task_seed"].fillna(ok["seed"]) if "seed" in ok else ok["task_seed"]
+    out = []
+    for (task, model), g in ok.assign(_seed=seed).groupby(["task", "model"], sort=True):
+        rows = []
+        for label in column_order(g):
+            sub = g[g["config_label"] == label]
+            split = seed_variance(sub["score"], sub["_seed"])
+            if split is None:
+                continue
+            lo, hi = split.interval()
+            rows.append(
+                [label, split.seeds, split.n, 100 * split.mean, f"[{100 * lo:.2f}, {100 * hi:.2f}]",
+                 100 * split.seed_sd, 100 * split.sampling_sd]
+            )  # fmt: skip
+        if rows:
+            out.append(
+                f"### {task} — {model}: generator seeds\n\nScore x100 over every generator seed (the mean "
+                "of the per-seed means) with a 95% normal interval whose two parts are given apart: seed sd "
+                "(the spread the generated contexts add) and sampling sd (the spread of the samples within "
+                "each seed); interval half-width = 1.96 x sqrt(seed sd² + sampling sd²).\n\n"
+                + md_table(["method", "seeds", "n", "score", "95% interval", "seed sd", "sampling sd"], rows)
+            )
+    return out

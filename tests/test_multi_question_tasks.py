@@ -124,7 +124,8 @@ def test_needle_k1_is_the_needle_task_unchanged(tok):
     ]
     assert all(s.context_id is None and s.question_index == 0 for s in one)
     assert set(one[0].extra) == {
-        "context_length", "depth_percent", "needle", "actual_tokens", "actual_depth_percent", "haystack"
+        "context_length", "depth_percent", "needle", "actual_tokens", "actual_depth_percent", "haystack",
+        "task_seed",
     }  # fmt: skip
     assert NeedleTask(**kw).version is None and not NeedleTask(**kw).multi_question()
 

@@ -30,12 +30,13 @@ from eval.tables import column_order
 from eval.tasks import haystack as hs
 from eval.tasks.ruler.config import (
     FAMILIES,
+    RULER_COMMIT,
     TASKS,
     family_of,
     string_match_all,
     string_match_part,
 )
-from eval.tasks.ruler.generate import _zeta, common_words, cwe_words
+from eval.tasks.ruler.generate import _zeta, common_words, cwe_words, essay_words, freq_words
 from eval.tasks.ruler.report import (
     paired_differences,
     ruler_compare,
@@ -43,7 +44,14 @@ from eval.tasks.ruler.report import (
     ruler_means,
     ruler_tables,
 )
-from eval.tasks.ruler.task import RulerTask, find_pregenerated, prompt_tokens, render, split_input
+from eval.tasks.ruler.task import (
+    RulerTask,
+    find_pregenerated,
+    paper_steps,
+    prompt_tokens,
+    render,
+    split_input,
+)
 from snapkv.generation import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,8 +148,8 @@ def make_task(data, **kw) -> RulerTask:
 
 # ---------------------------------------------------------------------------------- generated tasks
 def _budget(task: str, length: int) -> int:
-    fam = family_of(task)
-    return length if fam.name == "freq_words_extraction" else length - fam.tokens_to_generate
+    """RULER at RULER_COMMIT: every prompt (fwe's too) fits length - tokens_to_generate."""
+    return length - family_of(task).tokens_to_generate
 
 
 def _answers_as_ruler_places_them(task: str, sample) -> None:
@@ -199,7 +207,7 @@ def test_generated_task(task, tok, data):
             # the largest haystack that fits: one more unit (word, sentence, ...) overflows
             t = make_task(data, tasks=[task])
             t._templated = True
-            make, _, hi = t._maker(tok, task, LENGTH, s.extra["ruler_index"])
+            make, _, hi = t._maker(tok, task, LENGTH, s.extra["ruler_index"], s.extra["task_seed"])
             n = s.extra["haystack_units"]
             assert prompt_tokens(tok, *render(tok, make(n), True)) == actual
             assert (hi is not None and n == hi) or prompt_tokens(
@@ -226,7 +234,7 @@ def test_length_is_the_largest_haystack_that_fits(tok, data):
     t = make_task(data, tasks=["niah_single_1"], samples=1)
     (s,) = t.samples(tok)
     t._templated = True
-    make, _, _ = t._maker(tok, "niah_single_1", LENGTH, 0)
+    make, _, _ = t._maker(tok, "niah_single_1", LENGTH, 0, t.seed)
     n = s.extra["haystack_units"]
     over = prompt_tokens(tok, *render(tok, make(n + 1), True))
     assert over > _budget("niah_single_1", LENGTH) >= s.extra["actual_tokens"]
@@ -249,7 +257,7 @@ def test_cwe_repeats_at_4096_and_above():
     # the one-shot example: 40 words, 10 common ones x10, 30 x3, then its answers after the prefix
     example_items = re.findall(r"\d+\. (\S+)", p.shots[0][0])
     assert len(example_items) == 10 * 10 + 30 * 3
-    assert p.shots[0][1].startswith(p.answer_prefix + "1. ")
+    assert p.shots[0][1].startswith(p.answer_prefix + " 1. ")  # RULER_COMMIT: a space before them
 
 
 # ------------------------------------------------------------------------------------ chat template
@@ -273,18 +281,21 @@ def test_without_chat_template_the_prompt_is_rulers_base_text(tok, data):
     assert "<|im_start|>" not in s.prompt
 
 
-def test_vt_in_context_example_comes_first_with_names_redrawn_per_sample(tok, data):
+def test_vt_in_context_example_comes_first_with_names_and_value_redrawn_per_sample(tok, data):
     samples = list(make_task(data, tasks=["vt"], samples=2, chat_template=False).samples(tok))
-    names = []
+    names, values = [], []
     for s in samples:
         first = s.prompt.split("Memorize and track the chain(s)")[1]
-        # RULER: the example's input (its prefix ends with a space), " ", its answers, "\n\n" + "\n\n"
-        m = re.search(r"they are:  ((?:[A-Z]{3} ){4}[A-Z]{3})\n\n\n\n$", first)
+        # RULER_COMMIT: the example's input (its prefix ends with a space), " ", its answers, "\n" + "\n"
+        m = re.search(r"they are:  ((?:[A-Z]{3} ){4}[A-Z]{3})\n\n$", first)
         assert m, first[-80:]
         names.append(m.group(1).split())
         assert all(f"VAR {v} = " in first for v in names[-1])
+        values.append(re.search(rf"VAR {names[-1][0]} = (\d+)", first).group(1))
+        assert values[-1] != "12345" and f"assigned the value {values[-1]}" in first
         assert s.prompt.endswith("they are: ") and "5 variables" in s.question
-    assert names[0] != names[1]  # RULER's randomize_icl: new names for every sample
+    # RULER's randomize_icl: new names and a new value for every sample
+    assert names[0] != names[1] and values[0] != values[1]
 
 
 # --------------------------------------------------------------------------------- pre-generated files
@@ -454,6 +465,7 @@ def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):
     assert set(df["status"]) == {"ok"}, df["error"].tolist()
     assert set(df["ruler_length"]) == {1024} and set(df["task"]) == {"ruler"}
     assert (df["input_tokens"] == df["actual_tokens"]).all()  # the measured length is what ran
+    assert (df["task_seed"] == df["seed"]).all()  # the generator seed (task.seed = ${seed}) is a row field
     assert set(df["dataset"]) == set(df["ruler_task"])
 
     assert build_report(results).plots
@@ -571,3 +583,123 @@ def test_query_agnostic_split_context_then_question(task, tok, data):
     suffix = fam.question_suffix.split("{", 1)[0]
     assert s.question.startswith((suffix, suffix.replace(" are all", " is")))
     assert fam.question_markers[0].split()[0] not in s.context.rsplit("\n", 2)[-1]
+
+
+# ------------------------------------------------------------------------ seeds, RULER_COMMIT, growth
+def test_seeds_one_context_per_index_and_seed(tok, data):
+    default = list(make_task(data, tasks=["niah_single_1", "vt"], samples=1).samples(tok))
+    task = make_task(data, tasks=["niah_single_1", "vt"], samples=1, seeds=[42, 7])
+    assert task.num_samples() == 4
+    both = list(task.samples(tok))
+    assert [s.sample_id for s in both] == [
+        f"niah_single_1-{LENGTH}-0",
+        f"niah_single_1-{LENGTH}-0-seed7",
+        f"vt-{LENGTH}-0",
+        f"vt-{LENGTH}-0-seed7",
+    ]
+    assert [s.extra["task_seed"] for s in both] == [42, 7, 42, 7]
+    assert [(s.sample_id, s.prompt, s.answers) for s in both[::2]] == [
+        (s.sample_id, s.prompt, s.answers) for s in default
+    ]
+    alone7 = list(make_task(data, tasks=["niah_single_1", "vt"], samples=1, seed=7).samples(tok))
+    assert [(s.prompt, s.answers) for s in both[1::2]] == [(s.prompt, s.answers) for s in alone7]
+    assert all(a.prompt != b.prompt for a, b in zip(both[::2], both[1::2]))
+
+
+def test_vt_statements_and_noise_on_lines_of_their_own(tok, data):
+    """RULER_COMMIT's variable_tracking.py: the haystack is the noise paragraphs and the assignments,
+    joined by newlines."""
+    (s,) = make_task(data, tasks=["vt"], samples=1, chat_template=False).samples(tok)
+    haystack = s.context.rsplit("hidden in the following text.\n\n", 1)[1].rstrip("\n")
+    lines = haystack.split("\n")
+    statements = [x for x in lines if x != hs.NOISE_TEXT]
+    assert len(statements) == 5 and len(lines) == s.extra["haystack_units"] + 5
+    assert re.fullmatch(r"VAR [A-Z]{5} = \d{5}", statements[0])
+    assert all(re.fullmatch(r"VAR [A-Z]{5} = VAR [A-Z]{5} ", x) for x in statements[1:])
+
+
+def test_fwe_is_sized_to_length_minus_generation(tok, data):
+    """RULER_COMMIT's freq_words_extraction.py sizes the prompt to L - tokens_to_generate (and its
+    vocabulary to (L - tokens_to_generate) // 50); the paper-era script to L."""
+    ttg = FAMILIES["freq_words_extraction"].tokens_to_generate
+    assert make_task(data)._budget("fwe", LENGTH) == LENGTH - ttg
+    assert make_task(data, haystack_growth="paper")._budget("fwe", LENGTH) == LENGTH
+    (s,) = make_task(data, tasks=["fwe"], samples=1).samples(tok)
+    assert s.extra["actual_tokens"] + ttg == s.length <= LENGTH
+    assert LENGTH - ttg - s.extra["actual_tokens"] <= 64  # filled to L - ttg, not short of it
+
+    # the vocabulary: (L - ttg) // 50 = 19 words at 1024 tokens, L // 50 = 20 in the paper era
+    def vocabulary(target: int) -> int:  # every rank occurs at 20000 words; rank 1 is "..."
+        p = freq_words(TASKS["fwe"].args, random.Random(0), 20000, seed=1, length=target)
+        return len(set(p.head.rsplit("coded words. ", 1)[1].split()))
+
+    assert vocabulary(LENGTH - ttg) == (LENGTH - ttg) // 50 == 19 and vocabulary(LENGTH) == 20
+
+
+def test_paper_growth_steps_and_stops_short(tok, data):
+    """Paper-era sizing: from one step up in RULER's steps (noise lines: 5 below 4096 tokens, else 25;
+    essay words: 500; vt: 10; fwe: L // 6 coded words in steps of L // 32) while the prompt fits."""
+    assert paper_steps("niah", "repeat", 4096) == (25, 25) and paper_steps("niah", "needle", 2048) == (5, 5)
+    assert paper_steps("niah", "essay", 1024) == (500, 500) and paper_steps("qa", None, 8192) == (10, 10)
+    kw = dict(tasks=["niah_single_1", "vt", "fwe"], samples=1, haystack="noise")
+    fill = {s.dataset: s for s in make_task(data, **kw).samples(tok)}
+    paper = make_task(data, **kw, haystack_growth="paper")
+    paper._templated = True
+    got = {s.dataset: s for s in paper.samples(tok)}
+    fwe_start, fwe_step = LENGTH // 6, LENGTH // 32
+    for task, (start, step) in {
+        "niah_single_1": (5, 5),
+        "vt": (10, 10),
+        "fwe": (fwe_start, fwe_step),
+    }.items():
+        s, n = got[task], got[task].extra["haystack_units"]
+        assert (n - start) % step == 0 and n >= start, (task, n)
+        make, _, _ = paper._maker(tok, task, LENGTH, 0, 42)
+        assert prompt_tokens(tok, *render(tok, make(n), True)) == s.extra["actual_tokens"]
+        # the next step overflows; fill packs at least as much into the same budget (fwe's differs)
+        assert prompt_tokens(tok, *render(tok, make(n + step), True)) > paper._budget(task, LENGTH)
+        assert task == "fwe" or fill[task].extra["haystack_units"] >= n
+    assert got["fwe"].extra["actual_tokens"] > LENGTH - FAMILIES["freq_words_extraction"].tokens_to_generate
+    with pytest.raises(ValueError, match="unknown RULER haystack_growth 'steps'; known: fill, paper"):
+        RulerTask(haystack_growth="steps")
+
+
+def test_paper_growth_never_repeats_the_essay(tok, data):
+    words = len(essay_words(PROSE))
+    kw = dict(tasks=["niah_single_2"], lengths=[2048], samples=1)
+    (paper,) = make_task(data, **kw, haystack_growth="paper").samples(tok)
+    (fill,) = make_task(data, **kw).samples(tok)
+    assert paper.extra["haystack_units"] == words < fill.extra["haystack_units"]  # RULER now repeats it
+
+
+def test_generator_version_and_growth_enter_the_hash():
+    def spec(*overrides):
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            return RunSpec.from_config(
+                compose("config", overrides=["model.name=/tmp/tiny", "task=ruler", *overrides])
+            )
+
+    default = spec()
+    assert default.method_hash != "5a724f25"  # the default config under the generator before RULER_COMMIT
+    assert spec("task.haystack_growth=paper").method_hash != default.method_hash
+    assert spec("task.seeds=[42,1]").method_hash == default.method_hash
+    assert (
+        re.fullmatch(r"[0-9a-f]{40}", RULER_COMMIT)
+        and RULER_COMMIT in (ROOT / "docs" / "tasks.md").read_text()
+    )
+
+
+def test_suite_average_names_the_tasks_it_covers():
+    qa_less = [t for t in TASKS if t not in ("qa_1", "qa_2")]
+    md = "\n\n".join(ruler_tables(_report_df([_ruler_row(t, 4096, 1.0) for t in qa_less]), column_order))
+    assert "per length, over 11 of 13 tasks (qa_1/qa_2 need SQuAD/HotpotQA in task.data_dir)." in md
+    md = "\n\n".join(
+        ruler_tables(_report_df([_ruler_row(t, 4096, 1.0) for t in [*qa_less, "qa_2"]]), column_order)
+    )
+    assert "over 12 of 13 tasks (qa_1 needs SQuAD in task.data_dir)." in md
+    md = "\n\n".join(
+        ruler_tables(_report_df([_ruler_row(t, 4096, 1.0) for t in ("vt", "cwe")]), column_order)
+    )
+    assert "over 2 of 13 tasks." in md  # not only the QA tasks missing: no reason given
+    md = "\n\n".join(ruler_tables(_report_df([_ruler_row(t, 4096, 1.0) for t in TASKS]), column_order))
+    assert "of 13 tasks" not in md

@@ -127,7 +127,8 @@ class Task:
         return {}
 
     def row_metadata(self, sample: Sample) -> dict[str, Any]:
-        """Task columns of the sample's row (default: `sample.extra`); generic columns win on a clash."""
+        """Task columns of the sample's row (default: `sample.extra`); generic columns win on a clash,
+        except `eval.store.TASK_FIELDS` (a generated sample's `task_seed`), which the task fills."""
         return dict(sample.extra)
 
     # ---- reporting (class methods: a report is built from stored rows, without the task's config)

@@ -49,6 +49,7 @@ from eval.tasks.base import Sample, Task
 from eval.tasks.multi_question import question_tables
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.task import fit
+from eval.tasks.seeds import generator_seeds, seed_suffix
 from snapkv.generation import encode_prompt
 
 INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below.\n\n"
@@ -141,20 +142,23 @@ class KVRetrievalTask(Task):
 
     lengths: prompt lengths in tokens (context + one question, chat template included); samples:
     contexts per length (kept as ``n_samples``: ``samples()`` is the task protocol's method);
-    questions: keys asked per context (K); seed: the generation seed; max_new_tokens: generation
+    questions: keys asked per context (K); seed: the generation seed; seeds: generator seeds to run,
+    one context per (length, index, seed) (None: ``[seed]``; `eval.tasks.seeds`); max_new_tokens: generation
     length (a UUID is 25-35 tokens, and chat models restate the question's "The value associated
     with the specified key is" before it); chat_template: render with the tokenizer's chat template (when
     it has one).
 
     Row columns (`extra`): context_length (requested), actual_tokens (this question's prompt),
     num_pairs, key_depth_percent (place of the asked pair in the object), kv_index (context index),
-    questions, context_id, question_index. Report: score per method config x length x question.
+    questions, context_id, question_index, task_seed (the generator seed). Report: score per method
+    config x length x question.
     """
 
     name: ClassVar[str] = "kv_retrieval"
     version: ClassVar[str] = VERSION
-    # Which lengths and how many contexts run: every context is drawn from (seed, length, index).
-    selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "samples")
+    # Which lengths, how many contexts and which generator seeds run: every context is drawn from
+    # (seed, length, index).
+    selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "samples", "seeds")
     budget_values: ClassVar[dict[str, str]] = {"score": "string match", "partial": "partial credit"}
     report_section: ClassVar[str] = "Key-value retrieval"
     paired_strata: ClassVar[tuple[str, ...]] = ("context_length",)
@@ -168,6 +172,7 @@ class KVRetrievalTask(Task):
         seed: int = 42,
         max_new_tokens: int = 64,
         chat_template: bool = True,
+        seeds: list[int] | None = None,
     ) -> None:
         if isinstance(lengths, int) and not isinstance(lengths, bool):
             lengths = [lengths]
@@ -179,8 +184,7 @@ class KVRetrievalTask(Task):
         self.n_samples = _positive_int("samples", samples)
         self.questions = _positive_int("questions", questions)
         self.max_new_tokens = _positive_int("max_new_tokens", max_new_tokens)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ValueError(f"kv_retrieval seed must be an integer, got seed={seed!r}")
+        self.generator_seeds = generator_seeds("kv_retrieval", seed, seeds)
         if not isinstance(chat_template, bool):
             raise ValueError(
                 f"kv_retrieval chat_template must be true or false, got chat_template={chat_template!r}"
@@ -191,14 +195,15 @@ class KVRetrievalTask(Task):
         return self.questions > 1
 
     def num_samples(self) -> int:
-        return len(self.lengths) * self.n_samples * self.questions
+        return len(self.lengths) * self.n_samples * len(self.generator_seeds) * self.questions
 
-    @staticmethod
-    def context_id(length: int, index: int) -> str:
-        return f"kv-{length}-{index}"
+    def context_id(self, length: int, index: int, seed: int | None = None) -> str:
+        """``kv-<L>-<i>``, with ``-seed<N>`` for a generator seed other than ``seed``."""
+        return f"kv-{length}-{index}{seed_suffix(self.seed if seed is None else seed, self.seed)}"
 
-    def content(self, length: int, index: int) -> Content:
-        return Content(random.Random(f"kv_retrieval:{self.seed}:{length}:{index}"), self.questions)
+    def content(self, length: int, index: int, seed: int | None = None) -> Content:
+        seed = self.seed if seed is None else seed
+        return Content(random.Random(f"kv_retrieval:{seed}:{length}:{index}"), self.questions)
 
     # ---- samples
     def samples(self, tokenizer: Any) -> Iterator[Sample]:
@@ -252,14 +257,14 @@ class KVRetrievalTask(Task):
     def _generate(self, tokenizer: Any, templated: bool) -> Iterator[Sample]:
         for length in self.lengths:
             hint = None
-            for index in range(self.n_samples):
-                content = self.content(length, index)
+            for index, seed in ((i, s) for i in range(self.n_samples) for s in self.generator_seeds):
+                content = self.content(length, index, seed)
                 questions = self._questions(content)
                 n, context, actual = self._fit(tokenizer, templated, length, content, questions, hint)
                 hint = n
                 places = content.places(n)
                 total = n + self.questions
-                context_id = self.context_id(length, index)
+                context_id = self.context_id(length, index, seed)
                 for q, (band, question) in enumerate(zip(content.order, questions)):
                     yield Sample(
                         sample_id=f"{context_id}/q{q}",
@@ -280,6 +285,7 @@ class KVRetrievalTask(Task):
                             "questions": self.questions,
                             "context_id": context_id,
                             "question_index": q,
+                            "task_seed": seed,
                         },
                     )
 

@@ -41,6 +41,7 @@ from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
 from eval.tasks.multi_question import question_tables
 from eval.tasks.needle import multi
 from eval.tasks.registry import register_task
+from eval.tasks.seeds import generator_seeds, seed_suffix
 from snapkv.generation import chat_templated, prompt_token_ids
 
 # --------------------------------------------------------------------------------------------------
@@ -222,17 +223,18 @@ class NeedleTask(Task):
     needle: ``magic_number`` (7-digit number, metrics exact/partial) or ``sf`` (gkamradt's San
     Francisco sentence, metrics word_recall/exact). metric: main metric returned by `score`
     (default: the needle's first). number: fix the magic number (default: drawn per cell from
-    (seed, length, depth)). needles: K > 1 hides K keyed magic numbers per cell and asks for each
+    (seed, length, depth)). seeds: generator seeds to run, one context per (cell, seed) (None: ``[seed]``;
+    `eval.tasks.seeds`). needles: K > 1 hides K keyed magic numbers per cell and asks for each
     in its own sample (`eval.tasks.needle.multi`; needle=magic_number, number unset).
 
     Row columns (`extra`): context_length, depth_percent (the grid cell), needle, actual_tokens,
-    actual_depth_percent, haystack; with needles > 1 also needles, needle_key,
-    needle_depth_percent, context_id, question_index (the asked needle's). Report: accuracy (and partial credit) per config x context
+    actual_depth_percent, haystack, task_seed (the generator seed); with needles > 1 also needles,
+    needle_key, needle_depth_percent, context_id, question_index (the asked needle's). Report: accuracy (and partial credit) per config x context
     length, mean over depths, and one heatmap per config.
     """
 
     name: ClassVar[str] = "needle"
-    selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "depths")
+    selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "depths", "seeds")
     # Exact match is flat at small budgets on models that tokenize digits one by one (the needle's
     # number survives in part): partial credit shows what each budget buys.
     budget_values: ClassVar[dict[str, str]] = {"score": "needle score", "partial": "partial credit"}
@@ -252,6 +254,7 @@ class NeedleTask(Task):
     seed: int = 42
     number: int | None = None
     needles: int = 1
+    seeds: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.needle not in NEEDLES:
@@ -276,6 +279,7 @@ class NeedleTask(Task):
                 "distinct numbers (leave number unset)"
             )
         check_haystack_name(self.haystack)
+        self.generator_seeds = generator_seeds("needle", self.seed, self.seeds)
         self.lengths = _dedup([_check_length(x) for x in self.lengths])
         self.depths = _dedup([_check_depth(x) for x in self.depths])
         if not self.lengths:
@@ -300,22 +304,29 @@ class NeedleTask(Task):
     def multi_question(self) -> bool:
         return self.needles > 1
 
-    def cell_number(self, length: int, depth: float) -> str:
-        """The magic number of a cell: fixed by ``number`` or drawn from (seed, length, depth)."""
+    def cell_number(self, length: int, depth: float, seed: int | None = None) -> str:
+        """The magic number of a cell: fixed by ``number`` or drawn from (seed, length, depth);
+        ``seed`` defaults to the task's ``seed``."""
         if self.number is not None:
             return str(int(self.number))
-        rng = random.Random(f"needle:{self.seed}:{length}:{_fmt_depth(depth)}")
+        seed = self.seed if seed is None else seed
+        rng = random.Random(f"needle:{seed}:{length}:{_fmt_depth(depth)}")
         return str(rng.randint(1_000_000, 9_999_999))
 
-    @staticmethod
-    def sample_id(length: int, depth: float) -> str:
-        return f"len{length}_depth{_fmt_depth(depth)}"
+    def sample_id(self, length: int, depth: float, seed: int | None = None) -> str:
+        """``len<L>_depth<D>``, with ``-seed<N>`` for a generator seed other than ``seed``."""
+        suffix = seed_suffix(self.seed if seed is None else seed, self.seed)
+        return f"len{length}_depth{_fmt_depth(depth)}{suffix}"
+
+    def _cells(self) -> list[tuple[int, float, int]]:
+        """(length, depth, generator seed) of every context, in run order."""
+        return [(x, d, s) for x in self.lengths for d in self.depths for s in self.generator_seeds]
 
     # ---- prompt pieces
 
-    def _pieces(self, length: int, depth: float, templated: bool) -> tuple[str, str, str]:
+    def _pieces(self, length: int, depth: float, templated: bool, seed: int) -> tuple[str, str, str]:
         spec = self.spec
-        number = self.cell_number(length, depth) if spec.uses_number else ""
+        number = self.cell_number(length, depth, seed) if spec.uses_number else ""
         needle = spec.needle.format(number=number)
         answer = spec.answer.format(number=number)
         question = spec.question + ("" if templated else spec.answer_prefix)
@@ -328,17 +339,16 @@ class NeedleTask(Task):
         if self.needles > 1:
             return self._samples_multi(tokenizer, templated)
         overheads = {}
-        for length in self.lengths:
-            for depth in self.depths:
-                needle, _, question = self._pieces(length, depth, templated)
-                prompt = self.spec.instruction + needle + question
-                overhead = len(prompt_token_ids(tokenizer, prompt, templated))
-                if overhead >= length:
-                    raise ValueError(
-                        f"context length {length} is too small: the prompt without haystack already "
-                        f"takes {overhead} tokens"
-                    )
-                overheads[length, depth] = overhead
+        for length, depth, seed in self._cells():
+            needle, _, question = self._pieces(length, depth, templated, seed)
+            prompt = self.spec.instruction + needle + question
+            overhead = len(prompt_token_ids(tokenizer, prompt, templated))
+            if overhead >= length:
+                raise ValueError(
+                    f"context length {length} is too small: the prompt without haystack already "
+                    f"takes {overhead} tokens"
+                )
+            overheads[length, depth, seed] = overhead
         base, sep = load_haystack(self.haystack)
         hay = _tokenize_haystack(tokenizer, base, sep, max(self.lengths) + 64)
         return self._generate(tokenizer, hay, overheads, templated)
@@ -347,64 +357,63 @@ class NeedleTask(Task):
         self, tokenizer: Any, hay: _HaystackTokens, overheads: dict, templated: bool
     ) -> Iterator[Sample]:
         spec = self.spec
-        for length in self.lengths:
-            for depth in self.depths:
-                needle, answer, question = self._pieces(length, depth, templated)
-                budget = length - overheads[length, depth]
-                best = None  # (key, context, actual, budget, p)
-                tried = set()
-                for _ in range(8):
-                    budget = max(1, min(budget, len(hay)))
-                    if budget in tried:
-                        break
-                    tried.add(budget)
-                    p = hay.insertion_token(budget, depth)
-                    before = hay.text[: hay.char_at(p)]
-                    after = hay.text[hay.char_at(p) : hay.char_at(budget)]
-                    context = spec.instruction + _join(before, needle, after)
-                    actual = len(prompt_token_ids(tokenizer, context + question, templated))
-                    key = (abs(actual - length), actual > length)
-                    if best is None or key < best[0]:
-                        best = (key, context, actual, budget, p)
-                    if actual == length:
-                        break
-                    budget += length - actual
-                _, context, actual, budget, p = best
-                yield Sample(
-                    sample_id=self.sample_id(length, depth),
-                    dataset=self.name,
-                    context=context,
-                    question=question,
-                    answers=[answer],
-                    max_new_tokens=self.max_new_tokens,
-                    chat_template=templated,
-                    extra={
-                        "context_length": length,
-                        "depth_percent": depth,
-                        "needle": needle,
-                        "actual_tokens": actual,
-                        "actual_depth_percent": round(100.0 * p / budget, 2),
-                        "haystack": self.haystack,
-                    },
-                )
+        for length, depth, seed in self._cells():
+            needle, answer, question = self._pieces(length, depth, templated, seed)
+            budget = length - overheads[length, depth, seed]
+            best = None  # (key, context, actual, budget, p)
+            tried = set()
+            for _ in range(8):
+                budget = max(1, min(budget, len(hay)))
+                if budget in tried:
+                    break
+                tried.add(budget)
+                p = hay.insertion_token(budget, depth)
+                before = hay.text[: hay.char_at(p)]
+                after = hay.text[hay.char_at(p) : hay.char_at(budget)]
+                context = spec.instruction + _join(before, needle, after)
+                actual = len(prompt_token_ids(tokenizer, context + question, templated))
+                key = (abs(actual - length), actual > length)
+                if best is None or key < best[0]:
+                    best = (key, context, actual, budget, p)
+                if actual == length:
+                    break
+                budget += length - actual
+            _, context, actual, budget, p = best
+            yield Sample(
+                sample_id=self.sample_id(length, depth, seed),
+                dataset=self.name,
+                context=context,
+                question=question,
+                answers=[answer],
+                max_new_tokens=self.max_new_tokens,
+                chat_template=templated,
+                extra={
+                    "context_length": length,
+                    "depth_percent": depth,
+                    "needle": needle,
+                    "actual_tokens": actual,
+                    "actual_depth_percent": round(100.0 * p / budget, 2),
+                    "haystack": self.haystack,
+                    "task_seed": seed,
+                },
+            )
 
     def _samples_multi(self, tokenizer: Any, templated: bool) -> Iterator[Sample]:
         """`samples` for K > 1 needles: the K needles of every cell, each length checked against the
         prompt without haystack, then the haystack tokenized once."""
         cells = {}
-        for length in self.lengths:
-            for depth in self.depths:
-                needles = multi.draw_needles(self.seed, length, _fmt_depth(depth), self.needles)
-                prompt = (
-                    multi.INSTRUCTION + " ".join(n.sentence for n in needles) + needles[0].question(templated)
+        for length, depth, seed in self._cells():
+            needles = multi.draw_needles(seed, length, _fmt_depth(depth), self.needles)
+            prompt = (
+                multi.INSTRUCTION + " ".join(n.sentence for n in needles) + needles[0].question(templated)
+            )
+            overhead = len(prompt_token_ids(tokenizer, prompt, templated))
+            if overhead >= length:
+                raise ValueError(
+                    f"context length {length} is too small: the prompt without haystack already "
+                    f"takes {overhead} tokens with needles={self.needles}"
                 )
-                overhead = len(prompt_token_ids(tokenizer, prompt, templated))
-                if overhead >= length:
-                    raise ValueError(
-                        f"context length {length} is too small: the prompt without haystack already "
-                        f"takes {overhead} tokens with needles={self.needles}"
-                    )
-                cells[length, depth] = needles, overhead
+            cells[length, depth, seed] = needles, overhead
         base, sep = load_haystack(self.haystack)
         hay = _tokenize_haystack(tokenizer, base, sep, max(self.lengths) + 64)
         return self._generate_multi(tokenizer, hay, cells, templated)
@@ -413,7 +422,7 @@ class NeedleTask(Task):
         self, tokenizer: Any, hay: _HaystackTokens, cells: dict, templated: bool
     ) -> Iterator[Sample]:
         # The single needle's sizing loop (`_generate`), measured with question 0.
-        for (length, depth), (needles, overhead) in cells.items():
+        for (length, depth, seed), (needles, overhead) in cells.items():
             first = needles[0].question(templated)
             budget = length - overhead
             best = None  # (key, context, budget, insertion tokens)
@@ -433,7 +442,7 @@ class NeedleTask(Task):
                     break
                 budget += length - actual
             _, context, budget, points = best
-            context_id = self.sample_id(length, depth)
+            context_id = self.sample_id(length, depth, seed)
             for k, needle in enumerate(needles):
                 question = needle.question(templated)
                 yield Sample(
@@ -458,6 +467,7 @@ class NeedleTask(Task):
                         "needle_depth_percent": needle.depth,
                         "context_id": context_id,
                         "question_index": k,
+                        "task_seed": seed,
                     },
                 )
 

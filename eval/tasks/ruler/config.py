@@ -18,6 +18,13 @@ from typing import Any
 
 from eval.tasks.haystack import NOISE_TEXT
 
+# The RULER commit whose generators (`scripts/data/synthetic/*.py`) and templates (`constants.py`)
+# this port follows (NVIDIA/RULER, 2026-07-22).
+RULER_COMMIT = "c3f5e3b4f87f97e048793bb510a3a6b19a46bf3a"
+# The last commit of the paper-era sizing: every generator grew its haystack in fixed steps until the
+# prompt no longer fit (from the first release, 4f6507e, to here; replaced by bisection in 2025).
+RULER_PAPER_COMMIT = "c5341b44fe14a7fc14b8469af0fd2da1c5d5454a"
+
 # RULER's noise haystack and its needle sentence (niah.py: type_haystack=repeat / needle).
 NOISE = NOISE_TEXT
 NIAH_NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."

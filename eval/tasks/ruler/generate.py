@@ -2,7 +2,10 @@
 
 Ported (definitions, not code) from RULER's `scripts/data/synthetic/{niah, variable_tracking,
 common_words_extraction, freq_words_extraction, qa}.py` (NVIDIA/RULER, Apache-2.0, Copyright (c)
-2024 NVIDIA CORPORATION; https://arxiv.org/abs/2404.06654).
+2024 NVIDIA CORPORATION; https://arxiv.org/abs/2404.06654) as they stand at `RULER_COMMIT`
+(`eval.tasks.ruler.config`): variable-tracking statements on lines of their own, the in-context
+example's value redrawn per sample, fwe's vocabulary sized from the prompt's target, a space before
+cwe's example answers, the essay haystack repeated past its end.
 
 Each generator maps ``(rng, n)`` to a `Prompt`, ``n`` being the haystack size in RULER's own unit
 (essay words, noise / distractor sentences, list words, coded words, documents); `eval.tasks.ruler`
@@ -20,7 +23,9 @@ Where this port differs from RULER's scripts (all deliberate, none changes a tas
 - Sentences of the essay haystack are split with NLTK's Punkt algorithm without its pre-trained
   English abbreviation list (`PunktSentenceTokenizer()`): RULER's `sent_tokenize` needs the
   `punkt` data, which is not on PyPI. It only moves the candidate needle positions.
-- The essay haystack is repeated when a prompt needs more words than it has (newer RULER does this).
+- cwe never runs past its vocabulary (nouns + adjectives + verbs of `wonderwords`), where RULER's
+  script draws from a further English word list; qa_1/qa_2 never repeat documents past the source's
+  last one, as RULER's script does. Both only bind at lengths far beyond the word lists / sources.
 """
 
 from __future__ import annotations
@@ -222,6 +227,9 @@ def _singular(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------ variable tracking
+ICL_VALUE = "12345"  # variable_tracking.py: the example's value, redrawn per sample (randomize_icl)
+
+
 def _chains(rng: random.Random, num_chains: int, num_hops: int, is_icl: bool) -> tuple[list, list]:
     k = 3 if is_icl else 5
     num_hops = min(10, num_hops) if is_icl else num_hops
@@ -232,24 +240,25 @@ def _chains(rng: random.Random, num_chains: int, num_hops: int, is_icl: bool) ->
     for i in range(0, len(names), num_hops + 1):
         v = names[i : i + num_hops + 1]
         chain_vars.append(v)
-        chain = [f"VAR {v[0]} = {rng.randint(10000, 99998)}"]  # numpy randint(10000, 99999): high excluded
+        # numpy randint(10000, 99999): high excluded
+        chain = [f"VAR {v[0]} = {ICL_VALUE if is_icl else rng.randint(10000, 99998)}"]
         chain += [f"VAR {v[j + 1]} = VAR {v[j]} " for j in range(num_hops)]
         chains.append(chain)
     return chain_vars, chains
 
 
 def vt_text(
-    rng: random.Random, n: int, num_chains: int, num_hops: int, is_icl: bool, collapse: bool = False
+    rng: random.Random, n: int, num_chains: int, num_hops: int, is_icl: bool
 ) -> tuple[str, str, str, list[str]]:
-    """variable_tracking.py's generate_input_output: (head, tail, answer_prefix, answer variables).
+    """variable_tracking.py's generate_input_output (noise haystack): (head, tail, answer_prefix,
+    answer variables).
 
-    n noise paragraphs (each + newline); the chains' assignments are inserted at random positions,
-    in order. ``collapse``: the in-context example's template has its whitespace collapsed, as RULER
-    does when it strips a model template from it.
+    n noise paragraphs; the chains' assignments are inserted at random positions, in order; every
+    paragraph and every assignment is a line of its own. The in-context example (``is_icl``) has
+    3-letter names, at most 10 hops and the value `ICL_VALUE`.
     """
     chain_vars, chains = _chains(rng, num_chains, num_hops, is_icl)
-    noise = NOISE + "\n"
-    sentences = [noise] * n
+    sentences = [NOISE] * n
     if len(sentences) <= len(chains[0]):  # too short: split the noise into its sentences
         sentences = [s + "." if s.strip() else s for s in (x for t in sentences for x in t.split("."))]
         if len(sentences) <= len(chains[0]):
@@ -258,23 +267,24 @@ def vt_text(
         positions = sorted(rng.sample(range(len(sentences)), len(chain)))
         for j, pos in enumerate(positions):
             sentences.insert(pos + j, chain[j])
-    context = " ".join(sentences).replace(". \n", ".\n")
+    context = "\n".join(sentences).replace(". \n", ".\n")
     fam = FAMILIES["variable_tracking"]
-    template = " ".join(fam.template.split()) if collapse else fam.template
     value = chains[0][0].split("=")[-1].strip()
     num_v = num_hops + 1  # RULER: the requested hops, even where the example caps them at 10
-    head, tail, ap = _split(template, fam.answer_prefix, context=context, query=value, num_v=num_v)
+    head, tail, ap = _split(fam.template, fam.answer_prefix, context=context, query=value, num_v=num_v)
     return head, tail, ap, chain_vars[0]
 
 
 def variable_tracking(args: dict, rng: random.Random, n: int, *, icl: tuple[str, list[str]]) -> Prompt:
-    """A VT prompt: the in-context example (`icl`: its text and answer variables, generated once per
-    seed) with its variable names redrawn for this sample (RULER's randomize_icl), then the task."""
+    """A VT prompt: the in-context example (`icl`: its text, ending with a newline, and its answer
+    variables, generated once per seed) with its variable names and its value redrawn for this
+    sample (RULER's randomize_icl), a newline, then the task."""
+    head, tail, ap, answers = vt_text(rng, n, args["num_chains"], args["num_hops"], is_icl=False)
     example, example_vars = icl
     for name in example_vars:
         example = example.replace(name, "".join(rng.choices(string.ascii_uppercase, k=len(name))))
-    head, tail, ap, answers = vt_text(rng, n, args["num_chains"], args["num_hops"], is_icl=False)
-    return Prompt(example + "\n\n" + head, tail, ap, answers)
+    example = example.replace(ICL_VALUE, str(rng.randint(10000, 99998)))
+    return Prompt(example + "\n" + head, tail, ap, answers)
 
 
 # --------------------------------------------------------------------------- common words (cwe)
@@ -301,8 +311,8 @@ def common_words(args: dict, rng: random.Random, n: int, *, seed: int, length: i
         ctx, ans = _cwe_example(rng, words, seed, n, args["freq_cw"], args["freq_ucw"], num_c)
     fam = FAMILIES["common_words_extraction"]
     ex_head, ex_tail, ex_ap = _split(fam.template, fam.answer_prefix, context=ex_ctx, query="")
-    # RULER appends the example's answers right after the prefix (no space): "...are:1. word 2. ..."
-    shot = (ex_head + ex_tail, ex_ap + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_ans)))
+    # RULER appends the example's answers after the prefix and a space: "...are: 1. word 2. ..."
+    shot = (ex_head + ex_tail, ex_ap + " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(ex_ans)))
     head, tail, ap = _split(fam.template, fam.answer_prefix, context=ctx, query="")
     return Prompt(head, tail, ap, list(ans), shots=[shot])
 
@@ -316,7 +326,9 @@ def _zeta(alpha: float) -> float:
 def freq_words(args: dict, rng: random.Random, n: int, *, seed: int, length: int) -> Prompt:
     """freq_words_extraction.py: a vocabulary of ``length // 50`` random 6-letter coded words (the
     top-ranked one replaced by "..."), word of rank k repeated ``int(n * k**-alpha / zeta(alpha))``
-    times, shuffled; the answers are ranks 2-4."""
+    times, shuffled; the answers are ranks 2-4. ``length``: the prompt's target in tokens (RULER at
+    `RULER_COMMIT`: the requested length minus tokens_to_generate; the paper-era script: the
+    requested length)."""
     alpha, wordlen = float(args["alpha"]), int(args.get("coded_wordlen", 6))
     vocab_size = int(args.get("vocab_size", -1))
     vocab_size = length // 50 if vocab_size == -1 else vocab_size

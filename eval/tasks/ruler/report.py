@@ -4,7 +4,9 @@ first (`ruler_compare_<model>.png`: every compressed config beside its baseline)
 result rows (`ruler_task`, `ruler_length`, `score`).
 
 Suite average: for each length, the mean over tasks of the per-task means (RULER's "Avg."); marked
-with † when a config lacks some task at that length (not comparable). Scores x100.
+with † when a config lacks some task at that length (not comparable); its caption names how many of
+RULER's 13 tasks it covers when fewer ran ("11 of 13 tasks (qa_1/qa_2 need SQuAD/HotpotQA in
+task.data_dir)"). Scores x100.
 
 Paired differences: every config against the full cache, then the compressed configs against
 each other, on the samples both ran (the same generated sample ids), suite average minus the
@@ -25,7 +27,7 @@ from matplotlib.figure import Figure
 from eval.paired import stratified_bootstrap
 from eval.plots import NEEDLE_CMAP, _save
 from eval.tables import md_table, slug
-from eval.tasks.ruler.config import TASKS
+from eval.tasks.ruler.config import QA_TASKS, TASKS
 
 
 def is_ruler(df: pd.DataFrame) -> pd.Series:
@@ -59,6 +61,24 @@ def suite_average(means: pd.DataFrame) -> pd.DataFrame:
         complete = set(g["ruler_task"]) >= tasks_at[(model, length)]
         rows.append((model, label, length, g["score"].mean(), complete))
     return pd.DataFrame(rows, columns=["model", "config_label", "ruler_length", "score", "complete"])
+
+
+def coverage_note(tasks) -> str:
+    """How many of RULER's tasks a suite average covers, e.g. "11 of 13 tasks (qa_1/qa_2 need
+    SQuAD/HotpotQA in task.data_dir)" when the QA tasks did not run; "" when it covers all 13."""
+    have = set(tasks)
+    if have >= set(TASKS):
+        return ""
+    missing = [t for t in TASKS if t not in have]
+    qa = missing if set(missing) <= set(QA_TASKS) else []  # the reason only when nothing else is missing
+    sources = {"squad": "SQuAD", "hotpotqa": "HotpotQA"}
+    why = (
+        f" ({'/'.join(qa)} {'need' if len(qa) > 1 else 'needs'} "
+        f"{'/'.join(sources[TASKS[t].args['dataset']] for t in qa)} in task.data_dir)"
+        if qa
+        else ""
+    )
+    return f"{len(have & set(TASKS))} of {len(TASKS)} tasks{why}"
 
 
 def paired_differences(
@@ -119,9 +139,12 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
             numeric = [c for c in cells if isinstance(c, float) and not np.isnan(c)]
             table.append([label] + cells + [np.mean(numeric) if len(numeric) == len(cells) else float("nan")])
         note = "\n\n† mean over only the tasks this config has at that length." if dagger else ""
+        covered = coverage_note(means.loc[means["model"] == model, "ruler_task"])
         out.append(
             f"### ruler — {model}: suite average\n\nMean over tasks of the task score x100 "
-            "(string_match_all; QA string_match_part), per length.\n\n"
+            "(string_match_all; QA string_match_part), per length"
+            + (f", over {covered}" if covered else "")
+            + ".\n\n"
             + md_table(["method"] + [str(x) for x in lengths] + ["avg"], table)
             + note
         )

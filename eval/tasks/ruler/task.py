@@ -6,13 +6,23 @@ Credits: templates, answer prefixes, task arguments, generation lengths and metr
 `eval/tasks/ruler/config.py` and `eval/tasks/ruler/generate.py` (which lists the few deliberate
 differences from RULER's scripts).
 
-Generated samples. For each requested length L, task and index i < ``samples``, the content is
-drawn from ``random.Random(f"ruler:{seed}:{task}:{L}:{i}")`` (QA: question i, as RULER), so a sample
-never depends on which other samples run. RULER's length counts the prompt plus the task's
-``tokens_to_generate`` (except fwe, whose RULER script sizes the prompt alone to L); here the largest
+Generated samples follow RULER's scripts at `RULER_COMMIT` (`eval.tasks.ruler.config`; what that
+means per generator: `eval.tasks.ruler.generate`). For each requested length L, task, index
+i < ``samples`` and generator seed s (``seeds``, default ``[seed]``; `eval.tasks.seeds`), the
+content is drawn from ``random.Random(f"ruler:{s}:{task}:{L}:{i}")`` (QA: question i, as RULER), so a
+sample never depends on which other samples run; samples of a seed other than ``seed`` carry
+``-seed<s>`` in their id. RULER's length counts the prompt plus the task's ``tokens_to_generate``
+(fwe too, since RULER sized fwe's prompt to L - tokens_to_generate in June 2025).
+
+Haystack growth (``haystack_growth``). ``fill`` (default, RULER at `RULER_COMMIT`): the largest
 haystack (in RULER's unit: words, sentences, documents) whose prompt fits is found by bisection, so
-prompts land within one haystack unit below the target (RULER grows the haystack in steps of 5-500
-units). The prompt is measured as the model sees it -- chat template, BOS and the answer prefix
+prompts land within one haystack unit below the target. ``paper``: the sizing of the paper-era
+scripts (up to `RULER_PAPER_COMMIT`), for comparison with published RULER numbers: the haystack
+grows from one step in fixed steps while the prompt fits (niah: 500 essay words, 25 noise /
+distractor lines, 5 below 4096 tokens; vt, cwe, qa: 10; fwe: from L // 6 coded words in steps of
+L // 32, sized to L itself with a vocabulary of L // 50; the essay haystack never repeated), so
+prompts stop up to one step short of the target. The content generators are RULER_COMMIT's in
+both. The prompt is measured as the model sees it -- chat template, BOS and the answer prefix
 included -- and stored (`actual_tokens`; `length` = actual_tokens + tokens_to_generate, RULER's
 record field).
 
@@ -101,15 +111,18 @@ from eval.tasks.ruler.generate import (
     vt_text,
     wonder_words,
 )
+from eval.tasks.seeds import generator_seeds, seed_suffix
 from snapkv.generation import chat_templated, encode_prompt, render_prompt
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RulerTask", "render", "prompt_tokens", "read_records", "find_pregenerated"]
 
-VERSION = "1"
-ICL_MAX_LENGTH = 500  # variable_tracking.py: the in-context example is a 500-token VT sample
-ICL_STEP = 5
+# 2: the generators follow RULER_COMMIT (vt layout and example, fwe sizing, cwe example spacing).
+VERSION = "2"
+ICL_MAX_LENGTH = 500  # variable_tracking.py: the in-context example is a VT sample of at most 500 tokens
+ICL_MIN_UNITS = 5
+HAYSTACK_GROWTH = ("fill", "paper")
 
 
 # ------------------------------------------------------------------------------------------ rendering
@@ -267,6 +280,34 @@ def fit(make: Callable[[int], tuple[Any, int]], budget: int, lo: int, hi: int | 
     return good, value, tokens
 
 
+def grow(make: Callable[[int], tuple[Any, int]], budget: int, start: int, step: int, hi: int | None):
+    """RULER's paper-era sizing: n = start, start + step, ... (capped at ``hi``) while
+    ``make(n)[1] <= budget``; returns ``(n, value, tokens)`` of the last n that fits, or None when
+    ``start`` is already too long."""
+    n = start if hi is None else min(start, hi)
+    value, tokens = make(n)
+    if tokens > budget:
+        return None
+    while hi is None or n < hi:
+        m = n + step if hi is None else min(hi, n + step)
+        v, t = make(m)
+        if t > budget:
+            break
+        n, value, tokens = m, v, t
+    return n, value, tokens
+
+
+def paper_steps(family: str, haystack: str | None, length: int) -> tuple[int, int]:
+    """(first size, step) of the paper-era scripts' haystack growth for a family at length L
+    (``haystack``: niah's type, ``repeat`` / ``needle`` / ``essay``)."""
+    if family == "niah":
+        step = 500 if haystack == "essay" else (5 if length < 4096 else 25)
+        return step, step
+    if family == "freq_words_extraction":
+        return length // 6, max(1, length // 32)
+    return 10, 10
+
+
 # --------------------------------------------------------------------------------------------- task
 @register_task
 class RulerTask(Task):
@@ -274,13 +315,15 @@ class RulerTask(Task):
 
     tasks: RULER task names (None: every task that can run); lengths: prompt + generation lengths
     in tokens; samples: samples per task and length (kept as ``n_samples``: ``samples()`` is the
-    task protocol's method); seed: the generation seed; data_dir: RULER files (either layout) or the
-    QA sources; haystack: None (RULER's) | noise | paul_graham | dir:PATH; chat_template: render with
-    the tokenizer's chat template (when it has one); separate_questions: niah_multiquery asks its
-    keys one sample each (module docstring).
+    task protocol's method); seed: the generation seed; seeds: generator seeds to run (None:
+    ``[seed]``); data_dir: RULER files (either layout) or the QA sources; haystack: None (RULER's) |
+    noise | paul_graham | dir:PATH; chat_template: render with the tokenizer's chat template (when it
+    has one); separate_questions: niah_multiquery asks its keys one sample each; haystack_growth:
+    fill | paper (module docstring).
 
     Row columns: ruler_task, ruler_family, ruler_length, ruler_index, actual_tokens, haystack,
-    source; with separate_questions, niah_multiquery rows add ruler_query, context_id,
+    source, task_seed (generated samples: their generator seed); with separate_questions,
+    niah_multiquery rows add ruler_query, context_id,
     question_index. Report: suite average per length and a task x length table per config (section
     "RULER"), and a task x length heatmap per config (`eval.tasks.ruler.report`).
     """
@@ -288,7 +331,7 @@ class RulerTask(Task):
     name: ClassVar[str] = "ruler"
     # Which tasks / lengths / how many samples run, and where pre-generated files are read from,
     # choose samples (each sample id carries its record's hash), not one sample's output.
-    selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "tasks", "samples", "data_dir")
+    selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "tasks", "samples", "data_dir", "seeds")
     report_section: ClassVar[str] = "RULER"
     paired_strata: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
     flip_columns: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
@@ -305,10 +348,13 @@ class RulerTask(Task):
         haystack: str | None = None,
         chat_template: bool = True,
         separate_questions: bool = False,
+        seeds: list[int] | None = None,
+        haystack_growth: str = "fill",
     ) -> None:
         self.tasks, self.lengths, self.n_samples, self.seed = tasks, lengths, samples, seed
         self.data_dir, self.haystack, self.chat_template = data_dir, haystack, chat_template
-        self.separate_questions = separate_questions
+        self.separate_questions, self.haystack_growth = separate_questions, haystack_growth
+        self.generator_seeds = generator_seeds("RULER", seed, seeds)
         self._templated = False
         self._validate()
 
@@ -337,6 +383,10 @@ class RulerTask(Task):
         if not isinstance(self.separate_questions, bool):
             raise ValueError(
                 f"RULER separate_questions must be true or false, got separate_questions={self.separate_questions!r}"
+            )
+        if self.haystack_growth not in HAYSTACK_GROWTH:
+            raise ValueError(
+                f"unknown RULER haystack_growth {self.haystack_growth!r}; known: {', '.join(HAYSTACK_GROWTH)}"
             )
         if self.haystack is not None:
             check_haystack_name(self.haystack)
@@ -447,7 +497,8 @@ class RulerTask(Task):
             if path is not None:
                 n += min(self.n_samples, len(self._records(path)))
             else:
-                n += self.n_samples * (TASKS[task].args["num_needle_q"] if self._separate(task) else 1)
+                per_context = TASKS[task].args["num_needle_q"] if self._separate(task) else 1
+                n += self.n_samples * len(self.generator_seeds) * per_context
                 if TASKS[task].family == "qa":
                     self._qa(TASKS[task].args["dataset"])
                 elif TASKS[task].family == "niah" and self._niah_haystack(task)[0] == "essay":
@@ -492,28 +543,26 @@ class RulerTask(Task):
             return "repeat", None
         return "essay", self.haystack
 
-    def _vt_icl(self, tokenizer: Any, args: dict) -> tuple[str, list[str]]:
-        """variable_tracking.py's in-context example: one VT sample (3-letter names) of at most 500
-        tokens with its answer, generated once per seed; its text ends with two newlines."""
+    def _vt_icl(self, tokenizer: Any, args: dict, seed: int) -> tuple[str, list[str]]:
+        """variable_tracking.py's in-context example: one VT sample (3-letter names, value
+        `ICL_VALUE`) with the most noise paragraphs (at least 5) whose text takes at most 500 tokens
+        (no generation allowance, as RULER sizes it), generated once per seed; the text ends with
+        its answer and a newline."""
         cache = self.__dict__.setdefault("_icl_cache", {})
-        key = (id(tokenizer), self._templated, args["num_chains"], args["num_hops"])
+        key = (id(tokenizer), seed, args["num_chains"], args["num_hops"])
         if key not in cache:
-            ttg = FAMILIES["variable_tracking"].tokens_to_generate
-            best = None
-            n = ICL_STEP
-            while True:
-                rng = random.Random(f"ruler:{self.seed}:vt:icl")
-                head, tail, ap, names = vt_text(
-                    rng, n, args["num_chains"], args["num_hops"], is_icl=True, collapse=self._templated
-                )
+
+            def measure(n: int) -> tuple[tuple[str, list[str]], int]:
+                rng = random.Random(f"ruler:{seed}:vt:icl")
+                head, tail, ap, names = vt_text(rng, n, args["num_chains"], args["num_hops"], is_icl=True)
                 text = head + tail + ap
-                if len(tokenizer(text, add_special_tokens=False)["input_ids"]) + ttg > ICL_MAX_LENGTH:
-                    break
-                best = (text + " " + " ".join(names) + "\n\n", names)
-                n += ICL_STEP
-            if best is None:
+                return (text, names), len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+            found = fit(measure, ICL_MAX_LENGTH, ICL_MIN_UNITS, None, None)
+            if found is None:
                 raise ValueError("the variable-tracking example does not fit 500 tokens")
-            cache[key] = best
+            _, (text, names), _ = found
+            cache[key] = (text + " " + " ".join(names) + "\n", names)
         return cache[key]
 
     # ---- samples
@@ -587,13 +636,33 @@ class RulerTask(Task):
                 {"length": rec_len, "actual_tokens": prompt_tokens(tokenizer, *text), "source": str(path)},
             )
 
+    def _budget(self, task: str, length: int) -> int:
+        """Prompt tokens a sample of ``task`` at length L may take: L - tokens_to_generate (paper-era
+        fwe: L itself)."""
+        fam = FAMILIES[TASKS[task].family]
+        if self.haystack_growth == "paper" and fam.name == "freq_words_extraction":
+            return length
+        return length - fam.tokens_to_generate
+
+    def _size(self, measure: Callable, task: str, length: int, lo: int, hi: int | None, hint: int | None):
+        """`fit` (``haystack_growth=fill``) or `grow` from the paper-era steps (``paper``)."""
+        budget = self._budget(task, length)
+        if self.haystack_growth == "fill":
+            return fit(measure, budget, lo, hi, hint)
+        family = TASKS[task].family
+        kind, source = self._niah_haystack(task) if family == "niah" else (None, None)
+        if kind == "essay":  # the paper-era script never repeated the essays
+            hi = len(self._essay(source))
+        start, step = paper_steps(family, kind, length)
+        return grow(measure, budget, max(start, lo), step, hi)
+
     def _maker(
-        self, tokenizer: Any, task: str, length: int, index: int
+        self, tokenizer: Any, task: str, length: int, index: int, seed: int
     ) -> tuple[Callable[[int], Prompt], int, int | None]:
         """(n -> Prompt, smallest n, largest n or None) for a generated task."""
         spec = TASKS[task]
         args, fam = spec.args, FAMILIES[spec.family]
-        key = f"ruler:{self.seed}:{task}:{length}:{index}"
+        key = f"ruler:{seed}:{task}:{length}:{index}"
 
         def rng() -> random.Random:
             return random.Random(key)
@@ -606,37 +675,37 @@ class RulerTask(Task):
                 if kind == "essay"
                 else max(args["num_needle_k"], args["num_needle_q"]) * args["num_needle_v"]
             )
-            return (lambda n: niah(args, rng(), n, seed=self.seed, haystack=kind, words=words)), lo, None
+            return (lambda n: niah(args, rng(), n, seed=seed, haystack=kind, words=words)), lo, None
         if fam.name == "variable_tracking":
-            icl = self._vt_icl(tokenizer, args)
+            icl = self._vt_icl(tokenizer, args, seed)
             return (lambda n: variable_tracking(args, rng(), n, icl=icl)), 1, None
         if fam.name == "common_words_extraction":
-            hi = len(cwe_words(self.seed))
-            return (lambda n: common_words(args, rng(), n, seed=self.seed, length=length)), args["num_cw"], hi
+            hi = len(cwe_words(seed))
+            return (lambda n: common_words(args, rng(), n, seed=seed, length=length)), args["num_cw"], hi
         if fam.name == "freq_words_extraction":
             alpha = float(args["alpha"])
             lo = int(4**alpha * _zeta(alpha)) + 1  # rank 4 (the last answer) occurs at least once
-            return (lambda n: freq_words(args, rng(), n, seed=self.seed, length=length)), lo, None
+            target = self._budget(task, length)  # the vocabulary is target // 50 words
+            return (lambda n: freq_words(args, rng(), n, seed=seed, length=target)), lo, None
         src = self._qa(args["dataset"])
-        return (lambda n: qa(src, rng(), n, index=index, seed=self.seed)), 1, len(src.docs)
+        return (lambda n: qa(src, rng(), n, index=index, seed=seed)), 1, len(src.docs)
 
     def _generated(self, tokenizer: Any, task: str, length: int) -> Iterator[Sample]:
         if self._separate(task):
             yield from self._generated_separate(tokenizer, task, length)
             return
         fam = FAMILIES[TASKS[task].family]
-        # RULER: prompt + tokens_to_generate <= length; fwe's script sizes the prompt alone.
-        budget = length if fam.name == "freq_words_extraction" else length - fam.tokens_to_generate
+        budget = self._budget(task, length)
         hint = None
-        for index in range(self.n_samples):
-            make, lo, hi = self._maker(tokenizer, task, length, index)
+        for index, seed in self._contexts():
+            make, lo, hi = self._maker(tokenizer, task, length, index, seed)
 
             def measure(n: int, make=make) -> tuple[tuple[Prompt, str, str], int]:
                 prompt = make(n)
                 context, question = render(tokenizer, prompt, self._templated)
                 return (prompt, context, question), prompt_tokens(tokenizer, context, question)
 
-            found = fit(measure, budget, lo, hi, hint)
+            found = self._size(measure, task, length, lo, hi, hint)
             if found is None:
                 raise ValueError(
                     f"RULER length {length} is too small for {task}: the shortest prompt takes "
@@ -651,13 +720,14 @@ class RulerTask(Task):
                 index,
                 prompt.outputs,
                 tuple(text),
-                f"{task}-{length}-{index}",
+                f"{task}-{length}-{index}{seed_suffix(seed, self.seed)}",
                 {
                     "length": actual + fam.tokens_to_generate,
                     "actual_tokens": actual,
                     "haystack_units": n,
                     "haystack": self._haystack_name(task),
                     "source": "generated",
+                    "task_seed": seed,
                 },
             )
 
@@ -665,11 +735,11 @@ class RulerTask(Task):
         """`_generated` for a task whose keys are asked one by one (`separate_queries`): the largest
         haystack whose every single-key prompt fits, one sample per key sharing the context."""
         fam = FAMILIES["niah"]
-        budget = length - fam.tokens_to_generate
+        budget = self._budget(task, length)
         type_v = TASKS[task].args["type_needle_v"]
         hint = None
-        for index in range(self.n_samples):
-            make, lo, hi = self._maker(tokenizer, task, length, index)
+        for index, seed in self._contexts():
+            make, lo, hi = self._maker(tokenizer, task, length, index, seed)
 
             def measure(n: int, make=make) -> tuple[tuple[list[Prompt], list[tuple[str, str]]], int]:
                 prompts = separate_queries(make(n), type_v)
@@ -681,7 +751,7 @@ class RulerTask(Task):
                     )
                 return (prompts, texts), max(prompt_tokens(tokenizer, *text) for text in texts)
 
-            found = fit(measure, budget, lo, hi, hint)
+            found = self._size(measure, task, length, lo, hi, hint)
             if found is None:
                 raise ValueError(
                     f"RULER length {length} is too small for {task}: the shortest prompt takes "
@@ -689,7 +759,7 @@ class RulerTask(Task):
                 )
             n, (prompts, texts), _ = found
             hint = n
-            context_id = f"{task}-{length}-{index}"
+            context_id = f"{task}-{length}-{index}{seed_suffix(seed, self.seed)}"
             for k, (prompt, text) in enumerate(zip(prompts, texts)):
                 actual = prompt_tokens(tokenizer, *text)
                 sample = self._sample(
@@ -708,12 +778,17 @@ class RulerTask(Task):
                         "ruler_query": prompt.info["keys"][0],
                         "context_id": context_id,
                         "question_index": k,
+                        "task_seed": seed,
                     },
                 )
                 sample.context_id, sample.question_index = context_id, k
                 if self._templated:  # a later turn: the question alone as the user's text
                     sample.turn = (prompt.tail.strip(), prompt.answer_prefix)
                 yield sample
+
+    def _contexts(self) -> list[tuple[int, int]]:
+        """(index, generator seed) of every generated context of a (task, length), in run order."""
+        return [(i, s) for i in range(self.n_samples) for s in self.generator_seeds]
 
     def _haystack_name(self, task: str) -> str | None:
         family = TASKS[task].family

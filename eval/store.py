@@ -111,7 +111,7 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
     "stop_reason": ("str", "`eos` (a stop token) or `length` (max_new_tokens reached)"),
     "e2e_s": (
         "float | null",
-        "end to end: prefill + compression + every decode step (ttft_s + the decode steps; null in the shared protocols' rows)",
+        "end to end: prefill + compression + every decode step (ttft_s + the decode steps; null for a question answered on an already compressed cache, eval/protocols.py)",
     ),
     "peak_mem_bytes": (
         "int",

@@ -3,6 +3,7 @@
 - `needle_heatmap`: gkamradt-style needle-in-a-haystack heatmap (depth % x context length).
 - `needle_compare`: those heatmaps side by side, one panel per method config, one colour scale.
 - `score_vs_budget`: score vs KV budget, one line per method config, uncompressed runs as horizontal lines.
+- `reasoning_vs_budget`: accuracy and output length vs KV budget, side by side (the reasoning task).
 
 Each has a `*_figure` twin that returns the `matplotlib.figure.Figure` without saving it. Figures are
 built as plain `Figure` objects (not through pyplot), so importing this module never changes the
@@ -285,6 +286,25 @@ def score_vs_budget_figure(
     rows was not compressed (prompt no longer than the budget: the full cache ran) is drawn hollow.
     The y-axis spans at least 0..`y_top` (x100 scores by default; see `score_limits`).
     """
+    fig = Figure(figsize=(7, 4.5), layout="tight")
+    draw_vs_budget(fig.subplots(), df, title, x, y, line, xlabel, ylabel, scale, compressed, y_top)
+    return fig
+
+
+def draw_vs_budget(
+    ax,
+    df: pd.DataFrame,
+    title: str | None = None,
+    x: str = "budget",
+    y: str = "score",
+    line: str = "label",
+    xlabel: str = "KV budget (tokens)",
+    ylabel: str = "score",
+    scale: float = 1.0,
+    compressed: str = "compressed",
+    y_top: float = SCALE,
+) -> None:
+    """Draw `score_vs_budget_figure`'s plot on the matplotlib axes `ax` (one panel of a larger figure)."""
     cols = [x, y, line] + ([compressed] if compressed in df.columns else [])
     data = df[cols].copy()
     data[x] = pd.to_numeric(data[x], errors="coerce")
@@ -298,8 +318,6 @@ def score_vs_budget_figure(
     with_x = data[data[x].notna() & (data[x] > 0)]
     without_x = data[data[x].isna()]
 
-    fig = Figure(figsize=(7, 4.5), layout="tight")
-    ax = fig.subplots()
     budgets: set[float] = set()
     plotted: list[float] = []
     any_hollow = False
@@ -341,4 +359,20 @@ def score_vs_budget_figure(
         labels.append("not compressed (prompt <= budget)")
     if handles:
         ax.legend(handles, labels, fontsize=8)
-    return fig
+
+
+def reasoning_vs_budget(
+    df: pd.DataFrame, path: str | os.PathLike, title: str | None = None, line: str = "line"
+) -> Path:
+    """Two panels side by side from per-problem rows: accuracy x100 (`score`, the mean of the
+    problem's samples) and mean generated tokens (`new_tokens`) vs KV budget, one line per value of
+    `line`; rows without a budget (the full cache) as dashed horizontal lines."""
+    fig = Figure(figsize=(12, 4.5), layout="tight")
+    left, right = fig.subplots(1, 2)
+    draw_vs_budget(left, df, "accuracy (pass@1)", y="score", line=line, ylabel="accuracy x100", scale=SCALE)
+    draw_vs_budget(
+        right, df, "output length", y="new_tokens", line=line, ylabel="generated tokens (mean)", y_top=0.0
+    )
+    if title:
+        fig.suptitle(title)
+    return _save(fig, path)

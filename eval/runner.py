@@ -31,6 +31,12 @@ answered; resume answers only the missing questions (`multi_turn` replays the co
 writes only the missing rows). Every row records `protocol`, `context_id`, `question_index` and
 `questions_in_context`; `context_prefill_s` is the context's shared prefill + compression.
 
+Sampling (`generation.do_sample`, eval/spec.py's `GenerationSpec`): each of a prompt's
+`samples_per_prompt` samples is its own row, `sample_id` "<task sample id>#<i>", with `prompt_id`
+(the task's sample id), `sample_index`, `sample_seed`, `temperature` and `top_p`; the missing
+samples of a prompt are decoded from one prefill + compression (`snapkv.generate_samples`). Greedy
+rows carry none of these columns.
+
 A failing sample becomes a row with status "error" (or "oom") and the loop goes on; those samples
 are retried on the next run. A run in which every sample it ran failed raises `AllSamplesFailed`
 after writing its rows and report (the CLI exits non-zero).
@@ -61,10 +67,10 @@ from eval.machine import CpuNoise, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.report import method_label
 from eval.report import write_report as write_results_report
-from eval.spec import RunSpec
+from eval.spec import RunSpec, sample_seed
 from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, sha256_hex, shard, target_sha
 from eval.tasks import Sample, Task
-from snapkv import ProgressCallback, generate
+from snapkv import ProgressCallback, generate, generate_samples
 from snapkv.errors import first_line, one_line
 from snapkv.generation import render_prompt
 from snapkv.hub import cache_only_kwargs
@@ -280,6 +286,72 @@ def run_sample(
     return row
 
 
+def sampled_row_id(sample_id: str, index: int) -> str:
+    """The row id of sample `index` of the prompt `sample_id` (the resume key of sampled rows)."""
+    return f"{sample_id}#{index}"
+
+
+def run_samples(
+    sample: Sample,
+    indices: list[int],
+    task: Task,
+    model: Any,
+    tokenizer: Any,
+    spec: RunSpec,
+    base: dict,
+    on_progress: ProgressCallback | None = None,
+) -> list[dict]:
+    """The sampled rows of one prompt, one per index in `indices` (`generation.do_sample`), decoded
+    from one prefill + compression; never raises for the prompt (a failure marks every row). The
+    noise columns are measured around the whole prompt's generation."""
+    seeds = [sample_seed(spec.seed, sample.sample_id, i) for i in indices]
+    chat_template = bool(sample.chat_template and spec.model.chat_template)
+    sha = prompt_sha(tokenizer, sample, chat_template)
+    rows = []
+    for i, seed in zip(indices, seeds):
+        row = _new_row(sample, task, base)
+        row.update(
+            sample_id=sampled_row_id(sample.sample_id, i),
+            prompt_id=sample.sample_id,
+            sample_index=i,
+            sample_seed=seed,
+            prompt_sha=sha,
+            **spec.generation.row_fields(),
+        )
+        rows.append(row)
+    noise = CpuNoise()
+    try:
+        with noise:
+            results = generate_samples(
+                model,
+                tokenizer,
+                context=sample.context,
+                question=sample.question,
+                method=spec.method,
+                query_aware=spec.query_aware,
+                chat_template=chat_template,
+                max_new_tokens=sample.max_new_tokens,
+                chunk_size=spec.chunk_size,
+                sampling=spec.generation.sampling(),
+                seeds=seeds,
+                on_progress=on_progress,
+            )
+        for row, result in zip(rows, results):
+            row.update({k: v for k, v in result.to_dict().items() if k not in NOT_MEASURED})
+            row["context_prefill_s"] = result.prefill_s
+            try:
+                _score(row, sample, task, result.text)
+            except Exception as err:  # noqa: BLE001 - a failing metric is recorded, the run goes on
+                _fail(row, err)
+    except Exception as err:  # noqa: BLE001 - a failing prompt is recorded, the run goes on
+        for row in rows:
+            _fail(row, err)
+    for row in rows:
+        row.update(noise_fields(noise))
+        row["timestamp"] = utc_now()
+    return rows
+
+
 def _new_row(sample: Sample, task: Task, base: dict) -> dict[str, Any]:
     row: dict[str, Any] = {k: None for k in ROW_FIELDS}
     row.update(
@@ -383,21 +455,33 @@ def run(cfg: DictConfig | RunSpec, write_report: bool = True) -> Path:
             samples = [s for c in contexts for s in c.samples]
         else:
             samples = shard(every, spec.shard, spec.num_shards)
-        todo = [s for s in samples if s.sample_id not in done]
+        sampled = spec.generation.do_sample
+        if sampled:  # per prompt, the sample indices without an ok row
+            k = spec.generation.samples_per_prompt
+            missing = {
+                s.sample_id: [i for i in range(k) if sampled_row_id(s.sample_id, i) not in done]
+                for s in samples
+            }
+            todo = [s for s in samples if missing[s.sample_id]]
+            n_rows, n_todo = len(samples) * k, sum(len(v) for v in missing.values())
+        else:
+            todo = [s for s in samples if s.sample_id not in done]
+            n_rows, n_todo = len(samples), len(todo)
+        what = f"samples x {spec.generation.samples_per_prompt} draws" if sampled else "samples"
         where = f" in shard {spec.shard}/{spec.num_shards}" if spec.num_shards > 1 else ""
         if todo:
             logger.info(
-                "%s x %s x %s: %d samples%s, %d already done, %d to run -> %s",
-                task.name, spec.model.key, label, len(samples), where, len(samples) - len(todo), len(todo), path,
+                "%s x %s x %s: %d %s%s, %d rows already done, %d to run -> %s",
+                task.name, spec.model.key, label, len(samples), what, where, n_rows - n_todo, n_todo, path,
             )  # fmt: skip
         else:
             logger.info(
-                "%s x %s x %s: all %d samples%s already done -> %s",
-                task.name, spec.model.key, label, len(samples), where, path,
+                "%s x %s x %s: all %d %s%s already done -> %s",
+                task.name, spec.model.key, label, len(samples), what, where, path,
             )  # fmt: skip
         base = _base_fields(spec, info)
         bar = tqdm(
-            total=len(todo), desc=f"{task.name} {label}", unit="sample", disable=not spec.progress,
+            total=n_todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress,
             dynamic_ncols=True,
         )  # fmt: skip
         # The ticking clock only on a terminal: in a log file (SLURM, nohup) each redraw is a new
@@ -415,9 +499,15 @@ def run(cfg: DictConfig | RunSpec, write_report: bool = True) -> Path:
             for sample in todo:
                 status = ", ".join(f"{k}={v}" for k, v in counts.items() if v)
                 progress = SampleProgress(sample.sample_id, bar if spec.progress else None, status)
-                row = run_sample(sample, task, model, tokenizer, spec, base, on_progress=progress)
-                row.update(protocols.question_fields(sample, sizes[protocols.context_key(sample)]))
-                yield row
+                if sampled:
+                    got = run_samples(
+                        sample, missing[sample.sample_id], task, model, tokenizer, spec, base, progress
+                    )
+                else:
+                    got = [run_sample(sample, task, model, tokenizer, spec, base, on_progress=progress)]
+                for row in got:
+                    row.update(protocols.question_fields(sample, sizes[protocols.context_key(sample)]))
+                    yield row
 
         with logging_redirect_tqdm(), ticking:  # log lines above the progress bar, not through it
             for row in rows():
@@ -437,7 +527,7 @@ def run(cfg: DictConfig | RunSpec, write_report: bool = True) -> Path:
         report_results(spec.results_dir)
     if todo and counts["ok"] == 0:
         raise AllSamplesFailed(
-            f"all {len(todo)} samples failed ({counts['error']} error, {counts['oom']} oom), "
+            f"all {n_todo} samples failed ({counts['error']} error, {counts['oom']} oom), "
             f"e.g. {row['sample_id']}: {row['error']}; rows in {path}"
         )
     return spec.results_dir

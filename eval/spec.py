@@ -4,7 +4,9 @@ error (the CLI turns it into one line and exit code 2); the runner only ever see
 
 `method_hash` covers everything in the config that changes a row: the method and its parameters,
 `query_aware`, the protocol when it is one of the shared ones (eval/protocols.py), the model's dtype, attention implementation and chat-template switch, the prefill
-chunk size (same tokens kept, different memory/timings), and the task's config except its
+chunk size (same tokens kept, different memory/timings), with `generation.do_sample` the sampling
+settings and the run seed (`GenerationSpec.hash_fields`; nothing when greedy, so greedy configs
+keep their hash), and the task's config except its
 `selection_keys` (keys that only choose which samples run) and keys at their `hash_defaults`
 (`Task.hash_params`). The device is left out, so a run can resume on another machine; the model is
 in the file's path.
@@ -13,6 +15,7 @@ in the file's path.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from eval import protocols
 from eval.store import config_hash, model_key, result_path, safe_name
 from eval.tasks import Task, build_task, task_class
-from snapkv import build_method
+from snapkv import Sampling, build_method
 from snapkv.methods import Method
 from snapkv.models import DTYPES
 
@@ -52,6 +55,87 @@ def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{key} must be true or false, got {key}={value!r}")
     return value
+
+
+def sample_seed(seed: int, sample_id: str, index: int) -> int:
+    """The seed of sample `index` of the prompt `sample_id` under the run seed `seed`: the first 8
+    bytes of sha256("{seed}:{sample_id}:{index}") as an integer < 2**63. It names no method, so
+    every method draws sample i of a prompt with the same seed (paired comparisons), and it does not
+    depend on how many samples run (`samples_per_prompt` can grow)."""
+    digest = hashlib.sha256(f"{seed}:{sample_id}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") & (2**63 - 1)
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key} must be a number, got {key}={value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """The `generation` node: how tokens are picked (snapkv.generation.Sampling).
+
+    do_sample false (the default): greedy, one output per prompt, rows and config hash as before
+    the node existed. do_sample true: `samples_per_prompt` (k) samples per prompt at `temperature`
+    and `top_p`, sample i seeded with `sample_seed(seed, sample_id, i)`, all k decoded from one
+    prefill + compression (`snapkv.generate_samples`); each sample is its own row.
+    """
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    samples_per_prompt: int = 1
+
+    @classmethod
+    def from_config(cls, node: Any) -> GenerationSpec:
+        g = dict(_container(node) or {})
+        known = {"do_sample", "temperature", "top_p", "samples_per_prompt"}
+        unknown = sorted(set(g) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown generation key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+            )
+        spec = cls(
+            do_sample=_bool("generation.do_sample", g.get("do_sample", False)),
+            temperature=_number("generation.temperature", g.get("temperature", 1.0)),
+            top_p=_number("generation.top_p", g.get("top_p", 1.0)),
+            samples_per_prompt=_int("generation.samples_per_prompt", g.get("samples_per_prompt", 1), 1),
+        )
+        if spec.do_sample:
+            try:
+                spec.sampling()
+            except ValueError as e:
+                raise ValueError(f"generation.{e}") from None
+        elif spec.samples_per_prompt > 1:
+            raise ValueError(
+                "generation.samples_per_prompt > 1 needs generation.do_sample=true (greedy outputs are "
+                f"identical), got samples_per_prompt={spec.samples_per_prompt}"
+            )
+        return spec
+
+    def sampling(self) -> Sampling | None:
+        """The sampler of `snapkv.generate` (None: greedy)."""
+        return Sampling(self.temperature, self.top_p) if self.do_sample else None
+
+    def hash_fields(self, seed: int) -> dict[str, Any]:
+        """What enters the config hash: nothing when greedy; else the sampling settings and the run
+        seed (the samples' seeds derive from it). `samples_per_prompt` stays out: it only chooses
+        how many samples run, and sample i's seed does not depend on it."""
+        if not self.do_sample:
+            return {}
+        return {
+            "generation": {
+                "do_sample": True,
+                "temperature": self.temperature,
+                "top_p": self.top_p,
+                "seed": seed,
+            }
+        }
+
+    def row_fields(self) -> dict[str, Any]:
+        """Columns of every sampled row (none when greedy)."""
+        return {"temperature": self.temperature, "top_p": self.top_p} if self.do_sample else {}
 
 
 @dataclass(frozen=True)
@@ -120,6 +204,7 @@ class RunSpec:
     num_shards: int = 1
     progress: bool = True
     report: bool = True
+    generation: GenerationSpec = GenerationSpec()
 
     @classmethod
     def from_config(cls, cfg: DictConfig | dict) -> RunSpec:
@@ -144,6 +229,11 @@ class RunSpec:
                 f"protocol={protocol} asks several questions per context, but task {name!r} as configured "
                 "asks one (Task.multi_question() is false); use protocol=query_aware or context_only"
             )
+        generation = GenerationSpec.from_config(cfg.get("generation"))
+        if generation.do_sample and protocol in protocols.SHARED:
+            raise ValueError(
+                f"generation.do_sample=true runs protocol=query_aware or context_only, got protocol={protocol}"
+            )
         results_dir = cfg.get("results_dir")
         if not isinstance(results_dir, str) or not results_dir.strip():
             raise ValueError(f"results_dir must be a path, got results_dir={results_dir!r}")
@@ -161,6 +251,7 @@ class RunSpec:
             num_shards=num_shards,
             progress=_bool("progress", cfg.get("progress", True)),
             report=_bool("report", cfg.get("report", True)),
+            generation=generation,
         )
 
     # ---- derived
@@ -181,6 +272,7 @@ class RunSpec:
                 },
                 "prefill_chunk_size": self.chunk_size,
                 **protocols.hash_fields(self.protocol),
+                **self.generation.hash_fields(self.seed),
             }
         )
 

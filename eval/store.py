@@ -107,6 +107,12 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
     ),
     "ttft_s": ("float", "time to first token, seconds (shared protocols: from feeding the question)"),
     "tpot_s": ("float", "median time per output token after the first, seconds"),
+    "new_tokens": ("int", "tokens generated (the stop token included when generation stopped at one)"),
+    "stop_reason": ("str", "`eos` (a stop token) or `length` (max_new_tokens reached)"),
+    "e2e_s": (
+        "float | null",
+        "end to end: prefill + compression + every decode step (ttft_s + the decode steps; null for a question answered on an already compressed cache, eval/protocols.py)",
+    ),
     "peak_mem_bytes": (
         "int",
         "peak memory during the sample: the CUDA allocator peak on GPU, the process RSS peak (sampled) on CPU",
@@ -165,6 +171,19 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
 ROW_FIELDS: tuple[str, ...] = tuple(ROW_SCHEMA)
 # The generic fields a task fills itself, through `Task.row_metadata` (the runner fills the others).
 TASK_FIELDS: tuple[str, ...] = ("task_seed",)
+
+# Columns of sampled rows only (`generation.do_sample=true`, eval/runner.py's `run_samples`); greedy
+# rows have none of them. Each sample of a prompt is its own row, `sample_id` "<prompt_id>#<i>".
+SAMPLED_ROW_SCHEMA: dict[str, tuple[str, str]] = {
+    "prompt_id": ("str", "the task's sample id of the prompt (shared by its samples)"),
+    "sample_index": ("int", "i, the sample's index among the prompt's samples (0-based)"),
+    "sample_seed": (
+        "int",
+        "seed of the sample's torch.Generator: `eval.spec.sample_seed(seed, prompt_id, i)`, the same under every method",
+    ),
+    "temperature": ("float", "sampling temperature (`generation.temperature`)"),
+    "top_p": ("float", "nucleus sampling threshold (`generation.top_p`)"),
+}
 STATUSES = ("ok", "oom", "error")
 
 _HASH_RE = re.compile(r"-([0-9a-f]{8})(?:\.|$)")

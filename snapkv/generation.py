@@ -1,9 +1,20 @@
-"""Greedy generation with KV-cache compression, timing and memory probes.
+"""Generation with KV-cache compression, timing and memory probes: greedy, or sampled with a seed.
 
 `generate()` is the one call the harness makes per sample. The prefill runs through the model's own
 attention (sdpa / flash / eager) with `logits_to_keep=1` (never full-sequence logits), optionally
 in chunks with explicit positions; each compressible layer is compressed right after its attention
-in the last prefill chunk. Decoding is a plain greedy loop with explicit `position_ids`.
+in the last prefill chunk. Decoding is one loop (`_decode`, shared by `generate_ids` and `answer`)
+with explicit `position_ids`; it picks each token greedily (argmax, the default) or samples it
+(`Sampling`: transformers' `TemperatureLogitsWarper` then `TopPLogitsWarper`, then
+`torch.multinomial` drawing from a `torch.Generator` seeded for that sample alone, never the global
+RNG), so a seed gives the same tokens under every method wherever the logits agree.
+
+Several samples of one prompt (`sample_ids` / `generate_samples`, one seed each): the prompt is
+prefilled and compressed once, the cache is `checkpoint()`ed once the whole prompt is in it, and
+each sample decodes from that checkpoint (`rollback()` before every sample but the first), its first
+token drawn from the prompt's last logits with its own generator. A sample's tokens are
+bit-identical to a fresh `generate_ids` run with its seed; its `prefill_s` is the shared prefill
+and `e2e_s` what one request would have taken (prefill + compression + its own decode).
 
 Progress: `on_progress(stage, done, total)` (a `ProgressCallback`, optional) reports where a sample
 is, for a caller's progress bar or log; the library prints nothing itself. Stages, in order:
@@ -41,7 +52,7 @@ from typing import Any, Protocol
 
 import psutil
 import torch
-from transformers import Cache
+from transformers import Cache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from snapkv import hooks
 from snapkv.cache import CompressedCache
@@ -74,6 +85,9 @@ class GenerationResult:
     evicted while decoding per KV head, summed over steps, mean over the compressible layers) and
     `kv_tokens_end` / `kv_tokens_end_per_layer`, the entries kept at the end of generation
     (same units as `kv_tokens`).
+
+    `e2e_s`: end to end, prefill + compression + every decode step (`ttft_s` + Σ `decode_s`; progress
+    callbacks excluded), the cost of a long generation's extra tokens included.
     """
 
     text: str
@@ -97,6 +111,7 @@ class GenerationResult:
     decode_evicted: float
     kv_tokens_end: float
     kv_tokens_end_per_layer: list[float]
+    e2e_s: float
     decode_s: list[float] = field(default_factory=list, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
@@ -313,6 +328,115 @@ def prefill(
     return out
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """Random sampling instead of greedy decoding: the logits `[batch, vocab]` (fp32) go through
+    transformers' `TemperatureLogitsWarper(temperature)` then `TopPLogitsWarper(top_p)` (nucleus
+    sampling, Holtzman et al. 2020, https://arxiv.org/abs/1904.09751; the tokens kept are those
+    `model.generate(do_sample=True, temperature=..., top_p=...)` keeps), and one token per row is
+    drawn by `torch.multinomial` from the sample's own `torch.Generator`.
+
+    temperature: > 0 (1.0: the model's distribution); top_p: in (0, 1] (1.0: no nucleus cut).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        t, p = self.temperature, self.top_p
+        if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+            raise ValueError(f"temperature must be a number > 0, got temperature={t!r}")
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1], got top_p={p!r}")
+
+    def processors(self) -> LogitsProcessorList:
+        """The warpers in transformers' order (temperature first); neutral values are left out, as
+        `model.generate` leaves them out."""
+        procs = LogitsProcessorList()
+        if self.temperature != 1.0:
+            procs.append(TemperatureLogitsWarper(float(self.temperature)))
+        if self.top_p < 1.0:
+            procs.append(TopPLogitsWarper(float(self.top_p)))
+        return procs
+
+
+class TokenPicker:
+    """Picks the next token from last-position logits `[batch, vocab]` -> `[batch]`: argmax without
+    `sampling`; else the `Sampling` warpers and a draw from a `torch.Generator` on `device` seeded
+    with `seed` (every sample its own generator: the global RNG is never touched, so other code
+    drawing random numbers cannot shift a sample's tokens)."""
+
+    def __init__(self, sampling: Sampling | None, seed: int | None, device: torch.device):
+        if sampling is not None and seed is None:
+            raise ValueError("sampling needs a seed per sample, got seed=None")
+        self.sampling = sampling
+        self.processors = sampling.processors() if sampling is not None else None
+        self.generator = None
+        if sampling is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(int(seed))
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.sampling is None:
+            return logits.argmax(-1)
+        # The warpers ignore input_ids (temperature and top-p read only the scores).
+        no_ids = torch.empty((logits.shape[0], 0), dtype=torch.long, device=logits.device)
+        scores = self.processors(no_ids, logits.float())
+        probs = torch.softmax(scores, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+
+
+@dataclass
+class Decoded:
+    """What one decode loop produced (`_decode`): the tokens `[batch]` in order, each step's seconds
+    after the first token, the kept logits, and whether every row stopped at a stop token."""
+
+    tokens: list[torch.Tensor]
+    steps: list[float]
+    logits: list[torch.Tensor] | None
+    eos: bool
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return torch.stack(self.tokens, dim=1)
+
+
+def _decode(
+    forward: Callable[[torch.Tensor], Any],
+    token: torch.Tensor,
+    pick: TokenPicker,
+    *,
+    max_new_tokens: int,
+    stop: torch.Tensor,
+    device: torch.device,
+    logits: list[torch.Tensor] | None = None,
+    on_token: Callable[[int], Any] | None = None,
+) -> Decoded:
+    """The decode loop of `generate_ids` and `answer`: from the first token `[batch]` (already
+    picked), feed each token and pick the next until every row has emitted a stop token or
+    `max_new_tokens` are out. Each step's timing covers the forward and the pick; `on_token(n)`
+    runs after step n, off the clock. `logits` (a list holding the first token's logits, or None)
+    receives each step's last-position logits (fp32, CPU)."""
+    finished = torch.zeros(token.shape[0], dtype=torch.bool, device=device)
+    generated = [token]
+    steps: list[float] = []
+    while len(generated) < max_new_tokens:
+        finished |= torch.isin(token, stop)
+        if bool(finished.all()):
+            break
+        t = _now(device)
+        out = forward(token[:, None])
+        token = pick(out.logits[:, -1])
+        steps.append(_now(device) - t)
+        generated.append(token)
+        if logits is not None:
+            logits.append(out.logits[:, -1].float().cpu())
+        if on_token is not None:
+            on_token(len(generated))
+    finished |= torch.isin(token, stop)
+    return Decoded(generated, steps, logits, bool(finished.all()))
+
+
 @torch.inference_mode()
 def generate_ids(
     model,
@@ -325,11 +449,14 @@ def generate_ids(
     stop_ids: set[int] | None = None,
     chunk_size: int | None = None,
     keep_logits: bool = False,
+    sampling: Sampling | None = None,
+    seed: int | None = None,
     on_progress: ProgressCallback | None = None,
     on_compressed: Callable[[CompressedCache], None] | None = None,
 ) -> tuple[torch.Tensor, GenerationResult]:
-    """Greedy generation from token ids `[batch, len]` (equal lengths, no padding; left-padded
-    batches: `with snapkv.apply(model, method): model.generate(ids, attention_mask=mask)`).
+    """Generation from token ids `[batch, len]` (equal lengths, no padding; left-padded
+    batches: `with snapkv.apply(model, method): model.generate(ids, attention_mask=mask)`): greedy,
+    or sampled with `sampling` and `seed` (`Sampling`, `TokenPicker`).
 
     query_aware=True: context + question are prefilled (and compressed) together; False: the context
     is prefilled and compressed alone, then the question is fed on the compressed cache.
@@ -339,6 +466,66 @@ def generate_ids(
     runs once, right after the prefill's compression (before any question or decode token is fed),
     also off the clock.
     """
+    ((ids, result),) = _generate(
+        model, context_ids, question_ids, method, [seed], query_aware=query_aware,
+        max_new_tokens=max_new_tokens, stop_ids=stop_ids, chunk_size=chunk_size, keep_logits=keep_logits,
+        sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
+    )  # fmt: skip
+    return ids, result
+
+
+@torch.inference_mode()
+def sample_ids(
+    model,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor | None = None,
+    method: Method | None = None,
+    *,
+    sampling: Sampling,
+    seeds: Sequence[int],
+    query_aware: bool = True,
+    max_new_tokens: int = 32,
+    stop_ids: set[int] | None = None,
+    chunk_size: int | None = None,
+    keep_logits: bool = False,
+    on_progress: ProgressCallback | None = None,
+    on_compressed: Callable[[CompressedCache], None] | None = None,
+) -> list[tuple[torch.Tensor, GenerationResult]]:
+    """`len(seeds)` samples of one prompt, one per seed, with one prefill + compression: each sample
+    decodes from a checkpoint of the cache taken once the prompt is in it (module doc). Sample i's
+    tokens equal `generate_ids(..., sampling=sampling, seed=seeds[i])`'s. Every result carries the
+    shared `prefill_s`, `peak_mem_bytes` (the peak over all samples) and kv_* sizes after
+    compression, and its own `ttft_s` (the prompt's forwards + its first draw), decode timings,
+    `e2e_s`, `kv_tokens_end` and eviction counts. Other arguments as `generate_ids`."""
+    if sampling is None:
+        raise ValueError("sample_ids needs a Sampling; greedy decoding is generate_ids")
+    if not seeds:
+        raise ValueError(f"sample_ids needs at least one seed, got seeds={list(seeds)!r}")
+    return _generate(
+        model, context_ids, question_ids, method, list(seeds), query_aware=query_aware,
+        max_new_tokens=max_new_tokens, stop_ids=stop_ids, chunk_size=chunk_size, keep_logits=keep_logits,
+        sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
+    )  # fmt: skip
+
+
+def _generate(
+    model,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor | None,
+    method: Method | None,
+    seeds: list[int | None],
+    *,
+    query_aware: bool,
+    max_new_tokens: int,
+    stop_ids: set[int] | None,
+    chunk_size: int | None,
+    keep_logits: bool,
+    sampling: Sampling | None,
+    on_progress: ProgressCallback | None,
+    on_compressed: Callable[[CompressedCache], None] | None,
+) -> list[tuple[torch.Tensor, GenerationResult]]:
+    """One prefill + compression, then one decode per seed (`generate_ids`: one seed, None when
+    greedy; `sample_ids`: several, from a checkpoint)."""
     method = method if method is not None else build_method("full")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={max_new_tokens}")
@@ -350,12 +537,12 @@ def generate_ids(
     if context_ids.shape[1] == 0:
         raise ValueError("empty prompt: the context has 0 tokens")
     input_tokens = context_ids.shape[1] + (question_ids.shape[1] if question_ids is not None else 0)
+    pickers = [TokenPicker(sampling, seed, device) for seed in seeds]  # checks the seeds first
 
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     kw = cache_kwarg(model)
     batch = context_ids.shape[0]
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
     def forward(ids: torch.Tensor):
         start = cache.get_seq_length()
@@ -379,6 +566,7 @@ def generate_ids(
         if end < context_len:
             paused += notify("prefill", end, input_tokens)
 
+    decoded: list[tuple[Decoded, float, list[float], list[float]]] = []
     with hooks.session(model, method, cache) as s, PeakMemory(device) as mem:
         notify("prefill", 0, input_tokens)
         t0 = _now(device)
@@ -396,55 +584,56 @@ def generate_ids(
         if question_ids is not None:
             paused += notify("prefill", context_len, input_tokens)
             out = forward(question_ids)
-        token = out.logits[:, -1].argmax(-1)
-        ttft_s = _now(device) - t0 - paused
-        notify("prefill", input_tokens, input_tokens)
-        notify("decode", 1, max_new_tokens)
-        logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
-        generated = [token]
-        steps: list[float] = []
-        while len(generated) < max_new_tokens:
-            finished |= torch.isin(token, stop)
-            if bool(finished.all()):
-                break
+        first_logits = out.logits[:, -1]
+        prompt_s = _now(device) - t0 - paused  # the prompt's forwards, up to its last logits
+        mark = cache.checkpoint() if len(pickers) > 1 else None  # off the clock: between samples
+        for i, pick in enumerate(pickers):
+            if i > 0:
+                cache.rollback(mark)
             t = _now(device)
-            out = forward(token[:, None])
-            token = out.logits[:, -1].argmax(-1)
-            steps.append(_now(device) - t)
-            generated.append(token)
-            if logits is not None:
-                logits.append(out.logits[:, -1].float().cpu())
-            notify("decode", len(generated), max_new_tokens)
-        finished |= torch.isin(token, stop)
-    ids = torch.stack(generated, dim=1)
-    kept_end = cache.kept_tokens()
-    evicted = [layer.decode_evicted for _, layer in cache.compressible_layers()]
-    result = GenerationResult(
-        text="",
-        output_ids=ids[0].tolist(),
-        input_tokens=input_tokens,
-        compressed=compressed,
-        kv_tokens=sum(kept) / len(kept) if kept else 0.0,
-        kv_tokens_per_layer=kept,
-        kv_bytes_full=kv_bytes_full,
-        kv_bytes=kv_bytes,
-        kv_bytes_logical=kv_bytes_logical,
-        prefill_s=prefill_s,
-        ttft_s=ttft_s,
-        tpot_s=statistics.median(steps) if steps else None,
-        peak_mem_bytes=int(mem.peak),
-        attn_impl=model.config._attn_implementation,
-        device=str(device),
-        new_tokens=ids.shape[1],
-        stop_reason="eos" if bool(finished.all()) else "length",
-        evicted_during_decode=any(n > 0 for n in evicted),
-        decode_evicted=sum(evicted) / len(evicted) if evicted else 0.0,
-        kv_tokens_end=sum(kept_end) / len(kept_end) if kept_end else 0.0,
-        kv_tokens_end_per_layer=kept_end,
-        decode_s=steps,
-        logits=logits,
-    )
-    return ids, result
+            token = pick(first_logits)
+            ttft_s = prompt_s + _now(device) - t
+            if i == 0:
+                notify("prefill", input_tokens, input_tokens)
+            notify("decode", 1, max_new_tokens)
+            logits = [first_logits.float().cpu()] if keep_logits else None
+            d = _decode(
+                forward, token, pick, max_new_tokens=max_new_tokens, stop=stop, device=device,
+                logits=logits, on_token=lambda n: notify("decode", n, max_new_tokens),
+            )  # fmt: skip
+            evicted = [layer.decode_evicted for _, layer in cache.compressible_layers()]
+            decoded.append((d, ttft_s, cache.kept_tokens(), evicted))
+    results = []
+    for d, ttft_s, kept_end, evicted in decoded:
+        ids = d.ids
+        result = GenerationResult(
+            text="",
+            output_ids=ids[0].tolist(),
+            input_tokens=input_tokens,
+            compressed=compressed,
+            kv_tokens=sum(kept) / len(kept) if kept else 0.0,
+            kv_tokens_per_layer=kept,
+            kv_bytes_full=kv_bytes_full,
+            kv_bytes=kv_bytes,
+            kv_bytes_logical=kv_bytes_logical,
+            prefill_s=prefill_s,
+            ttft_s=ttft_s,
+            tpot_s=statistics.median(d.steps) if d.steps else None,
+            peak_mem_bytes=int(mem.peak),
+            attn_impl=model.config._attn_implementation,
+            device=str(device),
+            new_tokens=ids.shape[1],
+            stop_reason="eos" if d.eos else "length",
+            evicted_during_decode=any(n > 0 for n in evicted),
+            decode_evicted=sum(evicted) / len(evicted) if evicted else 0.0,
+            kv_tokens_end=sum(kept_end) / len(kept_end) if kept_end else 0.0,
+            kv_tokens_end_per_layer=kept_end,
+            e2e_s=ttft_s + sum(d.steps),
+            decode_s=d.steps,
+            logits=d.logits,
+        )
+        results.append((ids, result))
+    return results
 
 
 @torch.inference_mode()
@@ -500,7 +689,7 @@ def compress_context(
 
 @dataclass
 class Answer:
-    """One question answered on a compressed cache (`answer`): the greedy tokens `[batch, new]`,
+    """One question answered on a compressed cache (`answer`): the tokens `[batch, new]`,
     each step's last-position logits `[batch, vocab]` (fp32, CPU; with `keep_logits`), why it
     stopped, and the bytes the rollback had kept alive beyond the cache (`rollback_bytes`: 0 unless
     decoding evicted or a sliding window rolled, see `CompressedCache.checkpoint`; 0 without a
@@ -526,13 +715,15 @@ def answer(
     stop_ids: set[int] | None = None,
     keep_logits: bool = False,
     rollback: bool = True,
+    sampling: Sampling | None = None,
+    seed: int | None = None,
 ) -> Answer:
     """Answer one question on a compressed context and leave the cache as it was.
 
     `cache` comes from `compress_context` (with the same `method`); `question_ids` `[batch, q]`
     (q >= 1; a padded batch's rows need no extra padding, each continues at its own position).
-    Takes `cache.checkpoint()` (replacing an earlier mark), feeds the question, decodes greedily
-    like `generate_ids(..., query_aware=False)` (the method may evict while decoding), then
+    Takes `cache.checkpoint()` (replacing an earlier mark), feeds the question, decodes (greedily, or
+    sampled with `sampling` and `seed`) like `generate_ids(..., query_aware=False)` (the method may evict while decoding), then
     `cache.rollback()`s, also when a forward raises.
 
     rollback=False: no checkpoint and no rollback; the question and every generated token but the
@@ -551,9 +742,8 @@ def answer(
     )
     kw = cache_kwarg(model)
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    pick = TokenPicker(sampling, seed, device)
     mark = cache.checkpoint() if rollback else None
-    steps: list[float] = []
     with hooks.session(model, method, cache) as s:
         s.phase = "decode"
 
@@ -573,27 +763,16 @@ def answer(
         try:
             t0 = _now(device)
             out = forward(question_ids)
-            token = out.logits[:, -1].argmax(-1)
+            token = pick(out.logits[:, -1])
             ttft_s = _now(device) - t0
             logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
-            generated = [token]
-            while len(generated) < max_new_tokens:
-                finished |= torch.isin(token, stop)
-                if bool(finished.all()):
-                    break
-                t = _now(device)
-                out = forward(token[:, None])
-                token = out.logits[:, -1].argmax(-1)
-                steps.append(_now(device) - t)
-                generated.append(token)
-                if logits is not None:
-                    logits.append(out.logits[:, -1].float().cpu())
-            finished |= torch.isin(token, stop)
+            d = _decode(
+                forward, token, pick, max_new_tokens=max_new_tokens, stop=stop, device=device, logits=logits
+            )
         finally:
             held = cache.rollback(mark) if mark is not None else 0
-    stop_reason = "eos" if bool(finished.all()) else "length"
-    tpot_s = statistics.median(steps) if steps else None
-    return Answer(torch.stack(generated, dim=1), logits, stop_reason, held, ttft_s, tpot_s)
+    tpot_s = statistics.median(d.steps) if d.steps else None
+    return Answer(d.ids, d.logits, "eos" if d.eos else "length", held, ttft_s, tpot_s)
 
 
 def generate(
@@ -610,15 +789,77 @@ def generate(
     stop_ids: set[int] | None = None,
     ignore_eos: bool = False,
     chunk_size: int | None = None,
+    sampling: Sampling | None = None,
+    seed: int | None = None,
     on_progress: ProgressCallback | None = None,
     on_compressed: Callable[[CompressedCache], None] | None = None,
 ) -> GenerationResult:
-    """Generate greedily from `prompt` (or `context` + `question`) with `method` compressing the KV cache.
+    """Generate from `prompt` (or `context` + `question`) with `method` compressing the KV cache:
+    greedily, or sampled with `sampling` and `seed`.
 
     Stop tokens: the model's EOS and the chat end-of-turn tokens (`ignore_eos=True` for speed runs).
     `on_progress(stage, done, total)`: told where generation is (module doc), never inside a timing;
     `on_compressed(cache)`: see `generate_ids`.
     """
+    (result,) = _generate_text(
+        model, tokenizer, prompt, context, question, method, [seed], query_aware=query_aware,
+        chat_template=chat_template, max_new_tokens=max_new_tokens, stop_ids=stop_ids, ignore_eos=ignore_eos,
+        chunk_size=chunk_size, sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
+    )  # fmt: skip
+    return result
+
+
+def generate_samples(
+    model,
+    tokenizer,
+    prompt: str | None = None,
+    *,
+    sampling: Sampling,
+    seeds: Sequence[int],
+    context: str | None = None,
+    question: str = "",
+    method: Method | str | None = None,
+    query_aware: bool = True,
+    chat_template: bool = True,
+    max_new_tokens: int = 32,
+    stop_ids: set[int] | None = None,
+    ignore_eos: bool = False,
+    chunk_size: int | None = None,
+    on_progress: ProgressCallback | None = None,
+    on_compressed: Callable[[CompressedCache], None] | None = None,
+) -> list[GenerationResult]:
+    """`len(seeds)` sampled generations of one prompt with one prefill + compression (`sample_ids`);
+    result i equals `generate(..., sampling=sampling, seed=seeds[i])`'s tokens and text."""
+    if sampling is None:
+        raise ValueError("generate_samples needs a Sampling; greedy decoding is generate")
+    if not seeds:
+        raise ValueError(f"generate_samples needs at least one seed, got seeds={list(seeds)!r}")
+    return _generate_text(
+        model, tokenizer, prompt, context, question, method, list(seeds), query_aware=query_aware,
+        chat_template=chat_template, max_new_tokens=max_new_tokens, stop_ids=stop_ids, ignore_eos=ignore_eos,
+        chunk_size=chunk_size, sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
+    )  # fmt: skip
+
+
+def _generate_text(
+    model,
+    tokenizer,
+    prompt: str | None,
+    context: str | None,
+    question: str,
+    method: Method | str | None,
+    seeds: list[int | None],
+    *,
+    query_aware: bool,
+    chat_template: bool,
+    max_new_tokens: int,
+    stop_ids: set[int] | None,
+    ignore_eos: bool,
+    chunk_size: int | None,
+    sampling: Sampling | None,
+    on_progress: ProgressCallback | None,
+    on_compressed: Callable[[CompressedCache], None] | None,
+) -> list[GenerationResult]:
     if prompt is not None and context is not None:
         raise ValueError("pass either prompt or context/question, not both")
     context = prompt if prompt is not None else context
@@ -628,20 +869,26 @@ def generate(
         method = build_method(method)
     head, tail = encode_prompt(tokenizer, context, question, chat_template)
     stops = set() if ignore_eos else (stop_ids if stop_ids is not None else stop_token_ids(model, tokenizer))
-    ids, result = generate_ids(
+    outputs = _generate(
         model,
         torch.tensor([head]),
         torch.tensor([tail]) if tail else None,
         method,
+        seeds,
         query_aware=query_aware,
         max_new_tokens=max_new_tokens,
         stop_ids=stops,
         chunk_size=chunk_size,
+        keep_logits=False,
+        sampling=sampling,
         on_progress=on_progress,
         on_compressed=on_compressed,
     )
-    out = ids[0].tolist()
-    if out and out[-1] in stops:
-        out = out[:-1]
-    result.text = tokenizer.decode(out, skip_special_tokens=True).strip()
-    return result
+    results = []
+    for ids, result in outputs:
+        out = ids[0].tolist()
+        if out and out[-1] in stops:
+            out = out[:-1]
+        result.text = tokenizer.decode(out, skip_special_tokens=True).strip()
+        results.append(result)
+    return results

@@ -236,7 +236,7 @@ def target_sha(answers: Sequence[str]) -> str:
 
 def sample_keys(rows: pd.DataFrame, by_content: bool | None = None) -> pd.Series:
     """Per row, a string identifying its sample across configs: `prompt_sha:target_sha` (by
-    content) or the JSON of `[task, dataset, sample_id]` (rows written before the hashes existed).
+    content; `:sample_seed` appended for sampled rows, so each seed pairs with the same seed) or the JSON of `[task, dataset, sample_id]` (rows written before the hashes existed).
 
     by_content None: by content when every row carries both hashes, else by id for all of them (a
     key of one kind never matches one of the other).
@@ -245,6 +245,9 @@ def sample_keys(rows: pd.DataFrame, by_content: bool | None = None) -> pd.Series
         by_content = has_content_hashes(rows)
     if by_content:
         keys = [f"{p}:{t}" for p, t in zip(rows["prompt_sha"], rows["target_sha"])]
+        if "sample_seed" in rows.columns:  # sampled rows: one per (prompt, seed), paired on the seed
+            seeds = rows["sample_seed"]
+            keys = [k if pd.isna(v) else f"{k}:{int(v)}" for k, v in zip(keys, seeds)]
     else:
         ids = zip(rows["task"], rows["dataset"], rows["sample_id"])
         keys = [canonical_json([str(t), str(d), str(s)]) for t, d, s in ids]

@@ -11,7 +11,7 @@ from test_report import SNAP, base_row, write
 
 from eval import paired
 from eval.report import build_report
-from eval.store import sha256_hex, target_sha
+from eval.store import sample_keys, sha256_hex, target_sha
 
 
 def test_mcnemar_is_scipys_binomial_test_of_the_discordant_pairs():
@@ -198,3 +198,18 @@ def test_longbench_rows_get_a_row_per_dataset_and_a_stratified_all(tmp_path):
     assert (table["test"] == "bootstrap").all() and list(table["n_shared"]) == [6, 6, 12]
     assert table["diff"].tolist() == pytest.approx([-5.0, -5.0, -5.0])
     assert (table["lo"] < table["diff"]).all() and (table["diff"] < table["hi"]).all()
+
+
+def test_sampled_rows_pair_on_their_seed():
+    """Several samples of one prompt share its content hashes; each pairs with the same seed."""
+    rows = pd.DataFrame(
+        {
+            "prompt_sha": ["p", "p", "p"],
+            "target_sha": ["t", "t", "t"],
+            "sample_seed": [11, 12, None],
+            "task": ["reasoning"] * 3,
+            "dataset": ["d"] * 3,
+            "sample_id": ["a#0", "a#1", "a"],
+        }
+    )
+    assert sample_keys(rows).tolist() == ["p:t:11", "p:t:12", "p:t"]

@@ -74,6 +74,9 @@ class GenerationResult:
     evicted while decoding per KV head, summed over steps, mean over the compressible layers) and
     `kv_tokens_end` / `kv_tokens_end_per_layer`, the entries kept at the end of generation
     (same units as `kv_tokens`).
+
+    `scoring_s`: seconds of the method's own pass after the prompt forward (KVzip's context
+    reconstruction, `Method.after_prefill`), part of `prefill_s` and `ttft_s`; ~0 for the others.
     """
 
     text: str
@@ -99,6 +102,7 @@ class GenerationResult:
     kv_tokens_end_per_layer: list[float]
     decode_s: list[float] = field(default_factory=list, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
+    scoring_s: float = 0.0
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "logits"}
@@ -288,7 +292,9 @@ def prefill(
 
     session: the open compression `Session`; its phase is "prefill" for every chunk but the last
     and "final" for the last (compression right after it), and the last chunk holds at least
-    `session.method.min_last_chunk` tokens (a shorter one merges into the one before).
+    `session.method.min_last_chunk` tokens (a shorter one merges into the one before); after the
+    last chunk the method's `after_prefill` runs on `ids` (`Session.after_prefill`; its wall time
+    in `cache.scoring_s`).
     on_chunk(start, end, output): called after each chunk's forward (offsets into `ids`).
     Returns the last chunk's model output (logits `[batch, 1, vocab]`).
     """
@@ -310,6 +316,8 @@ def prefill(
         )
         if on_chunk is not None:
             on_chunk(a, b, out)
+    if session is not None:
+        session.after_prefill(ids)
     return out
 
 
@@ -443,6 +451,7 @@ def generate_ids(
         kv_tokens_end_per_layer=kept_end,
         decode_s=steps,
         logits=logits,
+        scoring_s=cache.scoring_s,
     )
     return ids, result
 
@@ -493,6 +502,7 @@ def compress_context(
                 logits_to_keep=1,
                 **{kw: cache},
             )
+            s.after_prefill(context_ids)
             return cache
         prefill(model, context_ids, cache, session=s, chunk_size=chunk_size)
     return cache
@@ -626,7 +636,9 @@ def generate(
         raise ValueError("empty prompt: context is empty")
     if isinstance(method, str):
         method = build_method(method)
+    method = method if method is not None else build_method("full")
     head, tail = encode_prompt(tokenizer, context, question, chat_template)
+    method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, chat_template))
     stops = set() if ignore_eos else (stop_ids if stop_ids is not None else stop_token_ids(model, tokenizer))
     ids, result = generate_ids(
         model,

@@ -46,6 +46,11 @@ is protected. Scores are computed in fp32 with the model's own `scaling` (the or
 model dtype, `1/sqrt(head_dim)`). Kept entries stay in position order, as in both originals
 (they mask: the authors' boolean `valid` layout, kvpress's masked indices); attention does not
 depend on the order. Left-padded batches and `inputs_embeds` are refused.
+
+What is repeated is everything prefilled after the template prefix: with the question in the
+prompt (`query_aware`) the question and the template's tail are reconstructed too; the paper's
+setting is query-agnostic (`protocol=context_only` or the shared protocols, which compress the
+context alone).
 """
 
 from __future__ import annotations

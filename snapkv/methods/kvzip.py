@@ -274,7 +274,9 @@ class KVzip(Method):
             if start == prefix:
                 parts = [tensor(p.first)]
             else:
-                parts = [tensor(p.later), ids[:, max(start - self.carry, prefix) : start]]
+                # The previous chunk's last tokens (at most the whole previous chunk).
+                carried = ids[:, max(start - min(self.carry, self.repeat_chunk), prefix) : start]
+                parts = [tensor(p.later), carried]
             out.append((start, end, torch.cat([*parts, tensor(p.suffix), ids[:, start:end]], dim=1)))
         return out
 

@@ -42,6 +42,7 @@ from snapkv.cache import CompressedCache
 from snapkv.generation import (
     PeakMemory,
     answer,
+    chat_templated,
     compress_context,
     encode_prompt,
     generate,
@@ -224,12 +225,17 @@ class _Shared:
                 yield Outcome(s, fields=dict(self.shared), error=err)
 
     def compress(self, ids: list[int]) -> CompressedCache:
+        self.method.post_init_from_tokenizer(
+            self.tokenizer, chat_templated(self.tokenizer, self.chat_template)
+        )
         with PeakMemory(self.device) as mem:
             t0 = _clock(self.device)
             cache = compress_context(self.model, torch.tensor([ids]), self.method, chunk_size=self.chunk_size)
             seconds = _clock(self.device) - t0
         self.peak = int(mem.peak)
-        self.shared.update(_cache_fields(cache), context_prefill_s=seconds, prefill_s=seconds)
+        self.shared.update(
+            _cache_fields(cache), context_prefill_s=seconds, prefill_s=seconds, scoring_s=cache.scoring_s
+        )
         return cache
 
     def ask(self, cache: CompressedCache, s: Sample, ids: list[int], rollback: bool):

@@ -105,6 +105,10 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
         "float",
         "the context's prefill + compression, on every question's row (= prefill_s; shared once by `questions_in_context` questions in the shared protocols)",
     ),
+    "scoring_s": (
+        "float | null",
+        "seconds of the method's own pass after the prompt forward (KVzip's context reconstruction), included in prefill_s and context_prefill_s; ~0 for methods without one; null in rows written before it existed",
+    ),
     "ttft_s": ("float", "time to first token, seconds (shared protocols: from feeding the question)"),
     "tpot_s": ("float", "median time per output token after the first, seconds"),
     "new_tokens": ("int", "tokens generated (the stop token included when generation stopped at one)"),

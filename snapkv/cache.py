@@ -401,6 +401,8 @@ class CompressedCache(DynamicCache):
         self._mark: CacheMark | None = None
         # Bytes the last `rollback()` had kept alive beyond the cache (for result rows).
         self.rollback_bytes = 0
+        # Seconds of the method's own pass after the prefill (`Method.after_prefill`, KVzip).
+        self.scoring_s = 0.0
 
     # ---- compress once, ask many -----------------------------------------------------------------
     def checkpoint(self) -> CacheMark:
@@ -452,6 +454,14 @@ class CompressedCache(DynamicCache):
                 layer_mark.rollback(layer)
         self.rollback_bytes = held
         return held
+
+    def release(self) -> None:
+        """Drop the current mark (if any): nothing more is kept for a rollback, and a later eviction
+        copies nothing (a method that checkpoints for its own pass, KVzip, releases before pruning)."""
+        for layer in self.layers:
+            if isinstance(layer, CompressibleLayer):
+                layer._mark = None
+        self._mark = None
 
     def mark_bytes(self) -> int:
         """Bytes the current mark keeps alive that the cache itself does not hold (0 without a mark;

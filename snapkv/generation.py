@@ -88,6 +88,8 @@ class GenerationResult:
 
     `e2e_s`: end to end, prefill + compression + every decode step (`ttft_s` + Σ `decode_s`; progress
     callbacks excluded), the cost of a long generation's extra tokens included.
+    `scoring_s`: seconds of the method's own pass after the prompt forward (KVzip's context
+    reconstruction, `Method.after_prefill`), part of `prefill_s` and `ttft_s`; ~0 for the others.
     """
 
     text: str
@@ -114,6 +116,7 @@ class GenerationResult:
     e2e_s: float
     decode_s: list[float] = field(default_factory=list, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
+    scoring_s: float = 0.0
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "logits"}
@@ -303,7 +306,9 @@ def prefill(
 
     session: the open compression `Session`; its phase is "prefill" for every chunk but the last
     and "final" for the last (compression right after it), and the last chunk holds at least
-    `session.method.min_last_chunk` tokens (a shorter one merges into the one before).
+    `session.method.min_last_chunk` tokens (a shorter one merges into the one before); after the
+    last chunk the method's `after_prefill` runs on `ids` (`Session.after_prefill`; its wall time
+    in `cache.scoring_s`).
     on_chunk(start, end, output): called after each chunk's forward (offsets into `ids`).
     Returns the last chunk's model output (logits `[batch, 1, vocab]`).
     """
@@ -325,6 +330,8 @@ def prefill(
         )
         if on_chunk is not None:
             on_chunk(a, b, out)
+    if session is not None:
+        session.after_prefill(ids)
     return out
 
 
@@ -631,6 +638,7 @@ def _generate(
             e2e_s=ttft_s + sum(d.steps),
             decode_s=d.steps,
             logits=d.logits,
+            scoring_s=cache.scoring_s,
         )
         results.append((ids, result))
     return results
@@ -682,6 +690,7 @@ def compress_context(
                 logits_to_keep=1,
                 **{kw: cache},
             )
+            s.after_prefill(context_ids)
             return cache
         prefill(model, context_ids, cache, session=s, chunk_size=chunk_size)
     return cache
@@ -867,7 +876,9 @@ def _generate_text(
         raise ValueError("empty prompt: context is empty")
     if isinstance(method, str):
         method = build_method(method)
+    method = method if method is not None else build_method("full")
     head, tail = encode_prompt(tokenizer, context, question, chat_template)
+    method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, chat_template))
     stops = set() if ignore_eos else (stop_ids if stop_ids is not None else stop_token_ids(model, tokenizer))
     outputs = _generate(
         model,

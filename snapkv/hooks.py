@@ -23,6 +23,7 @@ import functools
 import inspect
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -46,7 +47,8 @@ class Session:
 
     `phase`: "auto" (a layer's first forward is its whole prefill: `model.generate`), "prefill"
     (a non-final chunk of a chunked prefill: observe only), "final" (the last prefill chunk:
-    compress after it), "decode".
+    compress after it), "decode", "score" (a method's own pass after the prefill, `after_prefill`:
+    the attention calls reach only `method.observe`; the method restores the cache after it).
     """
 
     def __init__(self, model, method: Method, cache: CompressedCache | None = None):
@@ -57,6 +59,8 @@ class Session:
         # The current forward's 2-D padding mask `[batch, length]` (None: no padding), set by
         # `apply` from the forward's `attention_mask` (see snapkv.padding).
         self.padding: torch.Tensor | None = None
+        # `apply`: whether the current forward is the one that prefills the cache.
+        self.prefilling = False
         method.post_init_from_model(model)
 
     # Called by the attention wrapper, after the layer's attention ran.
@@ -91,6 +95,28 @@ class Session:
             evicted = (before - layer.row_entries()).double().mean()
             layer.decode_evicted += float(evicted)
 
+    def after_prefill(self, ids: torch.Tensor) -> None:
+        """Run `method.after_prefill` on the prefilled prompt `ids` `[batch, n]` (phase "score"
+        meanwhile) and record its wall time (device synchronized) as `cache.scoring_s`."""
+        model, cache = self.model, self.cache
+        kw = cache_kwarg(model)
+        batch = ids.shape[0]
+
+        def forward(new_ids: torch.Tensor):
+            start = cache.get_seq_length()
+            new_ids = new_ids.to(model.device)
+            pos = torch.arange(start, start + new_ids.shape[1], device=model.device)
+            pos = pos.unsqueeze(0).expand(batch, -1)
+            return model(input_ids=new_ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
+
+        phase, self.phase = self.phase, "score"
+        t0 = _clock(model.device)
+        try:
+            self.method.after_prefill(ids, cache, forward)
+        finally:
+            self.phase = phase
+        cache.scoring_s = _clock(model.device) - t0
+
     def note_padding(self, layer: CompressibleLayer, q: int) -> None:
         """Record the prompt's left padding on `layer` (its first forward) from the current
         forward's 2-D mask; ValueError for padding anywhere else (see snapkv.padding)."""
@@ -117,6 +143,12 @@ class Session:
             return None
         layer = cache.layers[idx]
         return layer if isinstance(layer, CompressibleLayer) else None
+
+
+def _clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _fix_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, impl: str):
@@ -216,7 +248,10 @@ def _make_wrapper(impl: str, original):
                 else:
                     attention_mask = _fix_mask(attention_mask, query, key, impl)
                 out = fn(module, query, key, value, attention_mask, *args, **kwargs)
-        session.after_attention(module, layer, query, key)
+        if session.phase == "score":  # the method's own pass (rolled back by the method): observed only
+            session.method.observe(layer, query, key, module)
+        else:
+            session.after_attention(module, layer, query, key)
         return out
 
     wrapped.__snapkv_wrapper__ = True
@@ -288,8 +323,9 @@ def apply(model, method: Method) -> Iterator[Session]:
     """Apply `method` to `model.generate` (and direct forwards given a `CompressedCache`).
 
     `model.generate(...)` inside the block gets a fresh `CompressedCache` unless one is passed;
-    its prefill forward compresses each layer, later forwards decode (and evict, for methods that
-    do). Positions stay original, so generate's own position bookkeeping is right.
+    its prefill forward compresses each layer (then `method.after_prefill` runs on the forward's
+    `input_ids`), later forwards decode (and evict, for methods that do). Positions stay original,
+    so generate's own position bookkeeping is right.
     """
     method.check_model_generate()
     kw = cache_kwarg(model)
@@ -311,6 +347,19 @@ def apply(model, method: Method) -> Iterator[Session]:
                 )
             has_pads = isinstance(mask, torch.Tensor) and not bool(mask.bool().all())
             s.padding = mask if has_pads else None
+            # The forward that prefills the cache: some compressible layer has not seen a token yet.
+            s.prefilling = cache is not None and any(
+                layer.state == "empty" for _, layer in cache.compressible_layers()
+            )
+
+        def after(mod, args, kwargs, output):
+            if not s.prefilling or s.phase == "score":
+                return
+            s.prefilling = False
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            if not isinstance(ids, torch.Tensor):
+                raise ValueError(f"method {method.name!r} needs the prompt's input_ids, got inputs_embeds")
+            s.after_prefill(ids)
 
         @functools.wraps(original_generate)
         def generate(*args, **kwargs):
@@ -319,9 +368,11 @@ def apply(model, method: Method) -> Iterator[Session]:
             return original_generate(*args, **kwargs)
 
         handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+        done = model.register_forward_hook(after, with_kwargs=True)
         model.generate = generate
         try:
             yield s
         finally:
             handle.remove()
+            done.remove()
             del model.generate  # back to the class's method

@@ -57,6 +57,14 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
     ("tova", dict(budget=40, evict_during_decode=False, keep_last=True)),  # kvpress' TOVAPress
     ("knorm", dict(budget=40)),
     ("knorm", dict(budget=40, skip_layers=[0], prune_after=50, evict_during_decode=True)),
+    # Without a tokenizer the reconstruction inputs are the carried tokens and the chunk alone.
+    ("kvzip", dict(budget=40, repeat_chunk=32)),  # the authors': threshold over all layers and heads
+    (
+        "kvzip",
+        dict(budget=40, selection="global", layout="padded", n_sink=4, prompt="kvpress", repeat_chunk=48),
+    ),
+    ("kvzip", dict(budget=40, selection="layer", kvzip_plus=True)),
+    ("kvzip", dict(budget=40, selection="head", carry=0, repeat_chunk=20)),
     # 88 prefix positions: 17 chunks of 5 and a trailing one of 3; 6 chunks + the window kept.
     ("chunkkv", dict(budget=40, window=W, kernel_size=5, chunk_length=5)),
     (
@@ -72,7 +80,7 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
 NOT_SWITCHES = {
     "budget", "window", "kernel_size", "recent", "recent_ratio", "beta", "alpha", "block_size", "n_sink",
     "span", "n_future_positions", "epsilon", "first_stage_ratio", "skip_layers", "prune_after",
-    "chunk_length", "reuse_layers",
+    "chunk_length", "reuse_layers", "repeat_chunk", "carry",
 }  # fmt: skip
 SWITCHES_TESTED_ELSEWHERE = {("streamingllm", "positions"): "test_streamingllm_compacted_*"}
 

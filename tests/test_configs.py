@@ -159,6 +159,14 @@ def test_method_parameters_from_the_command_line(name):
             "method.chunk_score=mean",
             "method.reuse_layers=2",
         ],
+        "kvzip": [
+            "budget=256",
+            "method.selection=global",
+            "method.n_sink=4",
+            "method.prompt=kvpress",
+            "method.repeat_chunk=2048",
+            "method.kvzip_plus=true",
+        ],
     }[name]
     cfg = compose_cfg([f"method={name}", *overrides])
     method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))

@@ -28,6 +28,7 @@ from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
 from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS
 from snapkv.methods.chunkkv import CHUNK_SCORES
 from snapkv.methods.criticalkv import CRITICAL_BASES
+from snapkv.methods.kvzip import REPEAT_PROMPTS, SELECTIONS
 from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS
 from snapkv.rope import rerotate
 
@@ -52,6 +53,8 @@ def test_catalogue_covers_every_method_and_switch():
         ("criticalkv", "normalize"): NORMALIZE,
         ("criticalkv", "base"): CRITICAL_BASES,
         "chunk_score": CHUNK_SCORES,
+        "selection": SELECTIONS,
+        ("kvzip", "prompt"): tuple(REPEAT_PROMPTS),
     }
     assert {name for name, _ in CATALOGUE} == set(METHODS)
     covered: dict[str, set] = {}

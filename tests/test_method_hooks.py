@@ -121,3 +121,47 @@ def test_no_attribute_probing_of_methods_or_cache_layers_in_generic_code(path):
 def test_layer_declares_what_the_hooks_read():
     layer = CompressibleLayer()
     assert layer.per_head is False and layer.method_state is None
+
+
+@dataclass
+class _PassProbe(Method):
+    """Test-only method whose `after_prefill` runs a pass over the model and rolls it back."""
+
+    name = "pass_probe"
+    budget: int | None = None
+
+    calls = ()  # prompt lengths after_prefill saw (not fields)
+    observed = ()  # (layer, queries, keys) of the attention calls during the pass
+    _in_pass = False
+
+    def after_prefill(self, ids, cache, forward) -> None:
+        mark = cache.checkpoint()
+        self._in_pass = True
+        try:
+            forward(ids[:, :5])
+        finally:
+            self._in_pass = False
+        cache.rollback(mark)
+        cache.release()
+        self.calls = (*self.calls, ids.shape[1])
+
+    def observe(self, layer, query, key, module) -> None:
+        if self._in_pass:
+            self.observed = (*self.observed, (layer.index, query.shape[2], key.shape[2]))
+
+
+def test_after_prefill_pass_reaches_observe_only_and_is_timed_on_every_entry_point():
+    model = tiny_model("llama")
+    ids = random_ids(40)
+    want, _ = generate_ids(model, ids, None, snapkv.build_method("full"), max_new_tokens=4)
+    method = _PassProbe()
+    out, res = generate_ids(model, ids, None, method, max_new_tokens=4)
+    assert torch.equal(out, want)  # the pass left the cache as the prefill did
+    assert method.calls == (40,) and res.scoring_s > 0
+    assert method.observed == tuple((i, 5, 45) for i in range(model.config.num_hidden_layers))
+    cache = snapkv.compress_context(model, ids, method)
+    assert method.calls == (40, 40) and cache.scoring_s > 0 and cache.get_seq_length() == 40
+    with snapkv.apply(model, method), torch.no_grad():
+        gen = model.generate(ids, max_new_tokens=4, do_sample=False)
+    assert method.calls == (40, 40, 40)  # once, after the prefill forward
+    assert torch.equal(gen[:, 40:], want)

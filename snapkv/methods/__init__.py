@@ -9,6 +9,7 @@ from snapkv.methods import (  # noqa: F401  (registration)
     full,
     h2o,
     knorm,
+    kvzip,
     pyramidkv,
     snapkv,
     streamingllm,

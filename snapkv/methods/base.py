@@ -61,6 +61,21 @@ class Method:
     def check_model_generate(self) -> None:
         """ValueError if the method cannot run inside `model.generate` (`snapkv.apply`)."""
 
+    def post_init_from_tokenizer(self, tokenizer, chat_template: bool) -> None:
+        """Called by `snapkv.generate` and the shared protocols before a prompt built with
+        `tokenizer` is prefilled (`chat_template`: whether prompts go through its chat template): a
+        method whose own pass feeds text (KVzip's repeat prompt) tokenizes it here. Token-id entry
+        points (`generate_ids`, `compress_context`) do not call it."""
+
+    def after_prefill(self, ids: torch.Tensor, cache, forward) -> None:
+        """Called once the whole prompt `ids` `[batch, n]` is in `cache` (every compressible layer
+        through `compress_prefill`), before anything else is fed: a method that selects from a
+        further pass over the model (KVzip's context reconstruction) runs it here, through
+        `forward(new_ids)` (the model on `new_ids` `[batch, m]` at the next positions; its attention
+        calls reach only `observe`, the session's phase being "score"), restores the cache
+        (`cache.checkpoint()` / `rollback()`) and prunes. The pass's wall time is recorded as
+        `cache.scoring_s`."""
+
     @property
     def min_last_chunk(self) -> int:
         """Tokens the last prefill chunk must hold (SnapKV-style scores: the observation window);

@@ -49,9 +49,10 @@ CRITICAL_BASES = ("snapkv", "pyramidkv", "adakv")
 BLOCK_BYTES = 64 * 2**20
 
 
-def output_projections(model) -> dict[int, torch.Tensor]:
+def output_projections(model, method: str = "criticalkv") -> dict[int, torch.Tensor]:
     """Each attention layer's output projection weight `[hidden, heads * head_dim]` by layer index
-    (the modules with a `layer_idx` and an `o_proj` linear layer). ValueError if there are none."""
+    (the modules with a `layer_idx` and an `o_proj` linear layer). ValueError (naming `method`) if
+    there are none."""
     found: dict[int, torch.Tensor] = {}
     for module in model.modules():
         idx, proj = getattr(module, "layer_idx", None), getattr(module, "o_proj", None)
@@ -61,7 +62,7 @@ def output_projections(model) -> dict[int, torch.Tensor]:
             found[idx] = proj.weight
     if not found:
         raise ValueError(
-            f"criticalkv needs each attention layer's output projection (`o_proj`); "
+            f"{method} needs each attention layer's output projection (`o_proj`); "
             f"{type(model).__name__} has none"
         )
     return found

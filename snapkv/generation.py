@@ -73,7 +73,10 @@ class GenerationResult:
     shorter than the budget has grown past it): `evicted_during_decode`, `decode_evicted` (entries
     evicted while decoding per KV head, summed over steps, mean over the compressible layers) and
     `kv_tokens_end` / `kv_tokens_end_per_layer`, the entries kept at the end of generation
-    (same units as `kv_tokens`).
+    (same units as `kv_tokens`). `decode_compressions`: scheduled compressions performed while
+    decoding (`Method.decode_schedule`); `kv_entries_peak` / `kv_entries_mean`: the largest / mean
+    entries per KV head the forwards after the prefill attended to (same units; None when no
+    forward followed the prefill). See `CompressedCache.decode_stats`.
     """
 
     text: str
@@ -97,6 +100,9 @@ class GenerationResult:
     decode_evicted: float
     kv_tokens_end: float
     kv_tokens_end_per_layer: list[float]
+    decode_compressions: int = 0
+    kv_entries_peak: float | None = None
+    kv_entries_mean: float | None = None
     decode_s: list[float] = field(default_factory=list, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
 
@@ -419,6 +425,7 @@ def generate_ids(
     ids = torch.stack(generated, dim=1)
     kept_end = cache.kept_tokens()
     evicted = [layer.decode_evicted for _, layer in cache.compressible_layers()]
+    compressions, entries_peak, entries_mean = cache.decode_stats()
     result = GenerationResult(
         text="",
         output_ids=ids[0].tolist(),
@@ -441,6 +448,9 @@ def generate_ids(
         decode_evicted=sum(evicted) / len(evicted) if evicted else 0.0,
         kv_tokens_end=sum(kept_end) / len(kept_end) if kept_end else 0.0,
         kv_tokens_end_per_layer=kept_end,
+        decode_compressions=compressions,
+        kv_entries_peak=entries_peak,
+        kv_entries_mean=entries_mean,
         decode_s=steps,
         logits=logits,
     )

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_ids, tiny_model
-from method_catalogue import CATALOGUE, NOT_SWITCHES, SWITCHES_TESTED_ELSEWHERE, catalogue, ids
+from method_catalogue import (
+    CATALOGUE,
+    NOT_SCHEDULABLE,
+    NOT_SWITCHES,
+    SWITCHES_TESTED_ELSEWHERE,
+    catalogue,
+    ids,
+)
 from reference import (
     eager_attentions,
     masked_reference_logits,
@@ -54,6 +61,9 @@ def test_catalogue_covers_every_method_and_switch():
         "chunk_score": CHUNK_SCORES,
     }
     assert {name for name, _ in CATALOGUE} == set(METHODS)
+    # Every method that takes a decode schedule runs one (the schedule is on in some entry).
+    scheduled = {name for name, params in CATALOGUE if (params.get("decode_schedule") or {}).get("interval")}
+    assert scheduled == set(METHODS) - NOT_SCHEDULABLE, "add a scheduled entry (SCHEDULED) or NOT_SCHEDULABLE"
     covered: dict[str, set] = {}
     for name, params in CATALOGUE:
         method = build_method(name, **params)

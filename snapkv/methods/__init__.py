@@ -10,7 +10,9 @@ from snapkv.methods import (  # noqa: F401  (registration)
     h2o,
     knorm,
     pyramidkv,
+    rkv,
     snapkv,
+    snapkv_d,
     streamingllm,
     tova,
 )

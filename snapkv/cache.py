@@ -133,8 +133,8 @@ class CompressibleLayer(DynamicLayer):
         self.window_queries: torch.Tensor | None = None
         self.since_schedule = 0
         self.decode_compressions: list[int] = []
-        # Entries per KV head each forward after the prefill attended to (`kept_per_head`).
-        self.decode_entries: list[float] = []
+        # Entries per KV head each forward after the prefill attended to (`entries_now`).
+        self.decode_entries: list[float | torch.Tensor] = []
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a new tensor:
@@ -171,6 +171,13 @@ class CompressibleLayer(DynamicLayer):
         `snapkv.headwise`, overrides it)."""
         pads = 0.0 if self.pads is None else float(self.pads.double().mean())
         return float(self.stored) - pads
+
+    def entries_now(self) -> float | torch.Tensor:
+        """`kept_per_head` without a device sync: a float, or a 0-d tensor on the layer's device
+        where pads are counted (read after generation, `CompressedCache.decode_stats`)."""
+        if self.pads is None:
+            return float(self.stored)
+        return self.stored - self.pads.double().mean()
 
     def row_entries(self) -> torch.Tensor:
         """Real entries per KV head in each batch row `[batch]` (int64)."""
@@ -554,7 +561,7 @@ class CompressedCache(DynamicCache):
         layers; None without any forward after the prefill)."""
         layers = [layer for _, layer in self.compressible_layers()]
         steps = {seen for layer in layers for seen in layer.decode_compressions}
-        per_step = [sum(v) / len(v) for v in zip(*(layer.decode_entries for layer in layers))]
+        per_step = [sum(map(float, v)) / len(v) for v in zip(*(layer.decode_entries for layer in layers))]
         if not per_step:
             return len(steps), None, None
         return len(steps), max(per_step), sum(per_step) / len(per_step)

@@ -157,6 +157,11 @@ class HeadwiseLayer(CompressibleLayer):
             return super().kept_per_head
         return float(self.lengths.double().mean())
 
+    def entries_now(self) -> float | torch.Tensor:
+        if not self.per_head:
+            return super().entries_now()
+        return self.lengths.double().mean()
+
     def logical_bytes(self) -> int:
         if not self.per_head:
             return super().logical_bytes()

@@ -83,7 +83,7 @@ class Session:
                 method.compress_prefill(layer, query, key, module)
             layer.state = "ready"
         else:
-            layer.decode_entries.append(layer.kept_per_head)  # what this forward attended to
+            layer.decode_entries.append(layer.entries_now())  # what this forward attended to
             if scheduled:
                 self.scheduled_step(module, layer, query.shape[2])
             if not method.evicts_during_decode:

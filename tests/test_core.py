@@ -256,7 +256,9 @@ def test_apply_context_manager_matches_own_loop(name, params):
     model = tiny_model("llama")
     ids = random_ids(PROMPT)
     method = build_method(name, **params)
-    own, _ = generate_ids(model, ids, None, method, max_new_tokens=NEW)
+    # model.generate stops at the model's EOS token: the own loop does too.
+    eos = {model.generation_config.eos_token_id}
+    own, _ = generate_ids(model, ids, None, method, max_new_tokens=NEW, stop_ids=eos)
     with snapkv.apply(model, method), torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out[:, ids.shape[1] :], own)

@@ -137,11 +137,12 @@ class CompressibleLayer(DynamicLayer):
         self.decode_entries: list[float | torch.Tensor] = []
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
-        """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a new tensor:
-        a checkpoint may hold the previous one)."""
+        """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
+        of a prefill chunk's queries would keep the whole chunk alive; a new tensor each time: a
+        checkpoint may hold the previous one)."""
         old = self.window_queries
         queries = query if old is None else torch.cat([old, query], dim=2)
-        self.window_queries = queries[:, :, -window:]
+        self.window_queries = queries[:, :, -window:].clone()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)

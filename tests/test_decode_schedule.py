@@ -229,3 +229,13 @@ def test_every_scheduled_catalogue_entry_compresses_while_decoding(name, params)
         tiny_model("llama"), random_ids(96), None, build_method(name, **params), max_new_tokens=8
     )
     assert res.compressed and res.decode_compressions >= 1 and res.evicted_during_decode
+
+
+def test_window_queries_do_not_keep_the_prompt_queries_alive():
+    model = tiny_model("llama")
+    method = build_method("snapkv", budget=BUDGET, window=8, decode_schedule=dict(interval=4))
+    cache = compress_context(model, random_ids(PROMPT), method)
+    for _, layer in cache.compressible_layers():
+        q = layer.window_queries
+        assert q.shape[2] == 8
+        assert q.untyped_storage().nbytes() == q.numel() * q.element_size()  # its own storage

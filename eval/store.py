@@ -93,6 +93,18 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
         "float",
         "mean KV entries per layer and head at the end of generation (null where a rollback follows the answer)",
     ),
+    "decode_compressions": (
+        "int | null",
+        "scheduled compressions while decoding (`method.decode_schedule`; 0 without one; null in the shared protocols)",
+    ),
+    "kv_entries_peak": (
+        "float | null",
+        "largest KV entries per head a forward after the prefill attended to, mean over compressible layers (null: no such forward, or a shared protocol)",
+    ),
+    "kv_entries_mean": (
+        "float | null",
+        "mean over the forwards after the prefill of the KV entries per head they attended to (same units as kv_entries_peak)",
+    ),
     "rollback_bytes": (
         "int | null",
         "bytes the checkpoint kept alive beyond the cache for the rollback after this question (null: no rollback)",

@@ -48,6 +48,10 @@ class LayerMark:
             last_kept=layer.last_kept,
             softcap=layer.softcap,
             sinks=layer.sinks,
+            window_queries=layer.window_queries,
+            since_schedule=layer.since_schedule,
+            decode_compressions=tuple(layer.decode_compressions),
+            decode_entries=tuple(layer.decode_entries),
         )
         self.method_state = copy.deepcopy(layer.method_state)
         self.has_scores = layer.scores is not None
@@ -89,6 +93,8 @@ class CompressibleLayer(DynamicLayer):
     # Whether heads store different numbers of entries (`snapkv.headwise.HeadwiseLayer`, Ada-KV):
     # the attention wrapper then lets the layer attend over its own layout.
     per_head = False
+    # Whether entries can be evicted again after a compression (per-head storage cannot).
+    evicts_after_compression = True
 
     def __init__(self, index: int = 0, num_layers: int = 1, decode_eviction: bool = True, **kwargs):
         super().__init__()
@@ -121,6 +127,22 @@ class CompressibleLayer(DynamicLayer):
         self.softcap: float | None = None
         self.sinks: torch.Tensor | None = None
         self.decode_evicted = 0.0
+        # Decode schedules (`Method.decode_schedule`): the latest queries `[batch, heads, window,
+        # head_dim]` (prompt and generated tokens), tokens fed since the prefill or the last
+        # scheduled step, and `seen` at each scheduled compression that pruned this layer.
+        self.window_queries: torch.Tensor | None = None
+        self.since_schedule = 0
+        self.decode_compressions: list[int] = []
+        # Entries per KV head each forward after the prefill attended to (`entries_now`).
+        self.decode_entries: list[float | torch.Tensor] = []
+
+    def remember_queries(self, query: torch.Tensor, window: int) -> None:
+        """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
+        of a prefill chunk's queries would keep the whole chunk alive; a new tensor each time: a
+        checkpoint may hold the previous one)."""
+        old = self.window_queries
+        queries = query if old is None else torch.cat([old, query], dim=2)
+        self.window_queries = queries[:, :, -window:].clone()
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -150,6 +172,13 @@ class CompressibleLayer(DynamicLayer):
         `snapkv.headwise`, overrides it)."""
         pads = 0.0 if self.pads is None else float(self.pads.double().mean())
         return float(self.stored) - pads
+
+    def entries_now(self) -> float | torch.Tensor:
+        """`kept_per_head` without a device sync: a float, or a 0-d tensor on the layer's device
+        where pads are counted (read after generation, `CompressedCache.decode_stats`)."""
+        if self.pads is None:
+            return float(self.stored)
+        return self.stored - self.pads.double().mean()
 
     def row_entries(self) -> torch.Tensor:
         """Real entries per KV head in each batch row `[batch]` (int64)."""
@@ -248,6 +277,9 @@ class CompressibleLayer(DynamicLayer):
         self.compressed, self.compacted = a["compressed"], a["compacted"]
         self.pads, self.prompt_pads, self.last_kept = a["pads"], a["prompt_pads"], a["last_kept"]
         self.softcap, self.sinks = a["softcap"], a["sinks"]
+        self.window_queries, self.since_schedule = a["window_queries"], a["since_schedule"]
+        self.decode_compressions = list(a["decode_compressions"])
+        self.decode_entries = list(a["decode_entries"])
         self.method_state = copy.deepcopy(mark.method_state)
 
     def _crop_to(self, mark: LayerMark) -> None:
@@ -270,6 +302,9 @@ class CompressibleLayer(DynamicLayer):
         self.compressed = self.compacted = False
         self.pads = self.prompt_pads = None
         self.decode_evicted = 0.0
+        self.window_queries = None
+        self.since_schedule = 0
+        self.decode_compressions, self.decode_entries = [], []
         self.method_state = None
         self.shared.clear()
 
@@ -529,6 +564,18 @@ class CompressedCache(DynamicCache):
                 continue
             total += 2 * b * h * length * d * keys.element_size()
         return total
+
+    def decode_stats(self) -> tuple[int, float | None, float | None]:
+        """(scheduled compressions, peak, mean) of the forwards since the prefill: the number of
+        scheduled steps (`Method.decode_schedule`) at which some layer was pruned, and the largest /
+        mean number of entries per KV head a forward attended to (mean over the compressible
+        layers; None without any forward after the prefill)."""
+        layers = [layer for _, layer in self.compressible_layers()]
+        steps = {seen for layer in layers for seen in layer.decode_compressions}
+        per_step = [sum(map(float, v)) / len(v) for v in zip(*(layer.decode_entries for layer in layers))]
+        if not per_step:
+            return len(steps), None, None
+        return len(steps), max(per_step), sum(per_step) / len(per_step)
 
     def kept_tokens(self) -> list[float]:
         """Entries kept per KV head in each compressible layer (the mean over heads and batch rows

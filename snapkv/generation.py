@@ -84,7 +84,10 @@ class GenerationResult:
     shorter than the budget has grown past it): `evicted_during_decode`, `decode_evicted` (entries
     evicted while decoding per KV head, summed over steps, mean over the compressible layers) and
     `kv_tokens_end` / `kv_tokens_end_per_layer`, the entries kept at the end of generation
-    (same units as `kv_tokens`).
+    (same units as `kv_tokens`). `decode_compressions`: scheduled compressions performed while
+    decoding (`Method.decode_schedule`); `kv_entries_peak` / `kv_entries_mean`: the largest / mean
+    entries per KV head the forwards after the prefill attended to (same units; None when no
+    forward followed the prefill). See `CompressedCache.decode_stats`.
 
     `e2e_s`: end to end, prefill + compression + every decode step (`ttft_s` + Σ `decode_s`; progress
     callbacks excluded), the cost of a long generation's extra tokens included.
@@ -114,6 +117,9 @@ class GenerationResult:
     kv_tokens_end: float
     kv_tokens_end_per_layer: list[float]
     e2e_s: float
+    decode_compressions: int = 0
+    kv_entries_peak: float | None = None
+    kv_entries_mean: float | None = None
     decode_s: list[float] = field(default_factory=list, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
     scoring_s: float = 0.0
@@ -609,9 +615,9 @@ def _generate(
                 logits=logits, on_token=lambda n: notify("decode", n, max_new_tokens),
             )  # fmt: skip
             evicted = [layer.decode_evicted for _, layer in cache.compressible_layers()]
-            decoded.append((d, ttft_s, cache.kept_tokens(), evicted))
+            decoded.append((d, ttft_s, cache.kept_tokens(), evicted, cache.decode_stats()))
     results = []
-    for d, ttft_s, kept_end, evicted in decoded:
+    for d, ttft_s, kept_end, evicted, (compressions, entries_peak, entries_mean) in decoded:
         ids = d.ids
         result = GenerationResult(
             text="",
@@ -636,6 +642,9 @@ def _generate(
             kv_tokens_end=sum(kept_end) / len(kept_end) if kept_end else 0.0,
             kv_tokens_end_per_layer=kept_end,
             e2e_s=ttft_s + sum(d.steps),
+            decode_compressions=compressions,
+            kv_entries_peak=entries_peak,
+            kv_entries_mean=entries_mean,
             decode_s=d.steps,
             logits=d.logits,
             scoring_s=cache.scoring_s,

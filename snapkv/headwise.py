@@ -55,6 +55,8 @@ class HeadwiseLayer(CompressibleLayer):
     `positions` `[total]`, `cu_seqlens` `[batch*kv_heads + 1]` int32, `max_len`.
     """
 
+    evicts_after_compression = False  # keep() refuses per-head storage
+
     def __init__(self, index: int = 0, num_layers: int = 1, layout: str = "varlen", **kwargs):
         super().__init__(index=index, num_layers=num_layers, **kwargs)
         if layout not in LAYOUTS:
@@ -154,6 +156,11 @@ class HeadwiseLayer(CompressibleLayer):
         if not self.per_head:
             return super().kept_per_head
         return float(self.lengths.double().mean())
+
+    def entries_now(self) -> float | torch.Tensor:
+        if not self.per_head:
+            return super().entries_now()
+        return self.lengths.double().mean()
 
     def logical_bytes(self) -> int:
         if not self.per_head:

@@ -69,6 +69,9 @@ class Session:
     ) -> None:
         method = self.method
         padded = layer.pads is not None
+        scheduled = method.decode_schedule.on
+        if scheduled:
+            layer.remember_queries(query, method.schedule_window)
         if layer.state in ("empty", "prefilling"):
             if self.phase == "prefill":
                 if padded:
@@ -84,6 +87,9 @@ class Session:
                 method.compress_prefill(layer, query, key, module)
             layer.state = "ready"
         else:
+            layer.decode_entries.append(layer.entries_now())  # what this forward attended to
+            if scheduled:
+                self.scheduled_step(module, layer, query.shape[2])
             if not method.evicts_during_decode:
                 return
             before = layer.row_entries()
@@ -116,6 +122,23 @@ class Session:
         finally:
             self.phase = phase
         cache.scoring_s = _clock(model.device) - t0
+
+    def scheduled_step(self, module, layer: CompressibleLayer, fed: int) -> None:
+        """Count the `fed` tokens of a forward after the prefill; every `interval` tokens, run the
+        method's scheduled compression with the window's queries (`Method.decode_schedule`)."""
+        method = self.method
+        layer.since_schedule += fed
+        if layer.since_schedule < method.decode_schedule.interval:
+            return
+        layer.since_schedule = 0
+        before = layer.row_entries()
+        if layer.pads is not None:
+            pruned = padding.compress_decode_rows(method, layer, layer.window_queries, module)
+        else:
+            pruned = method.compress_decode(layer, layer.window_queries, module)
+        if pruned:
+            layer.decode_compressions.append(layer.seen)
+            layer.decode_evicted += float((before - layer.row_entries()).double().mean())
 
     def note_padding(self, layer: CompressibleLayer, q: int) -> None:
         """Record the prompt's left padding on `layer` (its first forward) from the current

@@ -185,3 +185,12 @@ def evict_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) ->
     for v, _ in views:
         method.evict(v)
     _merge(layer, views)
+
+
+def compress_decode_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> bool:
+    """A scheduled decode-time compression (`method.compress_decode`) of a padded layer, row by row;
+    `query`: the window's queries. Returns whether any row was pruned."""
+    views = _views(layer, query)
+    pruned = [method.compress_decode(v, q, module) for v, q in views]
+    _merge(layer, views)
+    return any(pruned)

@@ -75,12 +75,37 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
     ),
 ]
 
+# Decode schedules (`Method.decode_schedule`): with the tests' 8 new tokens, every entry compresses
+# again while decoding (target < budget, or the cache grows past target + buffer).
+SCHEDULED: list[tuple[str, dict[str, Any]]] = [
+    ("snapkv", dict(budget=40, window=W, kernel_size=5, decode_schedule=dict(interval=2, target=36))),
+    ("snapkv", dict(budget=40, window=W, decode_schedule=dict(interval=1, buffer=3, window=12))),
+    ("pyramidkv", dict(budget=40, window=W, kernel_size=5, decode_schedule=dict(interval=3))),
+    ("criticalkv", dict(budget=40, window=W, decode_schedule=dict(interval=2, target=0.4))),
+    ("chunkkv", dict(budget=40, window=W, chunk_length=5, decode_schedule=dict(interval=2, target=36))),
+    ("expected_attention", dict(budget=40, decode_schedule=dict(interval=2, target=36, window=4))),
+    ("knorm", dict(budget=40, decode_schedule=dict(interval=2, target=36))),
+    ("tova", dict(budget=40, evict_during_decode=False, decode_schedule=dict(interval=2, target=36))),
+    ("snapkv_d", dict(budget=40, window=W, decode_schedule=dict(interval=2, target=36))),
+    ("snapkv_d", dict(budget=40, window=1, kernel_size=5, decode_schedule=dict(interval=1))),
+    ("rkv", dict(budget=40, window=W, decode_schedule=dict(interval=3))),
+    (
+        "rkv",
+        dict(budget=40, window=W, mix_lambda=0.1, threshold=0.1, decode_schedule=dict(interval=2, target=36)),
+    ),
+]
+CATALOGUE += SCHEDULED
+# Methods that refuse a decode schedule: no scores (full), their own decode-time state (H2O's
+# accumulated attention, StreamingLLM's rolling window), per-head storage (no decode-time eviction).
+NOT_SCHEDULABLE = {"full", "h2o", "streamingllm", "adakv", "adakv_expected_attention", "kvzip"}
+
 # Parameters that are not enumerated switches (numbers, storage layout sizes) or whose other values
 # are covered by dedicated tests (StreamingLLM's compacted positions only run in snapkv.generate).
 NOT_SWITCHES = {
     "budget", "window", "kernel_size", "recent", "recent_ratio", "beta", "alpha", "block_size", "n_sink",
     "span", "n_future_positions", "epsilon", "first_stage_ratio", "skip_layers", "prune_after",
-    "chunk_length", "reuse_layers", "repeat_chunk", "carry",
+    "chunk_length", "reuse_layers", "repeat_chunk", "carry", "mix_lambda", "threshold",
+    "decode_schedule",  # numbers: the SCHEDULED entries and tests/test_decode_schedule.py
 }  # fmt: skip
 SWITCHES_TESTED_ELSEWHERE = {("streamingllm", "positions"): "test_streamingllm_compacted_*"}
 
@@ -91,12 +116,15 @@ def ids(entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 
 def catalogue(*names: str, budget: int | None = None) -> list[tuple[str, dict[str, Any]]]:
-    """Catalogue entries (all, or of `names`); `budget` replaces every budget (not full's)."""
+    """Catalogue entries (all, or of `names`); `budget` replaces every budget (not full's), and
+    decode schedules then keep the budget (their `target` is dropped)."""
     out = []
     for name, params in CATALOGUE:
         if names and name not in names:
             continue
         if budget is not None and name != "full":
             params = {**params, "budget": budget}
+            if "decode_schedule" in params:
+                params["decode_schedule"] = {**params["decode_schedule"], "target": None}
         out.append((name, params))
     return out

@@ -6,6 +6,7 @@ each point of its sweep), and the method / task nodes are built the way the runn
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 
@@ -112,8 +113,12 @@ def test_method_configs_mirror_the_dataclasses(name):
     cfg = compose_cfg([f"method={name}"])
     params = OmegaConf.to_container(cfg.method, resolve=True)
     cls = METHODS[params.pop("name")]
-    defaults = cls().params() if name == "full" else cls(budget=cfg.budget).params()
-    # Every field is listed (discoverable from the command line) and every default matches the code.
+    method = cls() if name == "full" else cls(budget=cfg.budget)
+    defaults = method.params()
+    # Every field is listed (discoverable from the command line) and every default matches the code;
+    # the decode schedule too (params() leaves it out while it is off).
+    assert params.pop("decode_schedule") == dataclasses.asdict(method.decode_schedule)
+    defaults.pop("decode_schedule", None)
     assert params == defaults
     check_buildable(cfg)
 
@@ -153,6 +158,13 @@ def test_method_parameters_from_the_command_line(name):
         ],
         "tova": ["budget=64", "method.evict_during_decode=false", "method.keep_last=true"],
         "knorm": ["budget=64", "method.prune_after=2048", "method.evict_during_decode=true"],
+        "snapkv_d": ["budget=256", "method.window=16", "method.decode_schedule.interval=32"],
+        "rkv": [
+            "budget=256",
+            "method.mix_lambda=0.1",
+            "method.threshold=0.6",
+            "method.decode_schedule.buffer=16",
+        ],
         "chunkkv": [
             "budget=256",
             "method.chunk_length=20",

@@ -8,7 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_ids, tiny_model
-from method_catalogue import CATALOGUE, NOT_SWITCHES, SWITCHES_TESTED_ELSEWHERE, catalogue, ids
+from method_catalogue import (
+    CATALOGUE,
+    NOT_SCHEDULABLE,
+    NOT_SWITCHES,
+    SWITCHES_TESTED_ELSEWHERE,
+    catalogue,
+    ids,
+)
 from reference import (
     eager_attentions,
     masked_reference_logits,
@@ -57,6 +64,9 @@ def test_catalogue_covers_every_method_and_switch():
         ("kvzip", "prompt"): tuple(REPEAT_PROMPTS),
     }
     assert {name for name, _ in CATALOGUE} == set(METHODS)
+    # Every method that takes a decode schedule runs one (the schedule is on in some entry).
+    scheduled = {name for name, params in CATALOGUE if (params.get("decode_schedule") or {}).get("interval")}
+    assert scheduled == set(METHODS) - NOT_SCHEDULABLE, "add a scheduled entry (SCHEDULED) or NOT_SCHEDULABLE"
     covered: dict[str, set] = {}
     for name, params in CATALOGUE:
         method = build_method(name, **params)
@@ -249,7 +259,9 @@ def test_apply_context_manager_matches_own_loop(name, params):
     model = tiny_model("llama")
     ids = random_ids(PROMPT)
     method = build_method(name, **params)
-    own, _ = generate_ids(model, ids, None, method, max_new_tokens=NEW)
+    # model.generate stops at the model's EOS token: the own loop does too.
+    eos = {model.generation_config.eos_token_id}
+    own, _ = generate_ids(model, ids, None, method, max_new_tokens=NEW, stop_ids=eos)
     with snapkv.apply(model, method), torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
     assert torch.equal(out[:, ids.shape[1] :], own)

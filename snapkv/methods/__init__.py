@@ -11,7 +11,9 @@ from snapkv.methods import (  # noqa: F401  (registration)
     knorm,
     kvzip,
     pyramidkv,
+    rkv,
     snapkv,
+    snapkv_d,
     streamingllm,
     tova,
 )

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -22,6 +23,60 @@ from snapkv.cache import CompressibleLayer
 GQA_REDUCTIONS = ("mean", "max", "sum")
 # Where pooling goes relative to the GQA group reduction (SnapKV-family scores, see methods/snapkv.py).
 GQA_ORDERS = ("reduce_first", "pool_first")
+
+
+@dataclass
+class DecodeSchedule:
+    """When and how a scoring method compresses the cache again while generating.
+
+    - `interval`: every `interval` tokens fed after the prompt (counted per layer from the end of
+      prefill, reset at each scheduled step) is a scheduled step; None / 0: off (compress once, at
+      the end of prefill).
+    - `buffer`: at a scheduled step the layer is compressed only when it holds more than
+      `target + buffer` entries per KV head (0: whenever it holds more than `target`). With
+      `interval=1` this is "compress back to `target` whenever the cache exceeds `target + buffer`".
+    - `target`: entries per KV head kept by a scheduled compression: an int, a ratio in (0, 1) of
+      the tokens the layer has seen (`int(target x seen)`), or None: the method's own budget for the
+      layer (`Method.layer_budget`, so PyramidKV keeps its pyramid). Never fewer than the
+      method's protected entries.
+    - `window`: the latest tokens (prompt tokens first, then generated ones) whose queries
+      `[batch, heads, window, head_dim]` are kept and passed as `query` to the method's `score()`;
+      None: the method's own observation window (`min_last_chunk`: SnapKV's `window`, 1 for
+      window-free methods).
+
+    At a scheduled step, after the step's attention: `score(layer, window_queries, layer.keys,
+    module)`, then `prune(layer, scores, target)`, exactly as at the end of prefill.
+    """
+
+    interval: int | None = None
+    buffer: int = 0
+    target: int | float | None = None
+    window: int | None = None
+
+    @property
+    def on(self) -> bool:
+        return bool(self.interval)
+
+    def validate(self) -> None:
+        i = self.interval
+        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0):
+            raise ValueError(f"decode_schedule.interval must be null or an integer >= 0, got interval={i!r}")
+        b = self.buffer
+        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
+            raise ValueError(f"decode_schedule.buffer must be an integer >= 0, got buffer={b!r}")
+        t = self.target
+        if t is not None and (
+            isinstance(t, bool)
+            or not isinstance(t, int | float)
+            or (isinstance(t, int) and t <= 0)
+            or (isinstance(t, float) and not 0 < t < 1)
+        ):
+            raise ValueError(
+                f"decode_schedule.target must be null, a positive integer or a ratio in (0, 1), got target={t!r}"
+            )
+        w = self.window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
+            raise ValueError(f"decode_schedule.window must be null or a positive integer, got window={w!r}")
 
 
 @dataclass
@@ -37,10 +92,62 @@ class Method:
     # `pool_first`. A new switch whose default changes results adds its old value here.
     legacy_params: ClassVar[dict[str, Any]] = {}
 
+    # Whether `decode_schedule` may be turned on: methods without scores (full) or with their own
+    # decode-time scoring state (H2O's accumulated attention, StreamingLLM's rolling window) say no.
+    schedulable: ClassVar[bool] = True
+
     budget: int | None = None
+    # Compression while generating (see DecodeSchedule); keyword-only, so it never shifts positional
+    # arguments. Left out of `params()` while off: configs without a schedule keep their hashes.
+    decode_schedule: DecodeSchedule | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self.validate()
+        schedule = self.decode_schedule
+        if schedule is None:
+            schedule = DecodeSchedule()
+        elif isinstance(schedule, Mapping):
+            unknown = sorted(set(schedule) - {f.name for f in dataclasses.fields(DecodeSchedule)})
+            if unknown:
+                raise ValueError(
+                    f"unknown decode_schedule key(s) {unknown}; it takes interval, buffer, target, window"
+                )
+            schedule = DecodeSchedule(**schedule)
+        elif not isinstance(schedule, DecodeSchedule):
+            raise ValueError(f"decode_schedule must be a mapping, got decode_schedule={schedule!r}")
+        self.decode_schedule = schedule
+        schedule.validate()
+        if schedule.on:
+            self.validate_schedule(schedule)
+
+    def validate_schedule(self, schedule: DecodeSchedule) -> None:
+        """ValueError when this method cannot run `schedule` (it is on)."""
+        if not self.schedulable:
+            raise ValueError(
+                f"{self.name} cannot take a decode_schedule (interval={schedule.interval}): it has no "
+                "scores to compress with while decoding, or evicts with its own state"
+            )
+        if self.evicts_during_decode:
+            raise ValueError(
+                f"{self.name} already evicts while decoding: decode_schedule (interval={schedule.interval}) "
+                "needs evict_during_decode=false"
+            )
+        if not self.cache_layer(0, 1).evicts_after_compression:
+            raise ValueError(
+                f"{self.name} keeps per-head lengths (per-head storage cannot evict while decoding): "
+                f"decode_schedule (interval={schedule.interval}) is not supported"
+            )
+        if schedule.window is not None and schedule.window < self.min_last_chunk:
+            raise ValueError(
+                f"decode_schedule.window must be >= the method's observation window "
+                f"{self.min_last_chunk}, got window={schedule.window}"
+            )
+        first, last = self.protected()
+        if isinstance(schedule.target, int) and schedule.target <= first + last:
+            raise ValueError(
+                f"decode_schedule.target must exceed the {first + last} protected entries, "
+                f"got target={schedule.target}"
+            )
 
     @classmethod
     def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
@@ -121,7 +228,43 @@ class Method:
 
     # ---- owned by the base class -------------------------------------------------------------
     def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        params = dataclasses.asdict(self)
+        if not self.decode_schedule.on:
+            params.pop("decode_schedule")  # off: the hash of a config without a schedule
+        return params
+
+    @property
+    def schedule_window(self) -> int:
+        """Latest queries kept for the scheduled compressions (`DecodeSchedule.window`)."""
+        return self.decode_schedule.window or self.min_last_chunk
+
+    def decode_target(self, layer: CompressibleLayer) -> int | None:
+        """Entries per KV head a scheduled compression keeps in `layer` (None: never compressed,
+        e.g. K-norm's `skip_layers`); at least the protected entries."""
+        budget = self.layer_budget(layer)
+        target = self.decode_schedule.target
+        if budget is None or target is None:
+            return budget
+        first, last = self.protected()
+        n = int(target * layer.seen) if isinstance(target, float) else target
+        return max(n, first + last + 1)
+
+    def compress_decode(self, layer: CompressibleLayer, query: torch.Tensor, module) -> bool:
+        """A scheduled step (`decode_schedule`): with `query` the window's queries `[batch, heads,
+        window, head_dim]`, score the stored entries and prune them to `decode_target` when the
+        layer holds more than target + buffer. Returns whether it pruned."""
+        target = self.decode_target(layer)
+        if target is None or layer.stored <= target + self.decode_schedule.buffer:
+            return False
+        self.compress(layer, query, layer.keys, module, target)
+        return True
+
+    def compress(
+        self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module, budget: int
+    ) -> None:
+        """Score the stored entries with `query` and keep `budget` per KV head (the step both
+        `compress_prefill` and `compress_decode` take; ChunkKV keeps whole chunks)."""
+        self.prune(layer, self.score(layer, query, key, module), budget)
 
     def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep."""
@@ -144,7 +287,7 @@ class Method:
         budget = self.layer_budget(layer)
         if budget is None or layer.stored <= budget:
             return  # short prompts are left uncompressed (the result row says so)
-        self.prune(layer, self.score(layer, query, key, module), budget)
+        self.compress(layer, query, key, module, budget)
         layer.compressed = True
 
     def prune(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> None:

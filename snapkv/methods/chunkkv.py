@@ -106,10 +106,7 @@ class ChunkKV(SnapKV):
         if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
             raise ValueError(f"reuse_layers must be a positive integer, got reuse_layers={r!r}")
 
-    def compress_prefill(self, layer, query, key, module) -> None:
-        budget = self.layer_budget(layer)
-        if budget is None or layer.stored <= budget:
-            return
+    def compress(self, layer, query, key, module, budget: int) -> None:
         group = ("chunkkv", layer.rank - layer.rank % self.reuse_layers)
         if layer.rank % self.reuse_layers:
             # The group's first layer chose for the same prompt, just before (layers run in order).
@@ -125,4 +122,3 @@ class ChunkKV(SnapKV):
             if self.reuse_layers > 1:
                 layer.shared[group] = rows
         keep_rows(layer, [r.expand(layer.dims[1], -1) for r in rows])
-        layer.compressed = True

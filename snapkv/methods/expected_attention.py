@@ -126,6 +126,20 @@ class ExpectedAttention(Method):
         super().compress_prefill(layer, query, key, module)
         layer.method_state = None  # the statistics are not needed any more
 
+    def compress_decode(self, layer, query: torch.Tensor, module) -> bool:
+        # A scheduled step (`decode_schedule`): the query statistics are those of the window's
+        # queries (kvpress' DecodingPress: the buffered hidden states), not the prompt's.
+        w = query.shape[2]
+        first = max(self.n_sink - (layer.seen - w), 0)
+        if first >= w:
+            return False  # every window query is a sink: no statistics
+        cos, sin = self._rotary(torch.arange(layer.seen - w + first, layer.seen, device=query.device))
+        layer.method_state = QueryStats.of(unrotate(query[:, :, first:].float(), cos, sin))
+        try:
+            return super().compress_decode(layer, query, module)
+        finally:
+            layer.method_state = None
+
     def future_rotation(self, start: int, device) -> torch.Tensor:
         """`R` `[d, d]`: RoPE averaged over positions `start, ..., start + n_future_positions - 1`."""
         cos, sin = self._rotary(torch.arange(start, start + self.n_future_positions, device=device))

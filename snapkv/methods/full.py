@@ -12,6 +12,7 @@ from snapkv.methods.registry import register
 @dataclass
 class Full(Method):
     name = "full"
+    schedulable = False  # see Method.schedulable
 
     budget: int | None = None
 

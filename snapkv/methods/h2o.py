@@ -31,6 +31,7 @@ class H2OLayerState:
 @dataclass
 class H2O(Method):
     name = "h2o"
+    schedulable = False  # see Method.schedulable
 
     budget: int | None = 1024  # heavy + recent
     recent: int | None = None  # recent tokens kept; None: recent_ratio * budget

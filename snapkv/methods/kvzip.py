@@ -214,6 +214,9 @@ class KVzip(Method):
     layout: str = "varlen"  # varlen | padded (per-head storage; not used by selection="head")
 
     legacy_params: ClassVar[dict[str, Any]] = {}
+    # Its scores come from a reconstruction pass over the whole context, not from the latest
+    # queries, so there is nothing for a decode schedule to re-score with.
+    schedulable = False
 
     # Not fields: the repeat prompt's token ids (`post_init_from_tokenizer`), the pass under way, the
     # attention modules and their output projections (`post_init_from_model`).

@@ -23,6 +23,7 @@ from snapkv.rope import compact, rope_inv_freq
 class StreamingLLM(Method):
     name = "streamingllm"
     evicts_during_decode = True
+    schedulable = False  # see Method.schedulable
 
     budget: int | None = 1024
     n_sink: int = 4

@@ -236,12 +236,22 @@ def test_runs_and_reports_with_tiny_model_across_budgets(tiny_dir, tmp_path):
         "generation.samples_per_prompt=2",
         "generation.temperature=1.5",
     )
-    for method in ("method=full", "method=streamingllm budget=16", "method=streamingllm budget=32"):
+    scheduled = (
+        "method=snapkv budget=16 method.window=4 method.kernel_size=3 method.decode_schedule.interval=4"
+    )
+    for method in (
+        "method=full",
+        "method=streamingllm budget=16",
+        "method=streamingllm budget=32",
+        scheduled,
+    ):
         cfg = make_cfg(tiny_dir, tmp_path, *method.split(), *common, *sample_cfg, task="reasoning")
         assert RunSpec.from_config(cfg).task.name == "reasoning"
         runner.run(cfg, write_report=False)
     rows = [r for p in sorted(tmp_path.rglob("*.jsonl")) for r in read_rows(p)]
-    assert len(rows) == 3 * 2 * 2 and all(r["status"] == "ok" for r in rows)
+    assert len(rows) == 4 * 2 * 2 and all(r["status"] == "ok" for r in rows)
+    snap = [r for r in rows if r["method"] == "snapkv"]
+    assert all(r["decode_compressions"] >= 1 and r["kv_entries_peak"] <= 16 + 4 for r in snap)
     assert {r["verifier"] for r in rows} == {"reasoning_gym"} and all(r["new_tokens"] >= 1 for r in rows)
     assert all(r["e2e_s"] >= r["ttft_s"] for r in rows)
     by_method = {}
@@ -254,5 +264,9 @@ def test_runs_and_reports_with_tiny_model_across_budgets(tiny_dir, tmp_path):
     section = rep.markdown.split("## Reasoning (long generation)", 1)[1].split("\n## ", 1)[0]
     full_line = next(line for line in section.splitlines() if line.startswith("| full"))
     assert "| 1.000 |" in full_line  # the full cache against itself
+    assert "| KV peak | KV mean | compressions |" in section
+    snap_line = next(line for line in section.splitlines() if line.startswith("| snapkv"))
+    mean_compressions = sum(r["decode_compressions"] for r in snap) / len(snap)
+    assert snap_line.rstrip(" |").endswith(f"{mean_compressions:.1f}")
     names = {p.name for p in rep.plots}
     assert any(n.startswith("reasoning_vs_budget_") for n in names), names

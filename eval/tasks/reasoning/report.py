@@ -10,7 +10,10 @@ Per (model, decoding) one table, a row per method config (ok rows only):
 - tokens: mean generated tokens (`new_tokens`), and `vs full`: Σ tokens / Σ the full cache's tokens
   over the rows paired with a full-cache row of the same model, decoding, problem and sample seed
   (`sample_id` names the problem and sample index); n/a without full-cache rows;
-- e2e s: mean end-to-end seconds per sample (`e2e_s`: prefill + compression + every decode step).
+- e2e s: mean end-to-end seconds per sample (`e2e_s`: prefill + compression + every decode step);
+- KV peak / KV mean: `kv_entries_peak` / `kv_entries_mean` (entries per KV head the decode steps
+  attended to), compressions: `decode_compressions` (scheduled compressions while decoding), means
+  over samples.
 
 Figure `reasoning_vs_budget_<model>.png` (eval/plots.py): accuracy and mean output length vs KV
 budget, a line per method, the full cache dashed; drawn when some config has a budget.
@@ -27,7 +30,10 @@ import pandas as pd
 from eval.tables import cell, column_order, md_table, slug
 
 GREEDY = "greedy"
-NUMERIC = ("new_tokens", "e2e_s", "sample_index", "temperature", "top_p")
+NUMERIC = (
+    "new_tokens", "e2e_s", "sample_index", "temperature", "top_p",
+    "decode_compressions", "kv_entries_peak", "kv_entries_mean",
+)  # fmt: skip
 
 
 def _decoding(t, p) -> str:
@@ -92,6 +98,8 @@ def tables(df: pd.DataFrame) -> list[str]:
                     f"[{cell(100 * lo, 1)}, {cell(100 * hi, 1)}]" if not math.isnan(lo) else "n/a",
                     cell(100 * g["format"].mean(), 1), cell(g["new_tokens"].mean(), 1),
                     cell(ratio, 3) if not math.isnan(ratio) else "n/a", cell(g["e2e_s"].mean(), 2),
+                    cell(g["kv_entries_peak"].mean(), 1), cell(g["kv_entries_mean"].mean(), 1),
+                    cell(g["decode_compressions"].mean(), 1),
                 ]
             )  # fmt: skip
         headers = [
@@ -104,12 +112,17 @@ def tables(df: pd.DataFrame) -> list[str]:
             "tokens",
             "vs full",
             "e2e s",
+            "KV peak",
+            "KV mean",
+            "compressions",
         ]
         out.append(
             f"### {model} — {decoding}\n\npass@1 x100: mean over problems of the mean correctness of each "
             "problem's samples, 95% bootstrap interval over problems; tokens: mean generated tokens; vs "
             "full: Σ tokens / Σ the full cache's tokens on the same problems and sample seeds; e2e s: mean "
-            "seconds per sample, prefill + compression + decode.\n\n" + md_table(headers, rows)
+            "seconds per sample, prefill + compression + decode; KV peak / mean: entries per KV head the "
+            "decode steps attended to (largest / mean over steps, mean over samples); compressions: "
+            "scheduled compressions while decoding per sample.\n\n" + md_table(headers, rows)
         )
     return out
 

@@ -169,7 +169,7 @@ def method_label(method: str | None, params: dict | None = None, query_aware: bo
 
     Known parameters get short keys in a fixed order (b=budget, r=ratio, w=window, k=kernel,
     s=sinks), other parameters follow as `name=value` (sorted), `pooling` is shown by value last
-    (`max`/`avg`; `pooling=none` otherwise). None-valued parameters and secondary parameters at their
+    (`max`/`avg`; `pooling=none` otherwise), a decode schedule as `decode=64,target=256`. None-valued parameters and secondary parameters at their
     default (`quiet_defaults`, e.g. gqa_reduce=mean) are omitted. `query_aware=False` appends
     " q-agnostic" (None/True: nothing).
     """
@@ -182,7 +182,9 @@ def method_label(method: str | None, params: dict | None = None, query_aware: bo
         value = params[name]
         if value is None or (name in quiet and value == quiet[name]):
             continue
-        if name in _BARE and value in _BARE[name]:
+        if name == "decode_schedule" and isinstance(value, dict):
+            other.append(_schedule_label(value))
+        elif name in _BARE and value in _BARE[name]:
             bare.append(_fmt_value(value))
         elif name in _ABBREV and _ABBREV[name] not in known:
             known[_ABBREV[name]] = f"{_ABBREV[name]}={_fmt_value(value)}"
@@ -194,6 +196,17 @@ def method_label(method: str | None, params: dict | None = None, query_aware: bo
     if query_aware is False:
         label += QUERY_AGNOSTIC_SUFFIX
     return label
+
+
+def _schedule_label(schedule: dict) -> str:
+    """A decode schedule as `decode=<interval>` plus its other set keys, e.g. `decode=64,target=256`
+    (snapkv.methods.base.DecodeSchedule; buffer 0 and null values are its defaults)."""
+    rest = [
+        f"{k}={_fmt_value(v)}"
+        for k, v in sorted(schedule.items())
+        if k != "interval" and v is not None and not (k == "buffer" and v == 0)
+    ]
+    return ",".join([f"decode={_fmt_value(schedule.get('interval'))}"] + rest)
 
 
 def budget_of(params: dict | None) -> float | None:

@@ -24,7 +24,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from eval import protocol_report
 from eval.bench.report import default_clock, summarise_run
+from eval.protocols import PROTOCOLS
+from eval.report import prepare
 from eval.store import ResultStore, canonical_json
 from eval.tasks.ruler.report import paired_differences
 
@@ -1467,6 +1470,87 @@ README_CLAIMS = [
 ]
 
 
+# --------------------------------------------------------------- the catalogue on Qwen's needle grid
+CATALOGUE_NEEDLE = "**The 2026 catalogue on Qwen's 1K-4K grid**"
+CATALOGUE_LENGTHS = (1000, 2000, 4000)
+CATALOGUE_METHODS = {  # label -> (method, params): today's defaults
+    "full": ("full", {}),
+    "snapkv": ("snapkv", {"gqa_order": "reduce_first"}),
+    "expected_attention": ("expected_attention", {}),
+    "adakv_expected_attention": ("adakv_expected_attention", {}),
+    "tova": ("tova", {}),
+    "knorm": ("knorm", {}),
+    "chunkkv": ("chunkkv", {}),
+    "criticalkv": ("criticalkv", {}),
+}
+
+
+def catalogue_row(method: str, params: dict) -> list[str]:
+    df = config("needle_methods", QWEN, method, **params)
+    return needle_row(df[df["context_length"] <= max(CATALOGUE_LENGTHS)], lengths=CATALOGUE_LENGTHS)
+
+
+def catalogue_rows() -> list[Row]:
+    """One row per method of the catalogue table that has committed rows."""
+    ran = set(rows("needle_methods").query("model == @QWEN")["method"])
+    return [
+        Row(GALLERY, CATALOGUE_NEEDLE, label, keyed((label,), functools.partial(catalogue_row, m, p)))
+        for label, (m, p) in CATALOGUE_METHODS.items()
+        if m in ran
+    ]
+
+
+# ------------------------------------------------------------------------ shared-context protocols
+PROTOCOLS_ANCHOR = "**Compression loss per protocol** (SmolLM2"
+
+
+@functools.cache
+def protocol_frame() -> pd.DataFrame:
+    return protocol_report.frame(prepare(all_rows("protocols")))
+
+
+def protocol_row(method: str, protocol: str) -> list[str]:
+    """method, protocol | n | score | vs full [CI] | shift vs query_aware [CI], as the report computes
+    them (eval/protocol_report.py), for the config of `method` in results/protocols/."""
+    part = protocol_frame()
+    keys = sorted(set(part.loc[part["method"] == method, "method_key"]))
+    assert len(keys) == 1, f"{method}: {keys}"
+    ok = part[part["ok"] & (part["method_key"] == keys[0]) & (part["protocol"] == protocol)]
+    score = f"{ok['score'].mean() * 100:.1f}"
+    if method == "full":
+        return [method, protocol, str(len(ok)), score, "—", "—"]
+    loss = protocol_report.compression_penalty(part).set_index(["method_key", "protocol"])
+    r = loss.loc[(keys[0], protocol)]
+    vs_full = f"{r['loss']:+.1f} [{r['low']:+.1f}, {r['high']:+.1f}]"
+    shift = (
+        "—"
+        if protocol == "query_aware"
+        else f"{r['shift']:+.1f} [{r['shift_low']:+.1f}, {r['shift_high']:+.1f}]"
+    )
+    return [method, protocol, str(len(ok)), score, vs_full, shift]
+
+
+PROTOCOL_METHODS = ("full", "snapkv", "pyramidkv", "adakv", "h2o", "streamingllm", "expected_attention")
+
+
+def protocol_rows() -> list[Row]:
+    """One row per (method, protocol) with committed rows."""
+    if not (RESULTS / "protocols").is_dir():
+        return []
+    df = rows("protocols")
+    ran = set(zip(df["method"], df["protocol"]))
+    return [
+        Row(GALLERY, PROTOCOLS_ANCHOR, f"{m} {p}", functools.partial(protocol_row, m, p), keys=2)
+        for m in PROTOCOL_METHODS
+        for p in PROTOCOLS
+        if (m, p) in ran
+    ]
+
+
+CATALOGUE_ROWS = catalogue_rows()
+PROTOCOL_ROWS = protocol_rows()
+
+
 # ------------------------------------------------------------------------------------------- tests
 CHECKS = (
     HEADER_CLAIMS
@@ -1485,6 +1569,8 @@ CHECKS = (
     + OBSERVATION_CLAIMS
     + README_ROWS
     + README_CLAIMS
+    + CATALOGUE_ROWS
+    + PROTOCOL_ROWS
 )
 
 

@@ -575,3 +575,14 @@ def test_method_label_leaves_tova_knorm_chunkkv_switches_at_their_defaults_out()
     assert label("chunkkv", chunk_score="mean", reuse_layers=4) == (
         "chunkkv b=128 w=32 k=7 chunk_length=10 chunk_score=mean reuse_layers=4 max"
     )
+
+
+def test_method_label_writes_a_decode_schedule_compactly():
+    from snapkv import build_method
+
+    def label(name, **schedule):
+        return method_label(name, build_method(name, budget=128, decode_schedule=schedule).params())
+
+    assert label("snapkv") == "snapkv b=128 w=32 k=7 max"  # off: not in params, not in the label
+    assert label("snapkv", interval=64) == "snapkv b=128 w=32 k=7 decode=64 max"
+    assert label("knorm", interval=16, target=64, buffer=8) == "knorm b=128 decode=16,buffer=8,target=64"

@@ -335,7 +335,7 @@ def test_cancelled_jobs_are_listed_and_resumed_by_rerunning_the_command(
     assert {r["status"] for r in rows} == {"ok"}
     assert not list((tmp_path / "multirun").glob("*/error.txt"))  # the rerun cleared the old failures
     log = (tmp_path / "multirun" / "0" / "run.log").read_text()
-    assert f"{n} samples, {done_full} already done, {n - done_full} to run" in log
+    assert f"{n} samples, {done_full} rows already done, {n - done_full} to run" in log
 
 
 def test_a_preempted_job_is_requeued_and_finishes_without_duplicates(

@@ -943,12 +943,64 @@ def digits_config_row(label: str) -> list[str]:
     return digits_row(digits(label))
 
 
-DIGITS_ROWS = [
-    Row(GALLERY, DIGITS_ANCHOR, "full cache", keyed(("full cache",), lambda: digits_row(digits_full())))
-] + [
-    Row(GALLERY, DIGITS_ANCHOR, label, keyed((label,), functools.partial(digits_config_row, label)))
-    for label in DIGITS_CONFIGS
+DIGITS_TODAY_ANCHOR = "**The same ablation on today's defaults, with ChunkKV**"
+DIGITS_TODAY = {  # label -> (method, params), gqa_order=reduce_first (today's default)
+    **{
+        label: ("snapkv", {"kernel_size": k, "span": span, "gqa_order": "reduce_first"})
+        for label, (k, span) in DIGITS_CONFIGS.items()
+    },
+    "chunkkv, chunk 10 (paper)": ("chunkkv", {"chunk_length": 10}),
+    "chunkkv, chunk 20 (kvpress)": ("chunkkv", {"chunk_length": 20}),
+}
+
+
+def digits_today_row(label: str) -> list[str]:
+    method, params = DIGITS_TODAY[label]
+    return digits_row(config("digits", SMOL, method, **params))
+
+
+def chunkkv_beside_span() -> tuple:
+    exact = {label: digits_today_row(label)[3] for label in DIGITS_TODAY}
+    return (
+        exact["chunkkv, chunk 10 (paper)"],
+        exact["chunkkv, chunk 20 (kvpress)"],
+        exact["k=7 (paper)"],
+        exact["k=7 span=8 (ours)"],
+        exact["k=31"],
+    )
+
+
+def today_as_pool_first() -> tuple:
+    differ = [label for label in DIGITS_CONFIGS if digits_today_row(label) != digits_config_row(label)]
+    return holds(differ == ["k=31 span=8 (ours)"], f"rows that differ between the orders: {differ}")
+
+
+DIGITS_TODAY_CLAIMS = [
+    Claim(
+        GALLERY,
+        "ChunkKV keeps whole 10- or 20-token chunks and so the whole number where a chunk covers it: {} / {} "
+        "exact, above the paper's kernel 7 ({}) and below `span=8` ({}) and kernel 31 ({})",
+        chunkkv_beside_span,
+    ),
+    Claim(
+        GALLERY,
+        "On today's defaults every row but k=31 span=8 scores as it did with `pool_first`",
+        today_as_pool_first,
+    ),
 ]
+
+
+DIGITS_ROWS = (
+    [Row(GALLERY, DIGITS_ANCHOR, "full cache", keyed(("full cache",), lambda: digits_row(digits_full())))]
+    + [
+        Row(GALLERY, DIGITS_ANCHOR, label, keyed((label,), functools.partial(digits_config_row, label)))
+        for label in DIGITS_CONFIGS
+    ]
+    + [
+        Row(GALLERY, DIGITS_TODAY_ANCHOR, label, keyed((label,), functools.partial(digits_today_row, label)))
+        for label in DIGITS_TODAY
+    ]
+)
 
 
 @functools.cache
@@ -1020,11 +1072,6 @@ DIGITS_CLAIMS = [
         kernel7_prefixes,
     ),
     Claim(GALLERY, "(k=7 span=8 scores as the full cache in all {} cells)", span8_equals_full),
-    Claim(
-        GALLERY,
-        "(on the 20 `needle_methods` cells at k=7 without span the two orders score the same in every cell)",
-        lambda: gqa_orders_agree("needle_methods", SMOL)[:0],
-    ),
     Claim(GALLERY, "(k=31 span=8 is already worse at 2K)", span8_worse_at_2k),
 ]
 
@@ -1547,6 +1594,132 @@ def protocol_rows() -> list[Row]:
     ]
 
 
+def protocol_score(method: str, protocol: str) -> float:
+    return float(protocol_row(method, protocol)[3])
+
+
+def protocol_loss(method: str, protocol: str) -> str:
+    return protocol_row(method, protocol)[4].split(" [")[0].lstrip("+-")
+
+
+def protocol_counts() -> tuple:
+    df = rows("protocols")
+    per = df.groupby(["method", "protocol"]).size()
+    complete = sorted(
+        {m for (m, _), n in per.items() if n == 16 and (per[m] == 16).all() and len(per[m]) == 5}
+    )
+    assert complete == ["full", "pyramidkv", "snapkv"], complete
+    contexts = df.loc[df["method"] == "full", "context_id"].nunique()
+    return contexts, 16
+
+
+def full_by_protocol() -> tuple:
+    qa, co, mr = (protocol_score("full", p) for p in ("query_aware", "context_only", "multi_request"))
+    assert qa == co == mr
+    return (
+        f"{qa:.1f}",
+        f"{protocol_score('full', 'first_question'):.1f}",
+        f"{protocol_score('full', 'multi_turn'):.1f}",
+    )
+
+
+def snapkv_losses() -> tuple:
+    co, mr = protocol_loss("snapkv", "context_only"), protocol_loss("snapkv", "multi_request")
+    assert co == mr
+    shifts = [
+        protocol_row("snapkv", p)[5]
+        for p in ("context_only", "first_question", "multi_request", "multi_turn")
+    ]
+    assert all(
+        float(x.split("[")[1].split(",")[0]) <= 0 <= float(x.split(", ")[1].rstrip("]")) for x in shifts
+    ), shifts
+    return protocol_loss("snapkv", "query_aware"), co
+
+
+def pyramidkv_losses() -> tuple:
+    return (
+        protocol_loss("pyramidkv", "query_aware"),
+        protocol_loss("pyramidkv", "context_only"),
+        protocol_row("pyramidkv", "context_only")[5],
+    )
+
+
+PROTOCOL_CLAIMS = [
+    Claim(GALLERY, "**{} contexts ({} questions) per cell, for full, snapkv and pyramidkv;", protocol_counts),
+    Claim(
+        GALLERY,
+        "the full cache answers {} under `query_aware`, `context_only` and `multi_request` (the same forwards, "
+        "identical answers) but {} under `first_question`",
+        lambda: full_by_protocol()[:2],
+    ),
+    Claim(GALLERY, "and {} under `multi_turn`; so a compressed method", lambda: full_by_protocol()[2:]),
+    Claim(
+        GALLERY,
+        "(`query_aware`) SnapKV loses {} to the full cache, with the context compressed alone "
+        "(`context_only` / `multi_request`) {}, and no shift excludes zero;",
+        snapkv_losses,
+    ),
+    Claim(
+        GALLERY,
+        "PyramidKV loses more with the question in the window ({}) than without it ({}; shift {}).",
+        pyramidkv_losses,
+    ),
+]
+
+
+def catalogue_cells() -> tuple:
+    def cells(method: str, params: dict) -> tuple[int, int]:
+        df = config("needle_methods", QWEN, method, **params)
+        df = df[df["context_length"] <= max(CATALOGUE_LENGTHS)]
+        return int((needle(df, "exact") == 100).sum()), len(df)
+
+    tova, n = cells("tova", {})
+    snap, n_snap = cells("snapkv", {"gqa_order": "reduce_first"})
+    assert n == n_snap == 15
+    ea, _ = cells("expected_attention", {})
+    knorm, _ = cells("knorm", {})
+    assert knorm == 0
+    return tova, n, snap, ea
+
+
+CATALOGUE_CLAIMS = [
+    Claim(
+        GALLERY,
+        "holds the number in {} of {} cells where SnapKV holds {}; Expected Attention (query-agnostic by "
+        "design: no window votes) keeps it in {} and KNorm (attention-free) in none.",
+        catalogue_cells,
+    ),
+]
+
+
+CATALOGUE_COST_ORDER = (
+    "snapkv", "knorm", "tova", "chunkkv", "criticalkv", "expected_attention", "adakv_expected_attention", "kvzip",
+)  # fmt: skip
+
+
+def catalogue_cost() -> tuple:
+    """Prefill (reference units) over the full cache's, round 1 of the catalogue run (the one complete)."""
+    df = pd.read_csv(RESULTS / "bench" / "catalogue" / "cpu_smollm2_8k.csv")
+    first = df[(df["round"] == 0) & (df["status"] == "ok")].set_index("method")["prefill_ref"]
+    assert set(first.index) == {"full", *CATALOGUE_COST_ORDER}
+    complete = df.groupby("round")["method"].nunique()
+    assert (complete == len(CATALOGUE_COST_ORDER) + 1).sum() == 1  # one complete round, as the prose says
+    ratios = first / first["full"]
+    within = [m for m in CATALOGUE_COST_ORDER if ratios[m] <= 1.05]
+    assert within == ["snapkv", "knorm", "tova", "chunkkv", "expected_attention", "adakv_expected_attention"]
+    return (", ".join(f"{m} {ratios[m]:.3f}" for m in CATALOGUE_COST_ORDER), f"{ratios['kvzip']:.1f}x")
+
+
+CATALOGUE_COST_CLAIMS = [
+    Claim(
+        GALLERY,
+        "prefill + scoring over plain prefill, SmolLM2, 8,192 tokens, budget 512: {}. KNorm, TOVA,",
+        lambda: catalogue_cost()[:1],
+    ),
+    Claim(GALLERY, "makes its prefill {} of plain prefill", lambda: catalogue_cost()[1:]),
+]
+
+
 CATALOGUE_ROWS = catalogue_rows()
 PROTOCOL_ROWS = protocol_rows()
 
@@ -1563,6 +1736,7 @@ CHECKS = (
     + ABLATION_CLAIMS
     + DIGITS_ROWS
     + DIGITS_CLAIMS
+    + DIGITS_TODAY_CLAIMS
     + RULER_ROWS
     + RULER_CLAIMS
     + BENCH_CLAIMS
@@ -1571,6 +1745,9 @@ CHECKS = (
     + README_CLAIMS
     + CATALOGUE_ROWS
     + PROTOCOL_ROWS
+    + PROTOCOL_CLAIMS
+    + CATALOGUE_CLAIMS
+    + CATALOGUE_COST_CLAIMS
 )
 
 

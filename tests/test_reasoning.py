@@ -24,7 +24,7 @@ from eval.store import read_rows
 from eval.tasks import build_task
 from eval.tasks.reasoning import answers
 from eval.tasks.reasoning import report as rreport
-from eval.tasks.reasoning.task import INSTALL, read_jsonl
+from eval.tasks.reasoning.task import INSTALL, read_problems
 
 RG_MISSING = "reasoning-gym is not installed: pip install -e '.[reasoning]'"
 
@@ -150,7 +150,7 @@ def test_jsonl_source_reads_aime_math500_and_gsm8k_shapes(tmp_path, monkeypatch)
             {"problem": "AIME problem", "answer": 204},
         ],
     )
-    problems = read_jsonl(f)
+    problems = read_problems(f)
     assert [(p["id"], p["source"], p["answer"]) for p in problems] == [
         ("math-1", "math500", "\\frac{1}{2}"), ("1", "mix", "7"), ("2", "mix", "204"),
     ]  # fmt: skip
@@ -167,11 +167,11 @@ def test_jsonl_source_reads_aime_math500_and_gsm8k_shapes(tmp_path, monkeypatch)
 
 def test_jsonl_errors_name_the_file_and_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl"):
-        read_jsonl(tmp_path / "missing.jsonl")
+        read_problems(tmp_path / "missing.jsonl")
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"problem": "a", "answer": 1}\n{"problem": "b"}\n')
     with pytest.raises(ValueError, match="bad.jsonl:2"):
-        read_jsonl(bad)
+        read_problems(bad)
 
 
 def test_jsonl_content_not_path_is_hashed(tmp_path):

@@ -23,7 +23,6 @@ the Hub itself (`THUDM/LongBench`, file `data.zip`, downloaded once and extracte
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -39,6 +38,7 @@ import pandas as pd
 
 from eval.tables import column_order, md_table, score_table
 from eval.tasks.base import Sample, Task
+from eval.tasks.jsonl import read_jsonl
 from eval.tasks.longbench.prompts import (
     DATASET2MAXLEN,
     DATASET2PROMPT,
@@ -155,28 +155,6 @@ def _download_and_extract(target: Path) -> None:
             with zf.open(member) as src, tempfile.NamedTemporaryFile("wb", dir=out, delete=False) as tmp:
                 shutil.copyfileobj(src, tmp)
             os.replace(tmp.name, out / name)
-
-
-def read_jsonl(path: str | os.PathLike, limit: int | None = None) -> Iterator[dict[str, Any]]:
-    """Yield the records of a jsonl file (blank lines skipped), at most `limit` of them."""
-    path = Path(path)
-    if limit is not None and limit <= 0:
-        return
-    count = 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: malformed JSON line ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            yield record
-            count += 1
-            if limit is not None and count >= limit:
-                return
 
 
 def build_prompt(dataset: str, record: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ from typing import Any, ClassVar
 import pandas as pd
 
 from eval.tasks.base import ReportOptions, Sample, Task
+from eval.tasks.jsonl import numbered_records
 from eval.tasks.reasoning import answers, report
 from eval.tasks.registry import register_task
 
@@ -85,21 +86,15 @@ def _positive_int(key: str, value: Any, allow_none: bool = False) -> int | None:
     return value
 
 
-def read_jsonl(path: Path) -> list[dict[str, str]]:
+def read_problems(path: Path) -> list[dict[str, str]]:
     """The problems of a JSONL file (module docstring) as {id, source, problem, answer}; ValueError
     naming the file and line for a malformed one."""
     if not path.is_file():
         raise FileNotFoundError(f"reasoning path not found: {path}")
     out: list[dict[str, str]] = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"{path}:{lineno}: not a JSON object: {e}") from None
-        problem = obj.get("problem", obj.get("question")) if isinstance(obj, dict) else None
-        answer = obj.get("answer") if isinstance(obj, dict) else None
+    for lineno, obj in numbered_records(path):
+        problem = obj.get("problem", obj.get("question"))
+        answer = obj.get("answer")
         if not isinstance(problem, str) or not problem.strip() or answer is None or isinstance(answer, bool):
             raise ValueError(f"{path}:{lineno}: needs a non-empty `problem` (or `question`) and an `answer`")
         answer = str(answer)
@@ -202,7 +197,7 @@ class ReasoningTask(Task):
         problem, answer, verifier}."""
         out: list[dict[str, Any]] = []
         if self.source == "jsonl":
-            for i, p in enumerate(read_jsonl(self.path)):
+            for i, p in enumerate(read_problems(self.path)):
                 out.append(
                     {"id": f"{p['source']}/{p['id']}", "dataset": p["source"], "index": i, "problem": p["problem"],
                      "answer": p["answer"], "verifier": answers.VERIFIER}

@@ -81,6 +81,7 @@ import pandas as pd
 from eval.tables import column_order
 from eval.tasks.base import ReportOptions, Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack
+from eval.tasks.jsonl import numbered_records
 from eval.tasks.multi_question import question_tables
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.config import (
@@ -165,30 +166,22 @@ def prompt_tokens(tokenizer: Any, context: str, question: str) -> int:
 def read_records(path: Path) -> list[dict]:
     """RULER JSONL records (index, input, outputs, length); ValueError naming file and line."""
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON: {e}") from None
-            outputs = rec.get("outputs") if isinstance(rec, dict) else None
-            if isinstance(outputs, str):
-                outputs = [outputs]
-            if (
-                not isinstance(rec, dict)
-                or not isinstance(rec.get("input"), str)
-                or not isinstance(outputs, list)
-                or not all(isinstance(o, str) for o in outputs)
-            ):
-                raise ValueError(
-                    f"{path}:{lineno}: not a RULER record (needs 'input': str and 'outputs': list of str)"
-                )
-            length = rec.get("length")
-            if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
-                raise ValueError(f"{path}:{lineno}: 'length' must be an integer, got {length!r}")
-            records.append({**rec, "outputs": outputs, "_line": lineno})
+    for lineno, rec in numbered_records(path):
+        outputs = rec.get("outputs")
+        if isinstance(outputs, str):
+            outputs = [outputs]
+        if (
+            not isinstance(rec.get("input"), str)
+            or not isinstance(outputs, list)
+            or not all(isinstance(o, str) for o in outputs)
+        ):
+            raise ValueError(
+                f"{path}:{lineno}: not a RULER record (needs 'input': str and 'outputs': list of str)"
+            )
+        length = rec.get("length")
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int)):
+            raise ValueError(f"{path}:{lineno}: 'length' must be an integer, got {length!r}")
+        records.append({**rec, "outputs": outputs, "_line": lineno})
     if not records:
         raise ValueError(f"{path}: no RULER records")
     return records

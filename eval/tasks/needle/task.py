@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -196,6 +196,37 @@ def _tokenize_haystack(tokenizer: Any, base: str, sep: str, need: int) -> _Hayst
         chars = int(chars * max(2.0, 1.2 * (need + 8) / max(len(ends), 1)))
 
 
+def _fit(
+    tokenizer: Any,
+    hay: _HaystackTokens,
+    length: int,
+    overhead: int,
+    question: str,
+    templated: bool,
+    build: Callable[[int], tuple[str, Any]],
+) -> tuple[str, int, int, Any]:
+    """The haystack budget (tokens) whose prompt measures `length` tokens: up to 8 tries, each
+    corrected by the measured error; the closest one wins (not longer on a tie). `build(budget)`:
+    (context, insertion info); returns (context, actual tokens, budget, info)."""
+    budget = length - overhead
+    best = None  # (key, context, actual, budget, info)
+    tried = set()
+    for _ in range(8):
+        budget = max(1, min(budget, len(hay)))
+        if budget in tried:
+            break
+        tried.add(budget)
+        context, info = build(budget)
+        actual = len(prompt_token_ids(tokenizer, context + question, templated))
+        key = (abs(actual - length), actual > length)
+        if best is None or key < best[0]:
+            best = (key, context, actual, budget, info)
+        if actual == length:
+            break
+        budget += length - actual
+    return best[1:]
+
+
 def _join(before: str, needle: str, after: str) -> str:
     out = before
     if out and not out[-1].isspace():
@@ -359,26 +390,16 @@ class NeedleTask(Task):
         spec = self.spec
         for length, depth, seed in self._cells():
             needle, answer, question = self._pieces(length, depth, templated, seed)
-            budget = length - overheads[length, depth, seed]
-            best = None  # (key, context, actual, budget, p)
-            tried = set()
-            for _ in range(8):
-                budget = max(1, min(budget, len(hay)))
-                if budget in tried:
-                    break
-                tried.add(budget)
+
+            def build(budget: int, needle=needle, depth=depth) -> tuple[str, int]:
                 p = hay.insertion_token(budget, depth)
                 before = hay.text[: hay.char_at(p)]
                 after = hay.text[hay.char_at(p) : hay.char_at(budget)]
-                context = spec.instruction + _join(before, needle, after)
-                actual = len(prompt_token_ids(tokenizer, context + question, templated))
-                key = (abs(actual - length), actual > length)
-                if best is None or key < best[0]:
-                    best = (key, context, actual, budget, p)
-                if actual == length:
-                    break
-                budget += length - actual
-            _, context, actual, budget, p = best
+                return spec.instruction + _join(before, needle, after), p
+
+            context, actual, budget, p = _fit(
+                tokenizer, hay, length, overheads[length, depth, seed], question, templated, build
+            )
             yield Sample(
                 sample_id=self.sample_id(length, depth, seed),
                 dataset=self.name,
@@ -421,27 +442,15 @@ class NeedleTask(Task):
     def _generate_multi(
         self, tokenizer: Any, hay: _HaystackTokens, cells: dict, templated: bool
     ) -> Iterator[Sample]:
-        # The single needle's sizing loop (`_generate`), measured with question 0.
+        # Sized like the single needle (`_fit`), measured with question 0.
         for (length, depth, seed), (needles, overhead) in cells.items():
-            first = needles[0].question(templated)
-            budget = length - overhead
-            best = None  # (key, context, budget, insertion tokens)
-            tried = set()
-            for _ in range(8):
-                budget = max(1, min(budget, len(hay)))
-                if budget in tried:
-                    break
-                tried.add(budget)
+
+            def build(budget: int, needles=needles) -> tuple[str, list[int]]:
                 text, points = multi.insert_needles(hay, budget, needles)
-                context = multi.INSTRUCTION + text
-                actual = len(prompt_token_ids(tokenizer, context + first, templated))
-                key = (abs(actual - length), actual > length)
-                if best is None or key < best[0]:
-                    best = (key, context, budget, points)
-                if actual == length:
-                    break
-                budget += length - actual
-            _, context, budget, points = best
+                return multi.INSTRUCTION + text, points
+
+            first = needles[0].question(templated)
+            context, _, budget, points = _fit(tokenizer, hay, length, overhead, first, templated, build)
             context_id = self.sample_id(length, depth, seed)
             for k, needle in enumerate(needles):
                 question = needle.question(templated)

@@ -56,7 +56,7 @@ from transformers import Cache, LogitsProcessorList, TemperatureLogitsWarper, To
 
 from snapkv import hooks
 from snapkv.cache import CompressedCache
-from snapkv.hooks import Session, cache_kwarg
+from snapkv.hooks import Session, cache_kwarg, continuing_forward
 from snapkv.methods import Method, build_method
 
 # Chat end-of-turn tokens of common instruct models; used as stop tokens when in the vocabulary.
@@ -553,14 +553,8 @@ def _generate(
     pickers = [TokenPicker(sampling, seed, device) for seed in seeds]  # checks the seeds first
 
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    kw = cache_kwarg(model)
-    batch = context_ids.shape[0]
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
-
-    def forward(ids: torch.Tensor):
-        start = cache.get_seq_length()
-        pos = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0).expand(batch, -1)
-        return model(input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
+    forward = continuing_forward(model, cache, context_ids.shape[0])
 
     def notify(stage: str, done: int, total: int) -> float:
         """Run the callback; return the seconds it took (device synchronized on both sides), which

@@ -105,16 +105,7 @@ class Session:
         """Run `method.after_prefill` on the prefilled prompt `ids` `[batch, n]` (phase "score"
         meanwhile) and record its wall time (device synchronized) as `cache.scoring_s`."""
         model, cache = self.model, self.cache
-        kw = cache_kwarg(model)
-        batch = ids.shape[0]
-
-        def forward(new_ids: torch.Tensor):
-            start = cache.get_seq_length()
-            new_ids = new_ids.to(model.device)
-            pos = torch.arange(start, start + new_ids.shape[1], device=model.device)
-            pos = pos.unsqueeze(0).expand(batch, -1)
-            return model(input_ids=new_ids, position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache})
-
+        forward = continuing_forward(model, cache, ids.shape[0])
         phase, self.phase = self.phase, "score"
         t0 = _clock(model.device)
         try:
@@ -332,6 +323,21 @@ def suspended() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def continuing_forward(model, cache, batch: int):
+    """`forward(ids)`: feed `ids` `[batch, q]` (moved to the model's device) on `cache`, positions
+    continuing from `cache.get_seq_length()`, logits of the last position only."""
+    kw, device = cache_kwarg(model), model.device
+
+    def forward(ids: torch.Tensor):
+        start = cache.get_seq_length()
+        pos = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0).expand(batch, -1)
+        return model(
+            input_ids=ids.to(device), position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache}
+        )
+
+    return forward
 
 
 def cache_kwarg(model) -> str:

@@ -396,17 +396,23 @@ def test_next_turn_text_on_a_trimming_template_without_one_and_refused(tokenizer
         next_turn_text(tok, [], "Q2?")
 
 
-def test_later_questions_are_fed_as_the_next_user_turn(askmany, tiny_dir, monkeypatch):
-    """first_question: after an empty assistant turn; multi_turn: after the answer. The template's
-    increment, tokenized without special tokens."""
-    model, tokenizer, _ = runner.get_model(RunSpec.from_config(cfg_for(tiny_dir, "unused", "query_aware")))
-    (context, *_) = protocols.group_contexts(AskMany().samples(tokenizer))
-    fed = []
+def record_feeds(monkeypatch) -> list[list[int]]:
+    """The token ids of every question feed `protocols.answer` receives (it still answers)."""
+    fed: list[list[int]] = []
     monkeypatch.setattr(
         protocols,
         "answer",
         lambda m, c, q, *a, **k: fed.append(q[0].tolist()) or REAL_ANSWER(m, c, q, *a, **k),
     )
+    return fed
+
+
+def test_later_questions_are_fed_as_the_next_user_turn(askmany, tiny_dir, monkeypatch):
+    """first_question: after an empty assistant turn; multi_turn: after the answer. The template's
+    increment, tokenized without special tokens."""
+    model, tokenizer, _ = runner.get_model(RunSpec.from_config(cfg_for(tiny_dir, "unused", "query_aware")))
+    (context, *_) = protocols.group_contexts(AskMany().samples(tokenizer))
+    fed = record_feeds(monkeypatch)
     method = build_method("snapkv", budget=40, window=8, kernel_size=5)
     todo = {s.sample_id for s in context.samples}
     outcomes = list(
@@ -459,12 +465,7 @@ def test_prerendered_questions_are_asked_as_template_turns_with_their_answer_pre
             )
         )
     context = dataclasses.replace(context, samples=rendered)
-    fed = []
-    monkeypatch.setattr(
-        protocols,
-        "answer",
-        lambda m, c, q, *a, **k: fed.append(q[0].tolist()) or REAL_ANSWER(m, c, q, *a, **k),
-    )
+    fed = record_feeds(monkeypatch)
     method = build_method("snapkv", budget=40, window=8, kernel_size=5)
     todo = {s.sample_id for s in rendered}
     for protocol in ("first_question", "multi_turn"):

@@ -244,6 +244,22 @@ def is_oom(err: BaseException) -> bool:
     )
 
 
+def _generation_args(
+    sample: Sample, spec: RunSpec, chat_template: bool, on_progress: ProgressCallback | None
+) -> dict[str, Any]:
+    """What `generate` / `generate_samples` take from the sample and the run."""
+    return dict(
+        context=sample.context,
+        question=sample.question,
+        method=spec.method,
+        query_aware=spec.query_aware,
+        chat_template=chat_template,
+        max_new_tokens=sample.max_new_tokens,
+        chunk_size=spec.chunk_size,
+        on_progress=on_progress,
+    )
+
+
 def run_sample(
     sample: Sample,
     task: Task,
@@ -264,18 +280,7 @@ def run_sample(
     try:
         row["prompt_sha"] = prompt_sha(tokenizer, sample, chat_template)
         with noise:
-            result = generate(
-                model,
-                tokenizer,
-                context=sample.context,
-                question=sample.question,
-                method=spec.method,
-                query_aware=spec.query_aware,
-                chat_template=chat_template,
-                max_new_tokens=sample.max_new_tokens,
-                chunk_size=spec.chunk_size,
-                on_progress=on_progress,
-            )
+            result = generate(model, tokenizer, **_generation_args(sample, spec, chat_template, on_progress))
         row.update({k: v for k, v in result.to_dict().items() if k not in NOT_MEASURED})
         row["context_prefill_s"] = result.prefill_s  # its own context, prefilled for it alone
         _score(row, sample, task, result.text)
@@ -325,16 +330,9 @@ def run_samples(
             results = generate_samples(
                 model,
                 tokenizer,
-                context=sample.context,
-                question=sample.question,
-                method=spec.method,
-                query_aware=spec.query_aware,
-                chat_template=chat_template,
-                max_new_tokens=sample.max_new_tokens,
-                chunk_size=spec.chunk_size,
                 sampling=spec.generation.sampling(),
                 seeds=seeds,
-                on_progress=on_progress,
+                **_generation_args(sample, spec, chat_template, on_progress),
             )
         for row, result in zip(rows, results):
             row.update({k: v for k, v in result.to_dict().items() if k not in NOT_MEASURED})

@@ -1,8 +1,11 @@
 """The final answer of a chain-of-thought generation and its verification.
 
-Extraction (`extract_answer`): the text after the last "Final answer:" (case-insensitive, to the end
-of its line, `$`, `**` and a trailing period stripped); else the content of the last `\\boxed{...}`;
-else None (the row's `format` metric is 0; the answer then scores 0).
+Extraction (`extract_answer`): the first non-empty line after the last "Final answer:" / "final
+answer is:" (case-insensitive) that is more than display delimiters (`\\[`, `$$`, `**`,
+`<answer>` tags), its `\\boxed{...}` content where it has one, a trailing period stripped (models write
+"the final answer is:" then the value on the next lines, or a "Final answer:" line under it); else
+the content of the last `\\boxed{...}`; else None (the row's `format` metric is 0; the answer then
+scores 0).
 
 Verification of a reference answer (`verify_answer`, the JSONL source): `math-verify`
 (huggingface/Math-Verify, Apache-2.0: `verify(parse(gold), parse(answer))`, numeric and symbolic
@@ -18,7 +21,9 @@ import importlib.util
 import re
 from fractions import Fraction
 
-FINAL = re.compile(r"final answer\s*(?:is)?\s*[:：]\s*(.*)", re.IGNORECASE)
+FINAL = re.compile(r"final answer\s*(?:is)?\s*[:：]", re.IGNORECASE)
+# Display wrappers around a stated answer: LaTeX display/inline delimiters, bold, answer tags.
+WRAPPERS = re.compile(r"\\\[|\\\]|\\\(|\\\)|</?answer>|\*\*", re.IGNORECASE)
 VERIFIER = "math_verify" if importlib.util.find_spec("math_verify") is not None else "numeric"
 
 
@@ -36,22 +41,24 @@ def _boxed(text: str) -> str | None:
 
 
 def _clean(answer: str) -> str:
-    answer = answer.strip().strip("*").strip()
     boxed = _boxed(answer)
     if boxed is not None:
         return boxed
-    answer = answer.strip("$").strip()
+    answer = WRAPPERS.sub("", answer).strip().strip("*$").strip()
     return answer[:-1].strip() if answer.endswith(".") else answer
 
 
 def extract_answer(text: str) -> str | None:
     """The final answer of `text` (module docstring), or None when it states none."""
-    matches = FINAL.findall(text or "")
-    for found in reversed(matches):
-        answer = _clean(found)
-        if answer:
-            return answer
-    boxed = _boxed(text or "")
+    text = text or ""
+    ends = [m.end() for m in FINAL.finditer(text)]
+    starts = [m.start() for m in FINAL.finditer(text)][1:] + [len(text)]
+    for end, nxt in reversed(list(zip(ends, starts))):
+        for line in text[end:nxt].splitlines():
+            answer = _clean(line)
+            if answer:
+                return answer
+    boxed = _boxed(text)
     return boxed if boxed else None
 
 

@@ -183,6 +183,10 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
         "generator seed of a generated sample (needle, RULER, kv_retrieval: `task.seed` or one of `task.seeds`); null: a sample not drawn from a seed, or a row written before the field (its seed is then the config's `task.seed`)",
     ),
     "timestamp": ("str", "ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z`"),
+    "rescored": (
+        "dict | null",
+        "set when `scripts/rescore.py` recomputed `score` / `scores` from the stored prediction with a later scorer: `{git_sha, git_dirty, git_diff_sha, timestamp, score_before}`; null: scored when generated",
+    ),
 }
 ROW_FIELDS: tuple[str, ...] = tuple(ROW_SCHEMA)
 # The generic fields a task fills itself, through `Task.row_metadata` (the runner fills the others).

@@ -19,6 +19,7 @@ from test_runner import tiny_dir as tiny_dir  # the saved tiny model (session fi
 
 import eval.runner as runner
 from eval.report import build_report
+from eval.rescore import rescore_dir
 from eval.spec import RunSpec
 from eval.store import read_rows
 from eval.tasks import build_task
@@ -44,6 +45,10 @@ def needs_rg():
         ("we get \\boxed{x^{2}+1} in the end", "x^{2}+1"),
         ("no answer stated, 42", None),
         ("Final answer:", None),
+        ("the final answer is:\n\\[\n\\boxed{98}\n\\]", "98"),  # the value on the lines below
+        ("So, the final answer is:\nFinal answer: 7851", "7851"),
+        ("Final answer: <answer>126</answer>", "126"),
+        ("Final answer: 5\nFinal answer:", "5"),
     ],
 )
 def test_extract_answer(text, expected):
@@ -270,3 +275,30 @@ def test_runs_and_reports_with_tiny_model_across_budgets(tiny_dir, tmp_path):
     assert snap_line.rstrip(" |").endswith(f"{mean_compressions:.1f}")
     names = {p.name for p in rep.plots}
     assert any(n.startswith("reasoning_vs_budget_") for n in names), names
+
+
+def test_rescore_restores_scores_from_predictions_and_refuses_other_runs(tiny_dir, tmp_path):
+    needs_rg()
+    common = ("task.limit=2", "task.samples=1", "task.max_new_tokens=10", "task.chat_template=false")
+    cfg = make_cfg(tiny_dir, tmp_path, "method=full", *common, "generation.do_sample=true",
+                   "generation.samples_per_prompt=2", task="reasoning")  # fmt: skip
+    runner.run(cfg, write_report=False)
+    (path,) = sorted(tmp_path.rglob("*.jsonl"))
+    rows = read_rows(path)
+    # Stand in for a scorer that was wrong when the rows were written: a flipped score, no metrics.
+    rows[1]["score"], rows[1]["scores"] = 1.0 - rows[1]["score"], {}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task_overrides = ["task.limit=2", "task.samples=1", "task.chat_template=false"]
+
+    done = rescore_dir(tmp_path, task_overrides)
+    assert done == {path: (4, 1)}
+    after = read_rows(path)
+    assert [r["sample_id"] for r in after] == [r["sample_id"] for r in rows]
+    assert after[1]["score"] == 1.0 - rows[1]["score"] and set(after[1]["scores"]) == {"format", "rg_reward"}
+    assert after[1]["rescored"]["score_before"] == rows[1]["score"]
+    assert all(r["rescored"] is None for i, r in enumerate(after) if i != 1)
+    assert rescore_dir(tmp_path, task_overrides) == {path: (4, 0)}  # idempotent
+    with pytest.raises(ValueError, match="(prompt|target)_sha of .* differs|not in the rebuilt task"):
+        rescore_dir(tmp_path, [*task_overrides, "task.seed=7"])  # other problems: refused
+    with pytest.raises(ValueError, match="overrides only, got 'budget=1'"):
+        rescore_dir(tmp_path, ["budget=1"])

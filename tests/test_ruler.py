@@ -501,9 +501,17 @@ def test_report_suite_average_and_dagger():
     rows += [row("niah_single_1", 4096, 0.2, "snapkv", {"budget": 128})]
     df = _report_df(rows)
     md = "\n\n".join(ruler_tables(df, column_order))
-    assert "| full | 75.00 | 25.00 | 50.00 |" in md  # suite averages per length, then their mean
-    assert "| snapkv b=128 | 20.00† |" in md  # vt missing at 4096
-    assert "| **Average** | 75.00 | 25.00 | 50.00 |" in md
+    assert "| full | 75.00 (2) | 25.00 (2) | 50.00 |" in md  # suite averages per length (n), their mean
+    assert "| snapkv b=128 | 20.00† (1) |" in md  # vt missing at 4096
+    assert "| **Average** | 75.00 (2) | 25.00 (2) | 50.00 |" in md
+    assert "‡" not in md  # equal n at both lengths: the mean needs no warning
+
+    # A third sample at 4096 only: the lengths rest on different n, and the avg says so.
+    df = _report_df(rows + [row("vt", 4096, 1.0, index=1)])
+    md = "\n\n".join(ruler_tables(df, column_order))
+    assert "| full | 87.50 (3) | 25.00 (2) | 56.25‡ |" in md
+    assert "| vt | 75.00 (2) | 50.00 (1) | 62.50‡ |" in md
+    assert "different numbers of samples (3 at 4096, 2 at 8192)" in md
 
 
 def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
@@ -523,15 +531,27 @@ def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
     labels = column_order(df)
     got = {(a, b): rest for a, b, *rest in paired_differences(df, [(x, labels[0]) for x in labels[1:]])}
     # snapkv - full on the 7 shared samples: niah 2/4 - 4/4 = -0.5; vt mean(0.5-0, 0.5-1, 0.5-0.5) = 0
-    length, n, diff, interval = got[("snapkv b=64", "full")]
-    assert (length, n) == (4096, 7) and diff == pytest.approx(100 * (-0.5 + 0.0) / 2)
+    length, n, fewest, diff, interval = got[("snapkv b=64", "full")]
+    assert (length, n, fewest) == (4096, 7, 3) and diff == pytest.approx(100 * (-0.5 + 0.0) / 2)
+    assert interval == "n<5 per task"  # 3 vt samples: resampling within the task is degenerate
+    assert got[("streamingllm b=64", "full")][1:] == [8, 4, 0.0, "n<5 per task"]
+    md = "\n\n".join(ruler_tables(df, column_order))
+    assert "paired differences" in md and "| snapkv b=64 | streamingllm b=64 | 4096 | 7 | 3 | -25.00 |" in md
+
+    # Six samples per task: the interval is given, and the bootstrap's seed is fixed.
+    more = [row(t, i, v) for (t, _), v in full.items() for i in range(4, 6)]
+    more += [row(t, i, 1.0 - v, "snapkv", {"budget": 64}) for (t, _), v in full.items() for i in range(4, 6)]
+    more += [row(t, i, v, "snapkv", {"budget": 64}) for (t, i), v in full.items() if (t, i) == ("vt", 3)]
+    df = _report_df(rows + more)
+    labels = column_order(df)
+    got = {(a, b): rest for a, b, *rest in paired_differences(df, [(x, labels[0]) for x in labels[1:]])}
+    length, n, fewest, diff, interval = got[("snapkv b=64", "full")]
+    assert (n, fewest) == (12, 6)
     lo, hi = (float(x) for x in interval.strip("[]").split(","))
     assert lo <= diff <= hi and lo < hi
-    assert got[("streamingllm b=64", "full")][1:] == [8, 0.0, "[+0.0, +0.0]"]  # identical answers: no spread
+    assert got[("streamingllm b=64", "full")][1:] == [8, 4, 0.0, "n<5 per task"]  # it ran 4 per task
     again = paired_differences(df, [("snapkv b=64", "full")])
-    assert again[0][2:] == [4096, 7, diff, interval]  # fixed seed: the report rebuilds the same
-    md = "\n\n".join(ruler_tables(df, column_order))
-    assert "paired differences" in md and "| snapkv b=64 | streamingllm b=64 | 4096 | 7 | -25.00 |" in md
+    assert again[0][2:] == [4096, 12, 6, diff, interval]  # fixed seed: the report rebuilds the same
 
 
 def test_compare_figure_puts_every_config_beside_the_full_cache(tmp_path):
@@ -692,7 +712,7 @@ def test_generator_version_and_growth_enter_the_hash():
 def test_suite_average_names_the_tasks_it_covers():
     qa_less = [t for t in TASKS if t not in ("qa_1", "qa_2")]
     md = "\n\n".join(ruler_tables(_report_df([_ruler_row(t, 4096, 1.0) for t in qa_less]), column_order))
-    assert "per length, over 11 of 13 tasks (qa_1/qa_2 need SQuAD/HotpotQA in task.data_dir)." in md
+    assert "in brackets, over 11 of 13 tasks (qa_1/qa_2 need SQuAD/HotpotQA in task.data_dir)." in md
     md = "\n\n".join(
         ruler_tables(_report_df([_ruler_row(t, 4096, 1.0) for t in [*qa_less, "qa_2"]]), column_order)
     )

@@ -6,13 +6,15 @@ result rows (`ruler_task`, `ruler_length`, `score`).
 Suite average: for each length, the mean over tasks of the per-task means (RULER's "Avg."); marked
 with † when a config lacks some task at that length (not comparable); its caption names how many of
 RULER's 13 tasks it covers when fewer ran ("11 of 13 tasks (qa_1/qa_2 need SQuAD/HotpotQA in
-task.data_dir)"). Scores x100.
+task.data_dir)"). Scores x100, each cell with the ok samples it rests on; an "avg" over lengths
+that rest on different numbers of samples is marked ‡ and the note says so.
 
 Paired differences: every config against the full cache, then the compressed configs against
 each other, on the samples both ran (the same generated sample ids), suite average minus the
 other's with a 95% percentile interval from a
 bootstrap that resamples the shared samples within each task (the tasks stay fixed, as the suite
-average weighs them equally); a fixed seed, so the report rebuilds byte-identical.
+average weighs them equally); a fixed seed, so the report rebuilds byte-identical. The interval is
+withheld ("n<5 per task") where a task has fewer than `eval.paired.MIN_N` shared samples.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from eval.paired import stratified_bootstrap
+from eval.paired import MIN_N, stratified_bootstrap
 from eval.plots import NEEDLE_CMAP, _save
 from eval.tables import md_table, slug
 from eval.tasks.ruler.config import QA_TASKS, TASKS
@@ -53,14 +55,24 @@ def ruler_means(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def suite_average(means: pd.DataFrame) -> pd.DataFrame:
-    """Per (model, config_label, ruler_length): the mean over tasks and whether every task that
-    any config has at that (model, length) is present."""
+    """Per (model, config_label, ruler_length): the mean over tasks, whether every task that any
+    config has at that (model, length) is present, and n (the ok samples over those tasks)."""
     tasks_at = means.groupby(["model", "ruler_length"])["ruler_task"].agg(lambda s: set(s))
     rows = []
     for (model, label, length), g in means.groupby(["model", "config_label", "ruler_length"]):
         complete = set(g["ruler_task"]) >= tasks_at[(model, length)]
-        rows.append((model, label, length, g["score"].mean(), complete))
-    return pd.DataFrame(rows, columns=["model", "config_label", "ruler_length", "score", "complete"])
+        rows.append((model, label, length, g["score"].mean(), complete, int(g["n"].sum())))
+    return pd.DataFrame(rows, columns=["model", "config_label", "ruler_length", "score", "complete", "n"])
+
+
+def _with_n(score: float, n: int) -> str:
+    return "" if np.isnan(score) else f"{score:.2f} ({n})"
+
+
+UNEQUAL_N = (
+    "‡ the unweighted mean of length columns that rest on different numbers of samples ({}): read "
+    "the length columns."
+)
 
 
 def coverage_note(tasks) -> str:
@@ -84,10 +96,12 @@ def coverage_note(tasks) -> str:
 def paired_differences(
     rows: pd.DataFrame, pairs: list[tuple[str, str]], resamples: int = 2000, seed: int = 0
 ) -> list[list]:
-    """Per (config, baseline) pair and length: [config, baseline, length, shared samples, suite avg
-    difference config - baseline, "[lo, hi]"] over the ok samples both ran (a stratified bootstrap
-    within task: module doc, `eval.paired.stratified_bootstrap`). `rows`: one model's RULER rows with `sample_id`, `ruler_task`,
-    `ruler_length`, `score`, `ok`, `config_label`."""
+    """Per (config, baseline) pair and length: [config, baseline, length, shared samples, fewest
+    shared samples of a task, suite avg difference config - baseline, "[lo, hi]"] over the ok samples
+    both ran (a stratified bootstrap within task: module doc, `eval.paired.stratified_bootstrap`);
+    the interval is withheld ("n<5 per task") when a task has fewer than `MIN_N` shared samples, as
+    resampling 2 samples within a task gives a degenerate interval. `rows`: one model's RULER rows
+    with `sample_id`, `ruler_task`, `ruler_length`, `score`, `ok`, `config_label`."""
     ok = rows[rows["ok"]].assign(ruler_length=lambda d: pd.to_numeric(d["ruler_length"]).astype(int))
     out = []
     for length in sorted(ok["ruler_length"].unique()):
@@ -104,8 +118,11 @@ def paired_differences(
             if shared.empty:
                 continue
             diff = a.loc[shared, "score"].to_numpy(float) - b.loc[shared, "score"].to_numpy(float)
-            c = stratified_bootstrap(100 * diff, b.loc[shared, "ruler_task"], resamples, seed)
-            out.append([label, baseline, int(length), len(shared), c.diff, f"[{c.lo:+.1f}, {c.hi:+.1f}]"])
+            strata = b.loc[shared, "ruler_task"]
+            fewest = int(strata.value_counts().min())
+            c = stratified_bootstrap(100 * diff, strata, resamples, seed)
+            interval = f"[{c.lo:+.1f}, {c.hi:+.1f}]" if fewest >= MIN_N else f"n<{MIN_N} per task"
+            out.append([label, baseline, int(length), len(shared), fewest, c.diff, interval])
     return out
 
 
@@ -124,25 +141,40 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
         labels = [c for c in column_order(part) if c in set(means["config_label"])]
         lengths = sorted(means.loc[means["model"] == model, "ruler_length"].unique())
         a = avg[avg["model"] == model]
-        table, dagger = [], False
+        table, dagger, unequal = [], False, []
         for label in labels:
-            cells = []
+            cells, scores, ns = [], [], []
             for length in lengths:
                 hit = a[(a["config_label"] == label) & (a["ruler_length"] == length)]
                 if hit.empty:
                     cells.append(float("nan"))
-                elif bool(hit["complete"].iloc[0]):
-                    cells.append(float(hit["score"].iloc[0]))
+                    continue
+                score, n = float(hit["score"].iloc[0]), int(hit["n"].iloc[0])
+                scores.append(score)
+                ns.append(n)
+                if bool(hit["complete"].iloc[0]):
+                    cells.append(_with_n(score, n))
                 else:
                     dagger = True
-                    cells.append(f"{hit['score'].iloc[0]:.2f}†")
-            numeric = [c for c in cells if isinstance(c, float) and not np.isnan(c)]
-            table.append([label] + cells + [np.mean(numeric) if len(numeric) == len(cells) else float("nan")])
+                    cells.append(f"{score:.2f}† ({n})")
+            mean = float(np.mean(scores)) if len(scores) == len(lengths) else float("nan")
+            if len(set(ns)) > 1 and not np.isnan(mean):
+                unequal.append((label, ", ".join(f"{x} at {length}" for x, length in zip(ns, lengths))))
+                table.append([label] + cells + [f"{mean:.2f}‡"])
+            else:
+                table.append([label] + cells + [mean])
         note = "\n\n† mean over only the tasks this config has at that length." if dagger else ""
+        if unequal:
+            patterns = {pattern for _, pattern in unequal}
+            which = (
+                patterns.pop() if len(patterns) == 1 else "; ".join(f"{lab}: {pat}" for lab, pat in unequal)
+            )
+            note += "\n\n" + UNEQUAL_N.format(which)
         covered = coverage_note(means.loc[means["model"] == model, "ruler_task"])
         out.append(
             f"### ruler — {model}: suite average\n\nMean over tasks of the task score x100 "
-            "(string_match_all; QA string_match_part), per length"
+            "(string_match_all; QA string_match_part), per length, with the ok samples it rests on in "
+            "brackets"
             + (f", over {covered}" if covered else "")
             + ".\n\n"
             + md_table(["method"] + [str(x) for x in lengths] + ["avg"], table)
@@ -158,22 +190,53 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
                     f"### ruler — {model}: paired differences\n\nSuite average x100 of a config minus "
                     "another's on the samples both ran (every config against the full cache, then the "
                     "compressed configs against each other), with a 95% interval from 2000 bootstrap "
-                    "resamples of the samples within each task.\n\n"
+                    f"resamples of the samples within each task, withheld where a task has fewer than {MIN_N} "
+                    "shared samples (fewest per task).\n\n"
                     + md_table(
-                        ["method", "minus", "length", "shared samples", "difference", "95% interval"], paired
-                    )
+                        [
+                            "method",
+                            "minus",
+                            "length",
+                            "shared samples",
+                            "fewest per task",
+                            "difference",
+                            "95% interval",
+                        ],
+                        paired,
+                    )  # fmt: skip
                 )
         m = means[means["model"] == model]
         for label in labels:
             sub = m[m["config_label"] == label]
             grid = sub.pivot_table(index="ruler_task", columns="ruler_length", values="score", aggfunc="mean")
             grid = grid.reindex(index=_task_order(sub["ruler_task"]), columns=lengths)
+            counts = sub.pivot_table(index="ruler_task", columns="ruler_length", values="n", aggfunc="sum")
+            counts = counts.reindex(index=grid.index, columns=lengths).fillna(0).astype(int)
             n = int(sub["n"].sum())
-            rows = [[t] + [grid.at[t, c] for c in lengths] + [grid.loc[t].mean()] for t in grid.index]
-            rows.append(["**Average**"] + [grid[c].mean() for c in lengths] + [grid.mean(axis=1).mean()])
+            rows, unequal = [], False
+            for t in grid.index:
+                present = [int(counts.at[t, c]) for c in lengths if counts.at[t, c]]
+                mean = grid.loc[t].mean()
+                uneven = len(set(present)) > 1
+                unequal |= uneven
+                rows.append(
+                    [t] + [_with_n(grid.at[t, c], int(counts.at[t, c])) for c in lengths]
+                    + [f"{mean:.2f}‡" if uneven else mean]
+                )  # fmt: skip
+            per_length = [int(counts[c].sum()) for c in lengths]
+            uneven = len({x for x in per_length if x}) > 1
+            unequal |= uneven
+            overall = grid.mean(axis=1).mean()
+            rows.append(
+                ["**Average**"] + [_with_n(grid[c].mean(), x) for c, x in zip(lengths, per_length)]
+                + [f"{overall:.2f}‡" if uneven else overall]
+            )  # fmt: skip
+            note = "\n\n" + UNEQUAL_N.format("ok samples in brackets") if unequal else ""
             out.append(
-                f"### ruler — {model} — {label}\n\nScore x100 per task and length ({n} ok samples).\n\n"
+                f"### ruler — {model} — {label}\n\nScore x100 per task and length, with the ok samples "
+                f"of each cell in brackets ({n} ok samples).\n\n"
                 + md_table(["task"] + [str(x) for x in lengths] + ["avg"], rows)
+                + note
             )
     return out
 

@@ -105,17 +105,37 @@ def decay(part: pd.DataFrame) -> pd.DataFrame:
     groups = ok.groupby(["method_key", "protocol"])
     out["n"] = groups.size().reindex(out.index).fillna(0).astype(int)
     out["all"] = groups["score"].mean().mul(100).reindex(out.index)
+    counts = ok.groupby(["method_key", "protocol", "question"]).size().unstack("question").reindex(out.index)
+    out.attrs["counts"] = counts.fillna(0).astype(int)  # ok rows per question: decay_table's cell n
     return out
 
 
 def decay_table(part: pd.DataFrame, title: str) -> str:
     table = decay(part)
     questions = [c for c in table.columns if c not in ("n", "all")]
-    rows = [[m, p, int(r["n"]), *(r[q] for q in questions), r["all"]] for (m, p), r in table.iterrows()]
+    counts = table.attrs.get("counts")
+    rows, uneven_any = [], False
+    for (m, p), r in table.iterrows():
+        ns = [int(counts.at[(m, p), q]) for q in questions] if counts is not None and questions else []
+        uneven = len(set(ns)) > 1
+        uneven_any |= uneven
+        cells = [
+            f"{r[q]:.2f} ({n})" if uneven and n else r[q]
+            for q, n in zip(questions, ns or [0] * len(questions))
+        ]
+        rows.append([m, p, int(r["n"]), *cells, r["all"]])
     headers = ["method", "protocol", "n", *(f"q{q}" for q in questions), "all"]
+    note = (
+        "\n\nWhere a row's questions rest on different numbers of contexts (a run not finished), each "
+        "cell gives its n in brackets."
+        if uneven_any
+        else ""
+    )
     return (
         f"### Score per question — {title}\n\nScore x100 (mean over ok rows) at each question index, "
-        "in the order the questions are asked about a context.\n\n" + md_table(headers, rows, text_columns=2)
+        "in the order the questions are asked about a context; n: ok rows over all questions.\n\n"
+        + md_table(headers, rows, text_columns=2)
+        + note
     )
 
 

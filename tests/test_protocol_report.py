@@ -96,6 +96,15 @@ def test_score_per_question_index(part):
     md = protocol_report.decay_table(part, "askmany — m")
     assert "| snapkv b=64 | multi_request | 6 | 100.00 | 50.00 | 0.00 | 50.00 |" in md
     assert "| full | multi_request | 6 | 100.00 | 100.00 | 100.00 | 100.00 |" in md
+    assert "(2)" not in md and "brackets" not in md  # every question on 2 contexts: no cell n needed
+
+    # A run not finished: the last context's third question missing; its row gives each cell's n.
+    rows = [r for r in hand_rows() if not (r["method"] == "snapkv" and r["protocol"] == "multi_request"
+                                           and r["context_id"] == "c1" and r["question_index"] == 2)]  # fmt: skip
+    md = protocol_report.decay_table(protocol_report.frame(prepare(pd.DataFrame(rows))), "askmany — m")
+    assert "| snapkv b=64 | multi_request | 5 | 100.00 (2) | 50.00 (2) | 0.00 (1) | 60.00 |" in md
+    assert "| full | multi_request | 6 | 100.00 | 100.00 | 100.00 | 100.00 |" in md
+    assert "each cell gives its n in brackets" in md
 
 
 def test_reuse_penalty_is_paired_by_sample_with_a_seeded_bootstrap(part):

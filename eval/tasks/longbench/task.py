@@ -351,15 +351,21 @@ def longbench_e_bucket(length: float) -> str:
 
 
 def longbench_e_table(ok: pd.DataFrame, cols: list[str], datasets: list[str]) -> str:
-    """Score x100 per dataset x LongBench-E length bucket (rows) and config (columns)."""
+    """Score x100 per dataset x LongBench-E length bucket (rows) and config (columns), each cell
+    with the ok samples it rests on (buckets split a config's samples unevenly)."""
     ok = ok.assign(length=pd.to_numeric(ok["length"], errors="coerce")).dropna(subset=["length"])
     ok = ok.assign(bucket=ok["length"].map(longbench_e_bucket))
-    means = ok.groupby(["dataset", "bucket", "config_label"])["score"].mean().mul(100)
+    stats = ok.groupby(["dataset", "bucket", "config_label"])["score"].agg(["mean", "size"])
     rows = []
     for ds in datasets:
         for bucket in LONGBENCH_E_BUCKETS:
-            if (ds, bucket) in means.index.droplevel(2):
-                rows.append([f"{ds} {bucket}"] + [means.get((ds, bucket, c), float("nan")) for c in cols])
-    return "LongBench-E length buckets (the records' `length`, words), score x100.\n\n" + md_table(
-        ["dataset / length"] + cols, rows
+            if (ds, bucket) in stats.index.droplevel(2):
+                cells = []
+                for c in cols:
+                    hit = stats.loc[(ds, bucket, c)] if (ds, bucket, c) in stats.index else None
+                    cells.append("" if hit is None else f"{100 * hit['mean']:.2f} ({int(hit['size'])})")
+                rows.append([f"{ds} {bucket}"] + cells)
+    return (
+        "LongBench-E length buckets (the records' `length`, words), score x100, with the ok samples of "
+        "each cell in brackets.\n\n" + md_table(["dataset / length"] + cols, rows)
     )

@@ -22,6 +22,9 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
 from snapkv import compat
 
+# Decode-time slots allocated ahead of the stored entries (`CompressibleLayer._append`).
+APPEND_ROOM = 64
+
 
 class LayerMark:
     """A compressible layer's state at a checkpoint (`CompressibleLayer.checkpoint`).
@@ -135,6 +138,10 @@ class CompressibleLayer(DynamicLayer):
         self.decode_compressions: list[int] = []
         # Entries per KV head each forward after the prefill attended to (`entries_now`).
         self.decode_entries: list[float | torch.Tensor] = []
+        # After the prefill, keys / values are views `[:, :, :stored]` of (keys, values) buffers
+        # with room for `APPEND_ROOM` more entries: a decode step writes its token into them (and
+        # `evict_in_place` frees a slot) instead of copying the layer into a new tensor.
+        self._kv_buf: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
@@ -154,13 +161,83 @@ class CompressibleLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
+        if q > 1 and self.state == "ready":
+            # Several tokens at once after in-place evictions (a later turn's question): causal
+            # masks inside the block and index-based protections need the entries in order again.
+            self.sort_by_position()
         # Original token indices (with compacted positions the keys are rotated at their slot instead).
         new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
         self.positions = torch.cat([self.positions, new_pos], dim=-1)
         if self.scores is not None:
             self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, q)], dim=-1)
         self.seen += q
+        if self.state == "ready":  # decoding (or a later turn): append into the buffers
+            return self._append(key_states, value_states)
         return super().update(key_states, value_states)
+
+    def _holds_buffer(self) -> bool:
+        """Whether keys / values are still the prefix views of `_kv_buf` (any other assignment
+        since, by a keep, a rollback or a reorder, fails the check)."""
+        if self._kv_buf is None:
+            return False
+        keys, values = self._kv_buf
+        return (
+            self.keys.data_ptr() == keys.data_ptr()
+            and self.values.data_ptr() == values.data_ptr()
+            and self.keys.stride() == keys.stride()
+            and self.values.stride() == values.stride()
+        )
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Append `[batch, kv_heads, q, head_dim]` after the stored entries, in place: into the
+        buffers' free slots, or into new buffers with `APPEND_ROOM` slots to spare (one copy of the
+        layer per `APPEND_ROOM` decode steps instead of one per step)."""
+        n, q = self.stored, key_states.shape[-2]
+        if not self._holds_buffer() or n + q > self._kv_buf[0].shape[-2]:
+            bufs = []
+            for old in (self.keys, self.values):
+                buf = old.new_empty(*old.shape[:2], n + q + APPEND_ROOM, old.shape[-1])
+                buf[:, :, :n].copy_(old)
+                buf[:, :, n + q :].zero_()  # never-written slots: deterministic, not garbage
+                bufs.append(buf)
+            self._kv_buf = (bufs[0], bufs[1])
+        keys, values = self._kv_buf
+        keys[:, :, n : n + q].copy_(key_states)
+        values[:, :, n : n + q].copy_(value_states)
+        self.keys, self.values = keys[:, :, : n + q], values[:, :, : n + q]
+        return self.keys, self.values
+
+    def evict_in_place(self, victims: torch.Tensor) -> None:
+        """Drop the entry `victims[b, h]` of every row and KV head without copying the layer: the
+        last entry moves into the victim's slot and keys / values become views one slot shorter
+        of the same buffers, whose freed slot the next token's `update` fills. The entries are then no longer
+        in position order; a decode step's attention does not depend on their order (every stored
+        entry precedes the query), and `positions` says where each one came from."""
+        self._save_marked_entries()
+        n = self.stored
+        last = n - 1
+        d = self.keys.shape[-1]
+        idx = victims.unsqueeze(-1)  # [b, h, 1]
+        kv_idx = idx.unsqueeze(-1).expand(-1, -1, 1, d)
+        for t in (self.keys, self.values):
+            t.scatter_(2, kv_idx, t[:, :, last:].clone())
+        self.keys, self.values = self.keys[:, :, :last], self.values[:, :, :last]
+        # positions and scores are small: new tensors (a checkpoint may hold the old ones)
+        self.positions = self.positions.scatter(2, idx, self.positions[..., last:])[..., :last]
+        if self.scores is not None:
+            self.scores = self.scores.scatter(2, idx, self.scores[..., last:])[..., :last]
+
+    def sort_by_position(self) -> None:
+        """Put the stored entries back in position order (after `evict_in_place`); a no-op when
+        they are."""
+        pos = self.positions
+        if self.per_head or pos is None or pos.shape[-1] < 2 or bool((pos[..., 1:] >= pos[..., :-1]).all()):
+            return
+        order = pos.argsort(dim=-1, stable=True)
+        self._save_marked_entries()
+        last_kept = self.last_kept
+        self.keep(order, self.pads)
+        self.last_kept = last_kept  # a reordering, not a selection
 
     @property
     def stored(self) -> int:
@@ -213,6 +290,7 @@ class CompressibleLayer(DynamicLayer):
         if self.pads is not None and pads is None:
             raise ValueError("keep() on a padded batch needs the kept rows' pads (snapkv.padding)")
         self._save_marked_entries()
+        self._kv_buf = None  # gathered into new tensors: the old buffer is not the layer's any more
         self.pads = pads
         self.last_kept = indices
         idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
@@ -262,6 +340,7 @@ class CompressibleLayer(DynamicLayer):
             raise ValueError(
                 f"layer {self.index} holds {self.seen} tokens, fewer than its mark's {mark.seen}"
             )
+        self._kv_buf = None  # the buffers hold entries written after the mark
         if mark.kv is not None:  # the layer evicted since the mark: its copy-on-write entries
             self.keys, self.values, self.positions = mark.kv
         else:
@@ -296,6 +375,7 @@ class CompressibleLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._mark = None
+        self._kv_buf = None
         self.seen = 0
         self.positions = self.scores = None
         self.state = "empty"
@@ -310,7 +390,7 @@ class CompressibleLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._mark = None  # the marked rows are not these rows any more
+        self._mark = self._kv_buf = None  # the marked rows are not these rows any more
         if self.pads is not None:  # padded batches: each beam keeps its row's pads
             self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
             self.prompt_pads = self.prompt_pads.index_select(0, beam_idx.to(self.prompt_pads.device))
@@ -321,13 +401,13 @@ class CompressibleLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
-        self._mark = None
+        self._mark = self._kv_buf = None
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
-        self._mark = None
+        self._mark = self._kv_buf = None
         super().batch_select_indices(indices)
 
 

@@ -92,14 +92,15 @@ class Session:
                 self.scheduled_step(module, layer, query.shape[2])
             if not method.evicts_during_decode:
                 return
-            before = layer.row_entries()
             if padded:
+                before = layer.row_entries()
                 padding.evict_rows(method, layer, query, module)
-            else:
+                layer.decode_evicted += float((before - layer.row_entries()).double().mean())
+            else:  # every row holds `stored` entries: plain ints, no tensor ops on every step
+                before = layer.stored
                 method.observe(layer, query, key, module)
-                method.evict(layer)
-            evicted = (before - layer.row_entries()).double().mean()
-            layer.decode_evicted += float(evicted)
+                method.evict(layer, in_place=True)
+                layer.decode_evicted += float(before - layer.stored)
 
     def after_prefill(self, ids: torch.Tensor) -> None:
         """Run `method.after_prefill` on the prefilled prompt `ids` `[batch, n]` (phase "score"

@@ -1,15 +1,19 @@
 """Results and rows say what decoding did: a prompt shorter than the budget is not compressed at
 prefill, yet the methods that evict while decoding (H2O, StreamingLLM, TOVA, K-norm re-pruning)
-evict once it has grown past the budget."""
+evict once it has grown past the budget. Their one-entry-per-step eviction runs in place (no copy
+of the layer) and keeps exactly what the copying path keeps."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import random_ids, tiny_model
+from test_rollback import feed
 
 import eval.runner as runner
+import snapkv.hooks
 from eval.store import ROW_FIELDS
-from snapkv import build_method, generate_ids
+from snapkv import build_method, compress_context, generate_ids
 
 PROMPT, BUDGET, NEW = 20, 24, 12
 DECODE_FIELDS = ("compressed", "evicted_during_decode", "decode_evicted", "kv_tokens_end")
@@ -71,3 +75,79 @@ def test_compressed_prompt_with_decode_eviction_holds_the_budget(name, params):
     _, res = generate_ids(model, random_ids(60), None, method, max_new_tokens=NEW)
     assert res.compressed and res.kv_tokens == BUDGET
     assert res.evicted_during_decode and res.decode_evicted == NEW - 1 and res.kv_tokens_end == BUDGET
+
+
+IN_PLACE = [
+    ("h2o", dict(budget=BUDGET)),
+    ("h2o", dict(budget=BUDGET, recent=4, normalize=True)),
+    ("streamingllm", dict(budget=BUDGET, n_sink=4)),
+    ("tova", dict(budget=BUDGET)),
+    ("tova", dict(budget=BUDGET, keep_last=True)),
+    ("knorm", dict(budget=BUDGET, evict_during_decode=True)),
+]
+
+
+def _traced(model, ids, method, monkeypatch=None, ordered=False):
+    """Greedy generation with, after every forward of layer 0, its kept positions (as a set) and
+    the address of its key buffer. `ordered`: the copying path (every eviction gathers)."""
+    trace = []
+    original = snapkv.hooks.Session.after_attention
+
+    def spy(self, module, layer, query, key):
+        original(self, module, layer, query, key)
+        if module.layer_idx == 0:
+            kept = layer.positions[0].sort(dim=-1).values.tolist()
+            # The tensor itself, held: a freed buffer's address could be handed out again.
+            trace.append((kept, layer.keys, layer.decode_evicted))
+
+    monkeypatch.setattr(snapkv.hooks.Session, "after_attention", spy)
+    if ordered:
+        monkeypatch.setattr(type(method), "evicts_in_place", property(lambda self: False))
+    out, res = generate_ids(model, ids, None, method, max_new_tokens=NEW, keep_logits=True)
+    monkeypatch.undo()
+    return out, res, trace
+
+
+@pytest.mark.parametrize("length", [PROMPT, 60])
+@pytest.mark.parametrize("name,params", IN_PLACE)
+def test_in_place_eviction_equals_the_copying_path_and_reuses_one_buffer(name, params, length, monkeypatch):
+    """Dropping a decode step's surplus entry in place (the newest entry moves into the victim's
+    slot) keeps the same entries as sorting and gathering the layer, answers the same, and after
+    the first eviction writes every new token into the same buffer (no copy of the layer)."""
+    model = tiny_model("llama")
+    ids = random_ids(length)
+    method = build_method(name, **params)
+    assert method.evicts_in_place
+    got, res, trace = _traced(model, ids, method, monkeypatch)
+    want, want_res, want_trace = _traced(model, ids, build_method(name, **params), monkeypatch, ordered=True)
+    assert torch.equal(got, want)
+    for a, b in zip(res.logits, want_res.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)  # the same sums in another order
+    assert [kept for kept, *_ in trace] == [kept for kept, *_ in want_trace]
+    evicting = [keys.untyped_storage().data_ptr() for _, keys, evicted in trace if evicted]
+    assert len(evicting) >= NEW - 2 - max(0, BUDGET - length)
+    assert len(set(evicting[1:])) == 1  # from the second eviction on, one buffer
+    copied = [keys.untyped_storage().data_ptr() for _, keys, evicted in want_trace if evicted]
+    assert len(set(copied)) == len(copied)  # the copying path: a new tensor every step
+    assert res.decode_evicted == want_res.decode_evicted and res.kv_tokens_end == BUDGET
+
+
+def test_compacted_streamingllm_and_padded_rows_take_the_ordered_path():
+    assert not build_method("streamingllm", budget=BUDGET, positions="compacted").evicts_in_place
+    assert not build_method("adakv", budget=BUDGET, window=8).evicts_in_place  # splits the budget in prune
+
+
+def test_a_multi_token_feed_after_in_place_evictions_restores_position_order():
+    """A later turn fed in one forward needs the entries in position order (causal mask inside the
+    block, index-based protections): the layer sorts them first."""
+    model = tiny_model("llama")
+    method = build_method("streamingllm", budget=BUDGET, n_sink=4)
+    cache = compress_context(model, random_ids(60), method)
+    for t in random_ids(NEW, seed=3)[0]:
+        feed(model, cache, method, t.view(1, 1))
+    layer = cache.layers[0]
+    # The rolling buffer: each new token took the oldest non-sink entry's slot.
+    assert not bool((layer.positions[..., 1:] >= layer.positions[..., :-1]).all())
+    feed(model, cache, method, random_ids(5, seed=4))
+    want = list(range(4)) + list(range(layer.seen - (BUDGET - 4), layer.seen))
+    assert layer.stored == BUDGET and layer.positions[0].tolist() == [want] * layer.positions.shape[1]

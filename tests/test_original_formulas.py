@@ -334,7 +334,8 @@ def naive_evicting_decode(model, ids: torch.Tensor, new_tokens: int, choose):
 
 
 def _decode_with_history(model, ids, method, new_tokens: int):
-    """The method's own greedy generation, with the kept positions after every forward."""
+    """The method's own greedy generation, with the kept positions after every forward (in
+    position order: decode-time eviction in place leaves the stored entries unordered)."""
     history: list[dict] = []
     original = snapkv.hooks.Session.after_attention
 
@@ -342,7 +343,7 @@ def _decode_with_history(model, ids, method, new_tokens: int):
         original(self, module, layer, query, key)
         if module.layer_idx == 0:
             history.append({})
-        history[-1][module.layer_idx] = layer.positions[0].tolist()
+        history[-1][module.layer_idx] = layer.positions[0].sort(dim=-1).values.tolist()
 
     snapkv.hooks.Session.after_attention = spy
     try:

@@ -296,12 +296,38 @@ class Method:
         heads; StreamingLLM re-rotates the kept keys with compacted positions)."""
         layer.keep(self.select(scores, budget))
 
-    def evict(self, layer: CompressibleLayer) -> None:
-        """Decode-time eviction back to the budget (evicted entries never return)."""
+    @property
+    def evicts_in_place(self) -> bool:
+        """Whether `evict` may drop a decode step's one surplus entry in place
+        (`CompressibleLayer.evict_in_place`: no copy of the layer): when `prune` is the base
+        class's plain top-k keep. A method whose `prune` re-rotates keys or splits the budget
+        (StreamingLLM's compacted positions, Ada-KV) takes the ordered path."""
+        return type(self).prune is Method.prune
+
+    def victims(self, layer: CompressibleLayer, scores: torch.Tensor) -> torch.Tensor:
+        """`[batch, kv_heads]`: the entry `select(scores, stored - 1)` would drop, found by position
+        rather than by index (in-place evictions leave the entries out of position order): the
+        protected first / last entries are the oldest / newest positions (the protected ones are
+        never evicted, so positions `[0, first)` and `[seen - last, seen)` are all present); of the
+        lowest-scored of the rest, the newest (the stable sort keeps the earlier of a tie)."""
+        first, last = self.protected()
+        pos = layer.positions
+        s = scores.float().masked_fill((pos < first) | (pos >= layer.seen - last), math.inf)
+        low = s.amin(dim=-1, keepdim=True)
+        return torch.where(s == low, pos, -1).argmax(dim=-1)
+
+    def evict(self, layer: CompressibleLayer, in_place: bool = False) -> None:
+        """Decode-time eviction back to the budget (evicted entries never return). `in_place`
+        (the caller's: the layer is not a padded batch's row view): a decode step's one surplus
+        entry is dropped without copying the layer when `evicts_in_place`."""
         budget = self.layer_budget(layer)
         if budget is None or layer.stored <= budget:
             return
-        self.prune(layer, self.decode_score(layer), budget)
+        scores = self.decode_score(layer)
+        if in_place and layer.stored == budget + 1 and layer.pads is None and self.evicts_in_place:
+            layer.evict_in_place(self.victims(layer, scores))
+        else:
+            self.prune(layer, scores, budget)
         layer.compressed = True
 
 

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from snapkv.methods.base import GQA_REDUCTIONS, Method, blockwise_attention, causal_column_sums, reduce_group
+from snapkv.methods.base import (
+    GQA_REDUCTIONS,
+    Method,
+    blockwise_attention,
+    causal_column_sums,
+    reduce_group,
+    window_attention,
+)
 from snapkv.methods.registry import register
 
 
@@ -100,6 +107,13 @@ class H2O(Method):
         if layer.state == "ready" and not self.evict_during_decode:
             return  # prefill-only variant: scores are not needed any more
         q = query.shape[2]
+        if q == 1 and layer.state == "ready":
+            # A decode step: every stored entry precedes the query, so the column sums are the one
+            # query's softmax row (no causal mask, no blocks; any entry order).
+            self._accumulate(
+                layer, window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)
+            )
+            return
         qpos = torch.arange(layer.seen - q, layer.seen, device=key.device)
         sums = causal_column_sums(
             query,

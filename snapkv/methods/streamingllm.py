@@ -40,6 +40,12 @@ class StreamingLLM(Method):
         if self.positions not in ("original", "compacted"):
             raise ValueError(f"positions must be 'original' or 'compacted', got positions={self.positions!r}")
 
+    @property
+    def evicts_in_place(self) -> bool:  # type: ignore[override]
+        # The rolling buffer: the oldest non-sink entry's slot takes the new token. Compacted
+        # positions re-rotate every kept key to its slot, which needs the ordered path.
+        return self.positions == "original"
+
     def protected(self) -> tuple[int, int]:
         # Together exactly the budget: sinks + the most recent tokens; scores are not needed.
         return self.n_sink, self.budget - self.n_sink

@@ -185,7 +185,7 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
     "timestamp": ("str", "ISO-8601 UTC time the row was written, e.g. `2025-01-31T12:00:00Z`"),
     "rescored": (
         "dict | null",
-        "set when `scripts/rescore.py` recomputed `score` / `scores` from the stored prediction with a later scorer: `{git_sha, git_dirty, git_diff_sha, timestamp, score_before}`; null: scored when generated",
+        "set when scripts/rescore.py recomputed `score` / `scores` from the stored `prediction` with a later scorer: the rescoring commit (its git_sha, git_dirty, git_diff_sha), the timestamp and score_before, the score it replaced; null: scored when generated",
     ),
 }
 ROW_FIELDS: tuple[str, ...] = tuple(ROW_SCHEMA)

@@ -22,6 +22,7 @@ from eval.bench.clock import PhaseProbe, Reference, _Call
 from eval.bench.report import (
     TARGETS,
     agreement,
+    decode_step_ratios,
     default_clock,
     kept_rounds,
     ratio_spreads,
@@ -358,3 +359,23 @@ def test_every_catalogue_method_plans_a_json_spec():
     assert sorted(s["method"] for s in specs) == names
     knorm = next(s for s in specs if s["method"] == "knorm")
     assert json.loads(json.dumps(knorm))["params"]["skip_layers"] == [0, 1]
+
+
+def test_decode_step_ratios_pair_each_method_with_the_full_cache_of_its_own_round():
+    def row(rnd, method, n, tpot, noisy=False):
+        return {"round": rnd, "method": method, "input_tokens": n, "batch_size": 1, "status": "ok",
+                "tpot_ref": tpot, "noisy": noisy}  # fmt: skip
+
+    rows = [row(0, "full", 512, 1.0), row(0, "h2o", 2048, 1.2), row(0, "streamingllm", 2048, 1.02)]
+    rows += [row(1, "full", 512, 2.0), row(1, "h2o", 2048, 2.2), row(1, "streamingllm", 2048, 2.0)]
+    rows += [
+        row(2, "full", 512, 1.0, noisy=True),
+        row(2, "h2o", 2048, 9.9, noisy=True),
+    ]  # a noisy round: left out
+    got = decode_step_ratios(rows)
+    assert set(got) == {"h2o", "streamingllm"}  # the long input's methods, not the full cache
+    assert got["h2o"].n == 2 and got["h2o"].median == pytest.approx((1.2 + 1.1) / 2)
+    assert got["streamingllm"].median == pytest.approx((1.02 + 1.0) / 2)
+    assert decode_step_ratios(rows, all_rounds=True)["h2o"].n == 3
+    with pytest.raises(ValueError, match="clock must be one of"):
+        decode_step_ratios(rows, clock="bogus")

@@ -111,6 +111,39 @@ def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[st
     return out
 
 
+def decode_step_ratios(
+    rows: Sequence[dict[str, Any]], clock: str = "ref", all_rounds: bool = False
+) -> dict[str, Spread | None]:
+    """Per method run at the longest input: its TPOT over the full cache's TPOT at the shortest
+    input (a cache of the budget's size), one ratio per kept round from that round's own two
+    configurations, summarised as median and IQR. What a decode step of each method costs beside
+    a plain step over as many entries (decode-time eviction, hooks, bookkeeping)."""
+    if clock not in CLOCK_COLUMNS:
+        raise ValueError(f"clock must be one of {sorted(CLOCK_COLUMNS)}, got clock={clock!r}")
+    col = CLOCK_COLUMNS[clock]["tpot_s"]
+    ok = _ok(rows)
+    if not ok:
+        return {}
+    kept, _ = kept_rounds(rows, all_rounds)
+    lengths = sorted({int(r["input_tokens"]) for r in ok})
+    batch = min(int(r["batch_size"]) for r in ok)
+    cell = {
+        (int(r["round"]), r["method"], int(r["input_tokens"])): r for r in ok if int(r["batch_size"]) == batch
+    }
+    methods = sorted({m for (_, m, n) in cell if n == lengths[-1] and m != "full"})
+    out = {}
+    for m in methods:
+        per = []
+        for rnd in kept:
+            a, b = cell.get((rnd, m, lengths[-1])), cell.get((rnd, "full", lengths[0]))
+            x = _float(a.get(col)) if a else None
+            y = _float(b.get(col)) if b else None
+            if x is not None and y:
+                per.append(x / y)
+        out[m] = spread(per)
+    return out
+
+
 def kept_ratios(
     rows: Sequence[dict[str, Any]], clock: str = "wall", all_rounds: bool = False
 ) -> dict[str, list[float]]:

@@ -28,9 +28,10 @@ records the cores other processes kept busy meanwhile (`eval.machine.CpuNoise`).
 the median [Q1, Q3] of the per-round ratios (`eval.stats.spread`). The fed tokens are the greedy
 continuation of the prompt on the full cache, the same on both sides.
 
-After the rounds, `profile_steps` decode steps of each side run under cProfile; the functions whose
-inclusive time per step differs most between the sides are printed (and written beside the CSV),
-per step and per decoder layer. cProfile's own per-call cost inflates Python-heavy paths: the
+After the rounds, two blocks of `profile_steps` decode steps of each side (A B B A) run under
+cProfile; per Python function, its own time plus that of the torch ops it calls directly (these add
+up to the step), the largest differences between the sides are printed (and written beside the
+CSV), per step and per decoder layer. cProfile's own per-call cost inflates Python-heavy paths: the
 paired ratios are the measurement, the profile says where a difference comes from.
 """
 
@@ -44,6 +45,7 @@ import gc
 import importlib
 import importlib.metadata
 import io
+import json
 import os
 import platform
 import pstats
@@ -60,10 +62,16 @@ from eval.stats import Spread, spread
 PAIRS = ("snapkv", "streamingllm", "full")
 SKIP_EXIT = 2  # kvpress not importable (also argparse's and the other bench scripts' bad-argument code)
 DEFAULT_OUT_DIR = Path("results/bench/kvpress")
+# kvpress 0.5.5's SnapKVPress defaults (used on its side), and our SnapKV set to score the same way:
+# its window, average pooling of kernel 5, per query head then averaged over the group. With these
+# both sides keep the same entries (checked on SmolLM2 at 4096 tokens, budget 512: every layer's
+# kept keys equal, first-step logits within 2e-5).
+KVPRESS_SNAPKV = {"window_size": 64, "kernel_size": 5}
+SNAPKV_AS_KVPRESS = {"window": 64, "kernel_size": 5, "pooling": "avg", "gqa_order": "pool_first"}
 CSV_COLUMNS = [
     "round", "pair", "ours_ms", "kvpress_ms", "ratio", "ours_mean_ms", "kvpress_mean_ms", "ratio_mean",
     "steps", "other_cores", "load", "prompt_tokens", "budget", "ours_kept", "kvpress_kept",
-    "ours_attended_last", "kvpress_attended_last", "model", "torch", "transformers", "kvpress", "threads",
+    "ours_attended_last", "kvpress_attended_last", "ours_params", "model", "torch", "transformers", "kvpress", "threads",
 ]  # fmt: skip
 
 
@@ -175,9 +183,9 @@ class Side:
     who: str  # "ours" | "kvpress"
     cache: Any
     kept: list[int]
-    steps: Callable[
-        [Any, Sequence[int]], tuple[list[float], Any]
-    ]  # (cache, tokens) -> (CPU s per step, last logits)
+    # (cache, tokens) -> (CPU s per step, the last step's logits)
+    steps: Callable[[Any, Sequence[int]], tuple[list[float], Any]]
+    params: str = ""  # ours: the method's parameters (JSON); kvpress: the press
 
     def block(self, tokens: Sequence[int]) -> tuple[list[float], Any, Any]:
         """Decode `tokens` from a fresh copy of the prefilled cache (copy and gc off the clock):
@@ -227,10 +235,13 @@ def _theirs(model, prompt: int):
     return steps
 
 
-def prepare(model, ids, budget: int, n_sink: int) -> tuple[dict[str, tuple[Side, Side]], Any]:
+def prepare(
+    model, ids, budget: int, n_sink: int, snapkv_params: dict[str, Any] | None = None
+) -> tuple[dict[str, tuple[Side, Side]], Any]:
     """Prefill every side (untimed) and check the kept counts; returns the pairs and the plain full
-    cache's last hidden state (for the greedy tokens). RuntimeError when a side keeps other than
-    `budget` entries per KV head (the prompt's length for full) in any layer."""
+    cache's last hidden state (for the greedy tokens). `snapkv_params`: our SnapKV's parameters
+    beyond the budget (None: its defaults; `SNAPKV_AS_KVPRESS`: kvpress' scoring). RuntimeError when
+    a side keeps other than `budget` entries per KV head (the prompt's length for full) in any layer."""
     import torch
     from kvpress import SnapKVPress, StreamingLLMPress
     from transformers import DynamicCache
@@ -241,7 +252,14 @@ def prepare(model, ids, budget: int, n_sink: int) -> tuple[dict[str, tuple[Side,
     n_layers = model.config.num_hidden_layers
     ratio = compression_ratio(prompt, budget)
     methods = {
-        "snapkv": (build_method("snapkv", budget=budget), SnapKVPress(compression_ratio=ratio)),
+        "snapkv": (
+            build_method("snapkv", budget=budget, **(snapkv_params or {})),
+            SnapKVPress(
+                compression_ratio=ratio,
+                window_size=KVPRESS_SNAPKV["window_size"],
+                kernel_size=KVPRESS_SNAPKV["kernel_size"],
+            ),
+        ),  # fmt: skip
         "streamingllm": (
             build_method("streamingllm", budget=budget, n_sink=n_sink),
             StreamingLLMPress(compression_ratio=ratio, n_sink=n_sink),
@@ -269,8 +287,15 @@ def prepare(model, ids, budget: int, n_sink: int) -> tuple[dict[str, tuple[Side,
                         f"layers, not {want} in each of {n_layers}: the sides are not comparable"
                     )
             pairs[pair] = (
-                Side(pair, "ours", ours, ours_kept, _ours(model, method)),
-                Side(pair, "kvpress", theirs, theirs_kept, _theirs(model, prompt)),
+                Side(
+                    pair,
+                    "ours",
+                    ours,
+                    ours_kept,
+                    _ours(model, method),
+                    json.dumps(method.params(), sort_keys=True),
+                ),
+                Side(pair, "kvpress", theirs, theirs_kept, _theirs(model, prompt), repr(press)),
             )
     return pairs, hidden
 
@@ -379,12 +404,20 @@ def _short(file: str) -> str:
 
 
 def profile_diff(ours: Side, theirs: Side, tokens: Sequence[int], n_layers: int, top: int = 12) -> str:
-    """Where the two sides' decode steps differ (cProfile, one block of `tokens` each): per Python
-    function, its own CPU time plus that of the torch ops it calls directly, in µs per step and per
-    decoder layer, the largest differences first."""
-    ta, a = _profile(ours, tokens)
-    tb, b = _profile(theirs, tokens)
-    n = len(tokens)
+    """Where the two sides' decode steps differ (cProfile, blocks of `tokens` in the order ours,
+    kvpress, kvpress, ours): per Python function, its own CPU time plus that of the torch ops it
+    calls directly, in µs per step and per decoder layer, the largest differences first."""
+    totals: dict[str, float] = {"ours": 0.0, "kvpress": 0.0}
+    funcs: dict[str, dict[tuple[str, int, str], tuple[float, int]]] = {"ours": {}, "kvpress": {}}
+    sides = {"ours": ours, "kvpress": theirs}
+    for who in block_order("ours", "kvpress"):
+        total, own = _profile(sides[who], tokens)
+        totals[who] += total
+        for key, (t, c) in own.items():
+            s, k = funcs[who].get(key, (0.0, 0))
+            funcs[who][key] = (s + t, k + c)
+    (ta, a), (tb, b) = (totals["ours"], funcs["ours"]), (totals["kvpress"], funcs["kvpress"])
+    n = 2 * len(tokens)
     rows = []
     for key in a.keys() | b.keys():
         sa, ca = a.get(key, (0.0, 0))
@@ -418,6 +451,11 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=12)
     p.add_argument("--steps", type=int, default=8, help="decode steps per block")
     p.add_argument("--n-sink", type=int, default=4, help="StreamingLLM's sink tokens (both sides)")
+    p.add_argument(
+        "--snapkv-as-kvpress",
+        action="store_true",
+        help="our SnapKV scores like kvpress' (window 64, avg-pool 5, pooled per query head)",
+    )
     p.add_argument("--haystack", default="noise", help="the needle task's haystack (noise: offline)")
     p.add_argument("--profile-steps", type=int, default=8, help="decode steps profiled per side (0: none)")
     p.add_argument(
@@ -469,6 +507,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import transformers
     from transformers.utils import logging as hf_logging
 
+    from snapkv import build_method
     from snapkv.models import load_model
 
     torch.set_num_threads(1)
@@ -483,8 +522,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     say(f"prompt: needle task ({args.haystack} haystack, depth 50%), {prompt} tokens, the same ids on both "
         f"sides; budget {args.budget} entries per KV head; kvpress compression_ratio "
         f"{compression_ratio(prompt, args.budget):.6f}")  # fmt: skip
+    snapkv_params = SNAPKV_AS_KVPRESS if args.snapkv_as_kvpress else {}
+    say(f"ours snapkv: {build_method('snapkv', budget=args.budget, **snapkv_params).params()}; kvpress "
+        f"SnapKVPress: {KVPRESS_SNAPKV}; streamingllm n_sink {args.n_sink} both sides")  # fmt: skip
     try:
-        pairs, hidden = prepare(model, ids, args.budget, args.n_sink)
+        pairs, hidden = prepare(model, ids, args.budget, args.n_sink, snapkv_params)
     except RuntimeError as err:
         print(f"refused: {err}", file=sys.stderr)
         return 1
@@ -506,7 +548,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 transformers=transformers.__version__, kvpress=version, threads=torch.get_num_threads())  # fmt: skip
     for r in rows:
         o, k = pairs[r["pair"]]
-        r.update(meta, ours_kept=o.kept[0], kvpress_kept=k.kept[0],
+        r.update(meta, ours_kept=o.kept[0], kvpress_kept=k.kept[0], ours_params=o.params,
                  ours_attended_last=attended[r["pair"]][0], kvpress_attended_last=attended[r["pair"]][1])  # fmt: skip
     write_csv(rows, args.out)
     say(f"\nwrote {args.out}\n")
@@ -521,7 +563,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             text.write(profile_diff(ours, theirs, prof_tokens, n_layers) + "\n\n")
         path = args.out.with_suffix(".profile.txt")
         path.write_text(text.getvalue())
-        say(f"\ncProfile, {args.profile_steps} decode steps a side (per step; per layer = / {n_layers}); "
+        say(f"\ncProfile, 2 x {args.profile_steps} decode steps a side (per step; per layer = / {n_layers}); "
             f"wrote {path}\n")  # fmt: skip
         say(text.getvalue().rstrip())
     return 0

@@ -4,7 +4,10 @@ The stock `sdpa`, `flash_attention_2` and `eager` attention functions are wrappe
 kept: a registered name containing "flash" would be treated as a Hub kernel). The wrapper receives
 the model's own post-RoPE (post-QK-norm) queries and the layer's cached K/V, so no per-model
 re-projection of queries is needed. It is inert unless a `Session` is active, and the wrappers are
-installed only while one is (removed in `finally`).
+installed only while one is (removed in `finally`). An override another library set on the shared
+`ALL_ATTENTION_FUNCTIONS` instance (its local mapping, which models look up before the class-wide
+one; kvpress patches every entry there at import) is wrapped too, around that override: without it
+the model would call the override and never reach the wrapper, and nothing would be compressed.
 
 After the attention of a compressible layer the session lets the method observe the queries and,
 at the end of prefill, compress that layer's cache right away: only one layer's full K/V is alive
@@ -30,6 +33,7 @@ from contextvars import ContextVar
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from snapkv import padding
 from snapkv.cache import CompressedCache, CompressibleLayer
@@ -40,6 +44,7 @@ _WRAPPED = ("sdpa", "flash_attention_2", "eager")
 _install_lock = threading.Lock()
 _install_count = 0
 _originals: dict[str, object] = {}
+_local_originals: dict[str, object] = {}  # overrides in ALL_ATTENTION_FUNCTIONS' local mapping
 
 
 class Session:
@@ -278,11 +283,16 @@ def installed() -> Iterator[None]:
     """Install the attention wrappers for the duration (re-entrant; removed when the last exits)."""
     global _install_count
     mapping = AttentionInterface._global_mapping
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
     with _install_lock:
         if _install_count == 0:
             for impl in _WRAPPED:
                 _originals[impl] = mapping.get(impl)
                 mapping[impl] = _make_wrapper(impl, mapping.get(impl))
+                # eager: the wrapper calls the model's own eager function, whatever is registered
+                if impl != "eager" and callable(local.get(impl)):
+                    _local_originals[impl] = local[impl]
+                    local[impl] = _make_wrapper(impl, local[impl])
         _install_count += 1
     try:
         yield
@@ -295,11 +305,15 @@ def installed() -> Iterator[None]:
                         mapping.pop(impl, None)
                     else:
                         mapping[impl] = _originals[impl]
+                for impl, fn in _local_originals.items():
+                    local[impl] = fn
                 _originals.clear()
+                _local_originals.clear()
 
 
 def hooks_installed() -> bool:
-    return any(getattr(f, "__snapkv_wrapper__", False) for f in AttentionInterface._global_mapping.values())
+    mappings = (AttentionInterface._global_mapping, ALL_ATTENTION_FUNCTIONS._local_mapping)
+    return any(getattr(f, "__snapkv_wrapper__", False) for m in mappings for f in m.values())
 
 
 @contextlib.contextmanager

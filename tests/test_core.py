@@ -24,6 +24,7 @@ from reference import (
     record_visible,
 )
 from transformers import DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import snapkv
 import snapkv.methods.snapkv
@@ -280,6 +281,33 @@ def test_hooks_are_removed_after_session_and_on_error():
     with snapkv.apply(model, build_method("snapkv", budget=16, window=4)):
         assert "generate" in vars(model)
     assert "generate" not in vars(model)
+
+
+def test_a_local_attention_override_is_wrapped_too():
+    # kvpress patches every entry of the shared ALL_ATTENTION_FUNCTIONS at import (its local
+    # mapping, looked up before the class-wide one): the session must still reach the layers.
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    local = ALL_ATTENTION_FUNCTIONS._local_mapping
+    calls = []
+
+    def override(module, query, key, value, attention_mask, *args, **kwargs):
+        calls.append(key.shape[2])
+        return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+    model, ids = tiny_model("llama"), random_ids(PROMPT)
+    saved = local.get("sdpa")
+    local["sdpa"] = override
+    try:
+        cache = snapkv.compress_context(model, ids, build_method("snapkv", budget=16, window=4))
+        assert local["sdpa"] is override and not snapkv.hooks_installed()  # restored
+    finally:
+        if saved is None:
+            local.pop("sdpa", None)
+        else:
+            local["sdpa"] = saved
+    assert cache.kept_tokens() == [16.0] * len(cache.kept_tokens())  # compressed
+    assert calls and all(k == PROMPT for k in calls)  # the override still ran, on the whole prompt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -260,6 +260,9 @@ def _make_wrapper(impl: str, original):
             ):
                 fused = session.method.prefill_attention(layer, query, key, value, module)
                 out = None if fused is None else (fused, None)
+            elif layer.state == "ready" and plain and query.shape[2] == 1 and session.phase != "score":
+                fused = session.method.decode_attention(layer, query, key, value, module)
+                out = None if fused is None else (fused, None)
             if out is None:
                 if layer.pads is not None:  # the mask follows the kept entries, not the 2-D mask
                     if impl.startswith("flash"):  # flash kernels take no arbitrary mask

@@ -151,3 +151,37 @@ def test_a_multi_token_feed_after_in_place_evictions_restores_position_order():
     feed(model, cache, method, random_ids(5, seed=4))
     want = list(range(4)) + list(range(layer.seen - (BUDGET - 4), layer.seen))
     assert layer.stored == BUDGET and layer.positions[0].tolist() == [want] * layer.positions.shape[1]
+
+
+@pytest.mark.parametrize("name,params", [("h2o", dict(budget=BUDGET)), ("tova", dict(budget=BUDGET))])
+def test_a_decode_step_computes_its_attention_once(name, params, monkeypatch):
+    """H2O and TOVA score a decode step with its own softmax row; they compute the step's attention
+    output from that row instead of running the model's attention again: the same kept entries,
+    tokens and logits (within fp32 rounding) as the model's attention plus a separate scoring."""
+    model = tiny_model("llama")
+    ids = random_ids(60)
+    calls = []
+    method = build_method(name, **params)
+    original = type(method).decode_attention
+
+    def counting(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(type(method), "decode_attention", counting)
+    got, res, trace = _traced(model, ids, method, monkeypatch)
+    assert sum(calls) >= 3 * (NEW - 1)  # every layer of every evicting step
+    monkeypatch.setattr(type(method), "decode_attention", lambda self, *args: None)
+    want, want_res, want_trace = _traced(model, ids, build_method(name, **params), monkeypatch)
+    assert torch.equal(got, want)
+    for a, b in zip(res.logits, want_res.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert [kept for kept, *_ in trace] == [kept for kept, *_ in want_trace]
+
+
+def test_h2o_unfused_leaves_the_decode_attention_to_the_model():
+    model = tiny_model("llama")
+    method = build_method("h2o", budget=BUDGET, fused=False)
+    layer = compress_context(model, random_ids(60), method).layers[0]
+    assert method.decode_attention(layer, None, None, None, None) is None

@@ -208,6 +208,14 @@ class Method:
         plain causal prefill chunks (no padding)."""
         return None
 
+    def decode_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
+        """Optionally compute a decode step's attention output `[batch, 1, heads, d]` itself, from
+        the attention row the method scores with (H2O, TOVA: the step's softmax is both their score
+        and the attention, as in the originals, which read the model's attention weights); None:
+        the model's own attention function runs. Only called for one-token forwards after the
+        prefill, on unpadded layers with plain scaled softmax."""
+        return None
+
     def protected(self) -> tuple[int, int]:
         """(leading, trailing) entries always kept, e.g. StreamingLLM's sinks, SnapKV's window."""
         return 0, 0
@@ -390,6 +398,15 @@ def window_attention(
     causal = torch.ones(window, window, dtype=torch.bool, device=key.device).triu(1)
     logits[..., length - window :].masked_fill_(causal, -math.inf)
     return softmax_scores(logits, sinks).sum(dim=-2)
+
+
+def attention_output(probs: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One query's attention output `[batch, 1, heads, d]` (the model's layout after attention)
+    from its softmax row `probs` `[batch, kv_heads, group, L]` (fp32) and `value` `[batch, kv_heads,
+    L, d]`: the weighted sum in fp32, cast to `dtype`."""
+    b, kv, g, _ = probs.shape
+    out = torch.matmul(probs, value.float())  # [b, kv, g, d]
+    return out.reshape(b, 1, kv * g, -1).to(dtype)
 
 
 def pool(scores: torch.Tensor, kernel_size: int, how: str) -> torch.Tensor:

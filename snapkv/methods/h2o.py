@@ -19,6 +19,7 @@ import torch
 from snapkv.methods.base import (
     GQA_REDUCTIONS,
     Method,
+    attention_output,
     blockwise_attention,
     causal_column_sums,
     reduce_group,
@@ -98,6 +99,14 @@ class H2O(Method):
         self._accumulate(layer, sums)
         layer.method_state = H2OLayerState(fused_chunk=True)  # observe() must not count it twice
         return out.transpose(1, 2).contiguous()
+
+    def decode_attention(self, layer, query, key, value, module):
+        if not (self.fused and self.evict_during_decode):
+            return None
+        probs = window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)  # [b, kv, g, L]
+        self._accumulate(layer, probs)
+        layer.method_state = H2OLayerState(fused_chunk=True)  # observe() must not count it twice
+        return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
         state = layer.method_state

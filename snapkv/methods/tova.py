@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from snapkv.methods.base import Method, window_attention
+from snapkv.methods.base import Method, attention_output, window_attention
 from snapkv.methods.registry import register
 
 
@@ -38,8 +38,21 @@ def last_query_attention(query: torch.Tensor, key: torch.Tensor, module, layer) 
     keys, averaged over all query heads, the same for every KV head. query `[batch, heads, q, d]`
     (the forward's queries; the last one is the newest token), key `[batch, kv_heads, n, d]`."""
     votes = window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)  # [b, kv, g, n]
-    # Every KV head has the same group size: the mean of the group means is the mean over all heads.
-    return votes.mean(dim=(1, 2))[:, None, :].expand(-1, key.shape[1], -1)
+    return _head_mean(votes, key.shape[1])
+
+
+def _head_mean(votes: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """`[batch, kv_heads, group, n]` -> the mean over all query heads, `[batch, kv_heads, n]` (the
+    same row for every KV head). Every KV head has the same group size: the mean of the group
+    means is the mean over all heads."""
+    return votes.mean(dim=(1, 2))[:, None, :].expand(-1, kv_heads, -1)
+
+
+@dataclass
+class TOVALayerState:
+    """TOVA's per-layer state (`layer.method_state`): whether this step's scores are already set."""
+
+    scored: bool = False
 
 
 @register
@@ -72,9 +85,23 @@ class TOVA(Method):
     def score(self, layer, query, key, module) -> torch.Tensor:
         return last_query_attention(query, key, module, layer)
 
+    def decode_attention(self, layer, query, key, value, module):
+        # A step that will evict: its attention row is both the step's attention and TOVA's
+        # scores (the authors read them from the model's attention weights), computed once.
+        if not (self.evict_during_decode and layer.stored > self.budget):
+            return None
+        probs = window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)  # [b, kv, g, L]
+        layer.scores = _head_mean(probs, key.shape[1])
+        layer.method_state = TOVALayerState(scored=True)
+        return attention_output(probs, value, query.dtype)
+
     def observe(self, layer, query, key, module) -> None:
         # After prefill, a forward that leaves the layer over budget scores its stored entries with
         # its last query for `evict`; the scores are replaced (not accumulated) every step.
+        state = layer.method_state
+        if isinstance(state, TOVALayerState) and state.scored:  # decode_attention did it
+            state.scored = False
+            return
         if layer.state == "ready" and self.evict_during_decode and layer.stored > self.budget:
             layer.scores = last_query_attention(query, key, module, layer)
 

@@ -138,10 +138,10 @@ class CompressibleLayer(DynamicLayer):
         self.decode_compressions: list[int] = []
         # Entries per KV head each forward after the prefill attended to (`entries_now`).
         self.decode_entries: list[float | torch.Tensor] = []
-        # After the prefill, keys / values are views `[:, :, :stored]` of (keys, values) buffers
+        # After the prefill, keys / values / positions are views `[:, :, :stored]` of buffers
         # with room for `APPEND_ROOM` more entries: a decode step writes its token into them (and
         # `evict_in_place` frees a slot) instead of copying the layer into a new tensor.
-        self._kv_buf: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._kv_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
@@ -161,50 +161,56 @@ class CompressibleLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         b, h, q, _ = key_states.shape
-        if q > 1 and self.state == "ready":
-            # Several tokens at once after in-place evictions (a later turn's question): causal
-            # masks inside the block and index-based protections need the entries in order again.
-            self.sort_by_position()
+        if self.state == "ready":  # decoding (or a later turn): append into the buffers
+            if q > 1:
+                # Several tokens at once after in-place evictions (a later turn's question): causal
+                # masks inside the block and index-based protections need the entries in order.
+                self.sort_by_position()
+            if self.scores is not None:
+                self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, q)], dim=-1)
+            self.seen += q
+            return self._append(key_states, value_states)
         # Original token indices (with compacted positions the keys are rotated at their slot instead).
         new_pos = torch.arange(self.seen, self.seen + q, device=key_states.device).expand(b, h, q)
         self.positions = torch.cat([self.positions, new_pos], dim=-1)
         if self.scores is not None:
             self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, q)], dim=-1)
         self.seen += q
-        if self.state == "ready":  # decoding (or a later turn): append into the buffers
-            return self._append(key_states, value_states)
         return super().update(key_states, value_states)
 
     def _holds_buffer(self) -> bool:
-        """Whether keys / values are still the prefix views of `_kv_buf` (any other assignment
-        since, by a keep, a rollback or a reorder, fails the check)."""
+        """Whether keys / values / positions are still the prefix views of `_kv_buf` (any other
+        assignment since, by a keep, a rollback or a reorder, fails the check)."""
         if self._kv_buf is None:
             return False
-        keys, values = self._kv_buf
-        return (
-            self.keys.data_ptr() == keys.data_ptr()
-            and self.values.data_ptr() == values.data_ptr()
-            and self.keys.stride() == keys.stride()
-            and self.values.stride() == values.stride()
+        return all(
+            mine.data_ptr() == buf.data_ptr() and mine.stride() == buf.stride()
+            for mine, buf in zip((self.keys, self.values, self.positions), self._kv_buf)
         )
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Append `[batch, kv_heads, q, head_dim]` after the stored entries, in place: into the
-        buffers' free slots, or into new buffers with `APPEND_ROOM` slots to spare (one copy of the
-        layer per `APPEND_ROOM` decode steps instead of one per step)."""
+        """Append `[batch, kv_heads, q, head_dim]` (the last `q` of the `seen` tokens) after the
+        stored entries, in place: into the buffers' free slots, or into new buffers with
+        `APPEND_ROOM` slots to spare (one copy of the layer per `APPEND_ROOM` decode steps instead
+        of one per step). Positions go into a buffer of their own alongside."""
         n, q = self.stored, key_states.shape[-2]
         if not self._holds_buffer() or n + q > self._kv_buf[0].shape[-2]:
             bufs = []
-            for old in (self.keys, self.values):
-                buf = old.new_empty(*old.shape[:2], n + q + APPEND_ROOM, old.shape[-1])
+            for old in (self.keys, self.values, self.positions):
+                buf = old.new_empty(*old.shape[:2], n + q + APPEND_ROOM, *old.shape[3:])
                 buf[:, :, :n].copy_(old)
                 buf[:, :, n + q :].zero_()  # never-written slots: deterministic, not garbage
                 bufs.append(buf)
-            self._kv_buf = (bufs[0], bufs[1])
-        keys, values = self._kv_buf
+            self._kv_buf = (bufs[0], bufs[1], bufs[2])
+        keys, values, positions = self._kv_buf
         keys[:, :, n : n + q].copy_(key_states)
         values[:, :, n : n + q].copy_(value_states)
+        if q == 1:
+            positions[:, :, n].fill_(self.seen - 1)
+        else:
+            positions[:, :, n : n + q].copy_(torch.arange(self.seen - q, self.seen, device=positions.device))
         self.keys, self.values = keys[:, :, : n + q], values[:, :, : n + q]
+        self.positions = positions[:, :, : n + q]
         return self.keys, self.values
 
     def evict_in_place(self, victims: torch.Tensor) -> None:
@@ -221,9 +227,10 @@ class CompressibleLayer(DynamicLayer):
         kv_idx = idx.unsqueeze(-1).expand(-1, -1, 1, d)
         for t in (self.keys, self.values):
             t.scatter_(2, kv_idx, t[:, :, last:].clone())
+        self.positions.scatter_(2, idx, self.positions[..., last:].clone())
         self.keys, self.values = self.keys[:, :, :last], self.values[:, :, :last]
-        # positions and scores are small: new tensors (a checkpoint may hold the old ones)
-        self.positions = self.positions.scatter(2, idx, self.positions[..., last:])[..., :last]
+        self.positions = self.positions[..., :last]
+        # scores: a new tensor (a checkpoint may hold the old one)
         if self.scores is not None:
             self.scores = self.scores.scatter(2, idx, self.scores[..., last:])[..., :last]
 

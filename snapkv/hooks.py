@@ -216,7 +216,8 @@ def _padding_mask(attention_mask, query: torch.Tensor, layer: CompressibleLayer,
 def _plain_softmax(kwargs) -> bool:
     """Whether the model's attention call is plain scaled softmax: no logit soft-capping (Gemma 2),
     no attention sinks (gpt-oss `s_aux`), no sliding window. Only then may a method replace it."""
-    return all(kwargs.get(k) is None for k in ("softcap", "s_aux", "sliding_window"))
+    get = kwargs.get  # called for every layer and step: plain lookups, no generator
+    return get("softcap") is None and get("s_aux") is None and get("sliding_window") is None
 
 
 def _model_eager(module):

@@ -185,3 +185,22 @@ def test_h2o_unfused_leaves_the_decode_attention_to_the_model():
     method = build_method("h2o", budget=BUDGET, fused=False)
     layer = compress_context(model, random_ids(60), method).layers[0]
     assert method.decode_attention(layer, None, None, None, None) is None
+
+
+def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch):
+    """StreamingLLM names its victim from positions alone; at every in-place eviction it is the
+    entry the base class's rule (lowest score, protections by position) would drop."""
+    from snapkv.cache import CompressibleLayer
+    from snapkv.methods.base import Method
+
+    method = build_method("streamingllm", budget=BUDGET, n_sink=4)
+    checked = []
+    original = CompressibleLayer.evict_in_place
+
+    def checking(self, victims):
+        checked.append(torch.equal(victims, Method.victims(method, self)))
+        return original(self, victims)
+
+    monkeypatch.setattr(CompressibleLayer, "evict_in_place", checking)
+    generate_ids(tiny_model("llama"), random_ids(60), None, method, max_new_tokens=NEW)
+    assert len(checked) == 3 * (NEW - 1) and all(checked)

@@ -312,7 +312,7 @@ class Method:
         (StreamingLLM's compacted positions, Ada-KV) takes the ordered path."""
         return type(self).prune is Method.prune
 
-    def victims(self, layer: CompressibleLayer, scores: torch.Tensor) -> torch.Tensor:
+    def victims(self, layer: CompressibleLayer) -> torch.Tensor:
         """`[batch, kv_heads]`: the entry `select(scores, stored - 1)` would drop, found by position
         rather than by index (in-place evictions leave the entries out of position order): the
         protected first / last entries are the oldest / newest positions (the protected ones are
@@ -320,7 +320,10 @@ class Method:
         lowest-scored of the rest, the newest (the stable sort keeps the earlier of a tie)."""
         first, last = self.protected()
         pos = layer.positions
-        s = scores.float().masked_fill((pos < first) | (pos >= layer.seen - last), math.inf)
+        protected = pos >= layer.seen - last
+        if first:
+            protected |= pos < first
+        s = self.decode_score(layer).float().masked_fill(protected, math.inf)
         low = s.amin(dim=-1, keepdim=True)
         return torch.where(s == low, pos, -1).argmax(dim=-1)
 
@@ -331,11 +334,10 @@ class Method:
         budget = self.layer_budget(layer)
         if budget is None or layer.stored <= budget:
             return
-        scores = self.decode_score(layer)
         if in_place and layer.stored == budget + 1 and layer.pads is None and self.evicts_in_place:
-            layer.evict_in_place(self.victims(layer, scores))
+            layer.evict_in_place(self.victims(layer))
         else:
-            self.prune(layer, scores, budget)
+            self.prune(layer, self.decode_score(layer), budget)
         layer.compressed = True
 
 

@@ -394,6 +394,12 @@ def window_attention(
     `[batch, kv_heads, group, L]`; memory `heads x window x L` (never L x L).
     """
     kv_heads, length = key.shape[1], key.shape[2]
+    if window == 1:
+        # The last query alone (a decode step, TOVA): it sees every key, so no mask; one matmul
+        # per KV head for the group's rows (fewer small operations: this runs every layer and step).
+        q = grouped(query[:, :, -1:], kv_heads).float().squeeze(3)  # [b, kv, g, d]
+        logits = soft_cap(torch.matmul(q, key.float().transpose(-1, -2)) * scaling, softcap)
+        return softmax_scores(logits.unsqueeze(3), sinks).squeeze(3)
     q = grouped(query[:, :, -window:], kv_heads).float()
     logits = soft_cap(torch.einsum("bhgqd,bhkd->bhgqk", q, key.float()) * scaling, softcap)
     # Window query i sits at position L-window+i and may not see the window keys after it.

@@ -25,7 +25,8 @@ import pandas as pd
 import pytest
 
 from eval import protocol_report
-from eval.bench.report import default_clock, summarise_run
+from eval.bench.kvpress import summarise as kvpress_summarise
+from eval.bench.report import decode_step_ratios, default_clock, summarise_run
 from eval.protocols import PROTOCOLS
 from eval.report import prepare
 from eval.store import ResultStore, canonical_json
@@ -1722,6 +1723,77 @@ CATALOGUE_COST_CLAIMS = [
 ]
 
 
+DECODE_EVICTION_ORDER = ("streamingllm", "h2o", "tova", "snapkv")
+
+
+def decode_eviction(name: str, quiet: bool) -> str:
+    """`method median [Q1, Q3]` of each decode-step ratio in bench/decode_eviction/<name>.csv."""
+    with (RESULTS / "bench" / "decode_eviction" / f"{name}.csv").open(newline="") as f:
+        rows_ = list(csv.DictReader(f))
+    noisy = {r["noisy"] for r in rows_}
+    assert noisy == ({"False"} if quiet else {"True"})  # the prose says which rounds were quiet
+    got = decode_step_ratios(rows_, "ref")
+    return ", ".join(
+        f"{m} {got[m].median:.3f} [{got[m].q1:.3f}, {got[m].q3:.3f}]" for m in DECODE_EVICTION_ORDER
+    )
+
+
+def decode_eviction_verdict() -> tuple:
+    now = decode_step_ratios(
+        list(csv.DictReader((RESULTS / "bench" / "decode_eviction" / "cpu_smollm2_2k.csv").open())), "ref"
+    )
+    assert now["streamingllm"].q3 <= 1.05  # "meets its 1.05 at the upper quartile"
+    assert all(now[m].median > 1.10 for m in ("h2o", "tova"))  # "H2O and TOVA miss 1.10"
+    return ()
+
+
+DECODE_EVICTION_CLAIMS = [
+    Claim(
+        GALLERY,
+        "with; 3 quiet rounds): {}. The same benchmark",
+        lambda: (decode_eviction("cpu_smollm2_2k", True),),
+    ),
+    Claim(
+        GALLERY,
+        "7ca038c, `cpu_smollm2_2k_copying.csv`; 3 rounds beside another job): {}.",
+        lambda: (decode_eviction("cpu_smollm2_2k_copying", False),),
+    ),
+    Claim(
+        GALLERY,
+        "StreamingLLM meets its 1.05 at the upper quartile; H2O and TOVA miss 1.10",
+        decode_eviction_verdict,
+    ),
+]
+
+
+def kvpress_ratios(name: str) -> dict:
+    """ours / kvpress per pair of bench/kvpress/<name>.csv, as the README prints them."""
+    with (RESULTS / "bench" / "kvpress" / f"{name}.csv").open(newline="") as f:
+        rows_ = [{**r, "ratio": float(r["ratio"])} for r in csv.DictReader(f)]
+    return {pair: f"{s.median:.3f} [{s.q1:.3f}, {s.q3:.3f}]" for pair, s in kvpress_summarise(rows_).items()}
+
+
+def kvpress_claim() -> tuple:
+    now = kvpress_ratios("smollm2_4096_b512_buffered")
+    runs = [kvpress_ratios(n) for n in ("smollm2_4096_b512", "smollm2_4096_b512_snapkv_as_kvpress")]
+    rounds = {len(list(csv.DictReader((RESULTS / "bench" / "kvpress" / f"{n}.csv").open()))) // 3
+              for n in ("smollm2_4096_b512", "smollm2_4096_b512_snapkv_as_kvpress")}  # fmt: skip
+    assert rounds == {20}
+    return (now["snapkv"], now["full"], now["streamingllm"],
+            *(r["snapkv"] for r in runs), *(r["full"] for r in runs), *(r["streamingllm"] for r in runs))  # fmt: skip
+
+
+KVPRESS_CLAIMS = [
+    Claim(
+        GALLERY,
+        "SnapKV (512 kept) {}, the full cache (4,096) {}, StreamingLLM {} (ours rolls, one eviction per token; "
+        "kvpress compresses once). Before, with a `torch.cat` of the layer and its positions every step and "
+        "StreamingLLM's sort-and-gather eviction (two 20-round runs): SnapKV {} and {}; the full cache {} and {}; "
+        "StreamingLLM {} and {}.",
+        kvpress_claim,
+    ),
+]
+
 CATALOGUE_ROWS = catalogue_rows()
 PROTOCOL_ROWS = protocol_rows()
 
@@ -1750,6 +1822,8 @@ CHECKS = (
     + PROTOCOL_CLAIMS
     + CATALOGUE_CLAIMS
     + CATALOGUE_COST_CLAIMS
+    + DECODE_EVICTION_CLAIMS
+    + KVPRESS_CLAIMS
 )
 
 

@@ -6,8 +6,9 @@ where the rows carry several question indices or several protocols.
   are asked about a context), the full cache's rows beside the methods'.
 - Reuse penalty: score under a protocol minus score under `query_aware` on the same questions
   (paired by sample_id, ok rows of both), x100, with n and a 95% bootstrap interval of the mean
-  difference (`scipy.stats.bootstrap` on the per-question differences, percentile method, seeded:
-  the same rows give the same interval); also over questions 2..N alone, where `first_question`
+  difference that resamples whole contexts (`scipy.stats.bootstrap`, paired over the contexts'
+  sums and counts, percentile method, seeded: the same rows give the same interval; a context's
+  questions share its haystack and, shared, one cache); also over questions 2..N alone, where `first_question`
   differs from `query_aware` (its question 1 is `query_aware`'s run).
 - Compression loss per protocol: score minus the full cache's under the same protocol (paired), and
   its shift from `query_aware` (a paired difference of differences): what compression costs apart
@@ -140,23 +141,44 @@ def decay_table(part: pd.DataFrame, title: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- reuse penalty
-def paired_bootstrap(diffs: np.ndarray, seed: int = SEED) -> tuple[float, float]:
-    """95% bootstrap interval of the mean of paired differences (percentile, `seed`); NaN for n < 2."""
+def paired_bootstrap(diffs: np.ndarray, clusters=None, seed: int = SEED) -> tuple[float, float]:
+    """95% bootstrap interval of the mean of paired differences (percentile, `seed`); NaN for fewer
+    than 2 clusters. `clusters` (one label per difference, e.g. the context): resample whole
+    clusters and take the mean over their differences, as the questions of one context share its
+    haystack and, under the shared protocols, one compressed cache (they are not independent);
+    None: each difference its own cluster."""
     diffs = np.asarray(diffs, dtype=float)
-    if len(diffs) < 2:
+    if clusters is None:
+        clusters = np.arange(len(diffs))
+    g = (
+        pd.DataFrame({"d": diffs, "c": np.asarray(clusters)})
+        .groupby("c", sort=True)["d"]
+        .agg(["sum", "size"])
+    )
+    if len(g) < 2:
         return math.nan, math.nan
     if np.all(diffs == diffs[0]):  # every resample has the same mean
         return float(diffs[0]), float(diffs[0])
+    sums, sizes = g["sum"].to_numpy(float), g["size"].to_numpy(float)
+
+    def mean_of_clusters(s, n, axis=-1):
+        return s.sum(axis=axis) / n.sum(axis=axis)
+
     res = bootstrap(
-        (diffs,), np.mean, n_resamples=N_RESAMPLES, confidence_level=CONFIDENCE, method="percentile",
-        rng=np.random.default_rng(seed),
+        (sums, sizes), mean_of_clusters, paired=True, vectorized=True, n_resamples=N_RESAMPLES,
+        confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(seed),
     )  # fmt: skip
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 
-def _penalty(d: pd.Series) -> dict[str, float]:
-    lo, hi = paired_bootstrap(d.to_numpy())
+def _penalty(d: pd.Series, clusters: pd.Series | None = None) -> dict[str, float]:
+    lo, hi = paired_bootstrap(d.to_numpy(), None if clusters is None else clusters.to_numpy())
     return {"n": len(d), "penalty": d.mean() if len(d) else math.nan, "low": lo, "high": hi}
+
+
+def _context(rows: pd.DataFrame) -> pd.Series:
+    """Each row's context (its sample_id where it has none): the bootstrap's cluster."""
+    return rows["context_id"].where(rows["context_id"].notna(), rows["sample_id"])
 
 
 def reuse_penalty(part: pd.DataFrame) -> pd.DataFrame:
@@ -170,18 +192,19 @@ def reuse_penalty(part: pd.DataFrame) -> pd.DataFrame:
             continue
         mine = ok[(ok["method_key"] == method_key) & (ok["protocol"] == protocol)]
         ref = ok[(ok["method_key"] == method_key) & (ok["protocol"] == "query_aware")]
-        pairs = mine[["sample_id", "question", "score"]].merge(
+        pairs = mine.assign(cluster=_context(mine))[["sample_id", "question", "score", "cluster"]].merge(
             ref[["sample_id", "score"]], on="sample_id", suffixes=("", "_ref")
         )
         if pairs.empty:
             continue
         d = (pairs["score"] - pairs["score_ref"]) * 100
-        later = _penalty(d[pairs["question"] > 1])
+        later_rows = pairs["question"] > 1
+        later = _penalty(d[later_rows], pairs.loc[later_rows, "cluster"])
         records.append(
             {
                 "method_key": method_key,
                 "protocol": protocol,
-                **_penalty(d),
+                **_penalty(d, pairs["cluster"]),
                 **{f"{k}_later": v for k, v in later.items()},
             }
         )
@@ -211,8 +234,9 @@ def penalty_table(part: pd.DataFrame, title: str) -> str | None:
     headers = ["method", "protocol", "n", "penalty", "95% CI", "n (q≥2)", "penalty (q≥2)", "95% CI (q≥2)"]
     return (
         f"### Reuse penalty — {title}\n\nScore x100 under the protocol minus under query_aware on the same "
-        f"questions (paired by sample_id); 95% paired bootstrap interval ({N_RESAMPLES} resamples, "
-        f"seed {SEED}). q≥2: the questions after the first.\n\n" + md_table(headers, rows, text_columns=2)
+        f"questions (paired by sample_id); 95% paired bootstrap interval resampling whole contexts "
+        f"({N_RESAMPLES} resamples, seed {SEED}: a context's questions are not independent). q≥2: the "
+        "questions after the first.\n\n" + md_table(headers, rows, text_columns=2)
     )
 
 
@@ -234,12 +258,13 @@ def compression_penalty(part: pd.DataFrame) -> pd.DataFrame:
     for method_key, protocol in _order(part):
         if method_key in full_keys:
             continue
-        mine = ok[(ok["method_key"] == method_key) & (ok["protocol"] == protocol)][["sample_id", "score"]]
+        mine = ok[(ok["method_key"] == method_key) & (ok["protocol"] == protocol)]
+        mine = mine.assign(cluster=_context(mine))[["sample_id", "score", "cluster"]]
         base = full[full["protocol"] == protocol][["sample_id", "score"]]
         pairs = mine.merge(base, on="sample_id", suffixes=("", "_full"))
         if pairs.empty:
             continue
-        loss = _penalty((pairs["score"] - pairs["score_full"]) * 100)
+        loss = _penalty((pairs["score"] - pairs["score_full"]) * 100, pairs["cluster"])
         qa_mine = ok[(ok["method_key"] == method_key) & (ok["protocol"] == "query_aware")]
         qa = qa_mine[["sample_id", "score"]].merge(
             full[full["protocol"] == "query_aware"][["sample_id", "score"]],
@@ -249,7 +274,8 @@ def compression_penalty(part: pd.DataFrame) -> pd.DataFrame:
         four = pairs.merge(qa, on="sample_id")
         shift = (
             _penalty(
-                ((four["score"] - four["score_full"]) - (four["score_qa"] - four["score_qa_full"])) * 100
+                ((four["score"] - four["score_full"]) - (four["score_qa"] - four["score_qa_full"])) * 100,
+                four["cluster"],
             )
             if protocol != "query_aware"
             else {"n": 0, "penalty": math.nan, "low": math.nan, "high": math.nan}
@@ -295,7 +321,7 @@ def compression_table(part: pd.DataFrame, title: str) -> str | None:
         "protocol on the same questions (what compression costs, apart from what the protocol costs "
         "every cache), and the shift of that loss from query_aware to the protocol on the questions "
         f"all four runs share (negative: the cache kept entries for a question it is no longer asked); "
-        f"95% paired bootstrap intervals ({N_RESAMPLES} resamples, seed {SEED}).\n\n"
+        f"95% paired bootstrap intervals resampling whole contexts ({N_RESAMPLES} resamples, seed {SEED}).\n\n"
         + md_table(headers, rows, text_columns=2)
     )
 
@@ -311,7 +337,7 @@ def amortised(part: pd.DataFrame) -> pd.DataFrame:
         g = ok[(ok["method_key"] == method_key) & (ok["protocol"] == protocol)]
         if g.empty:
             continue
-        contexts = g["context_id"].where(g["context_id"].notna(), g["sample_id"])
+        contexts = _context(g)
         records.append(
             {
                 "method_key": method_key,

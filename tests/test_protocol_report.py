@@ -112,20 +112,16 @@ def test_reuse_penalty_is_paired_by_sample_with_a_seeded_bootstrap(part):
     mr = table.loc[("snapkv b=64", "multi_request")]
     # Differences to query_aware (all 1): c0: 0, -100, -100; c1: 0, 0, -100.
     assert (mr["n"], mr["penalty"], mr["n_later"], mr["penalty_later"]) == (6, -50.0, 4, -75.0)
-    diffs = np.array([0.0, -100.0, -100.0, 0.0, 0.0, -100.0])
-    want = bootstrap(
-        (diffs,), np.mean, n_resamples=9999, confidence_level=0.95, method="percentile",
-        rng=np.random.default_rng(0),
-    ).confidence_interval  # fmt: skip
-    assert (mr["low"], mr["high"]) == pytest.approx((want.low, want.high))
-    assert -100 <= mr["low"] < -50 < mr["high"] <= 0
+    # Contexts are resampled whole: c0's mean difference is -200/3, c1's -100/3; two equal-sized
+    # clusters give resampled means -200/3, -50, -100/3 (1/4, 1/2, 1/4): the 95% interval spans them.
+    assert (mr["low"], mr["high"]) == pytest.approx((-200 / 3, -100 / 3))
     fq = table.loc[("snapkv b=64", "first_question")]
     assert fq["penalty"] == pytest.approx(-100 / 6) and fq["penalty_later"] == -25.0
     assert table.loc[("full", "multi_request"), ["penalty", "low", "high"]].tolist() == [0.0, 0.0, 0.0]
     assert ("snapkv b=64", "query_aware") not in table.index
     md = protocol_report.penalty_table(part, "askmany — m")
     assert (
-        f"| snapkv b=64 | multi_request | 6 | -50.00 | [{want.low:+.2f}, {want.high:+.2f}] | 4 | -75.00 |"
+        f"| snapkv b=64 | multi_request | 6 | -50.00 | [{mr['low']:+.2f}, {mr['high']:+.2f}] | 4 | -75.00 |"
         in md
     )
 
@@ -148,7 +144,7 @@ def test_compression_loss_is_paired_against_the_full_cache_under_the_same_protoc
     # multi_request minus full multi_request: 0, -100, -100, 0, 0, -100; query_aware's loss is 0
     assert (mr["n"], mr["loss"], mr["n_shift"], mr["shift"]) == (6, -50.0, 6, -50.0)
     diffs = np.array([0.0, -100.0, -100.0, 0.0, 0.0, -100.0])
-    assert (mr["low"], mr["high"]) == protocol_report.paired_bootstrap(diffs)
+    assert (mr["low"], mr["high"]) == protocol_report.paired_bootstrap(diffs, ["c0"] * 3 + ["c1"] * 3)
     md = protocol_report.compression_table(part, "askmany — m")
     assert (
         "| snapkv b=64 | multi_request | 6 | -50.00 |" in md
@@ -168,8 +164,23 @@ def test_compression_loss_is_paired_against_the_full_cache_under_the_same_protoc
 def test_paired_bootstrap_edge_cases():
     assert protocol_report.paired_bootstrap(np.array([-20.0, -20.0, -20.0])) == (-20.0, -20.0)
     assert all(math.isnan(v) for v in protocol_report.paired_bootstrap(np.array([5.0])))
+    assert all(math.isnan(v) for v in protocol_report.paired_bootstrap(np.array([5.0, 0.0]), ["c", "c"]))
     d = np.array([0.0, -100.0, 0.0, -100.0, 100.0])
     assert protocol_report.paired_bootstrap(d) == protocol_report.paired_bootstrap(d)  # seeded
+
+
+def test_cluster_bootstrap_resamples_contexts_not_questions():
+    """Without clusters it is scipy's bootstrap of the mean; with them, questions that move together
+    within a context widen the interval to what the contexts support."""
+    diffs = np.array([0.0, 0.0, 0.0, 0.0, -100.0, -100.0, -100.0, -100.0])
+    want = bootstrap(
+        (diffs,), np.mean, n_resamples=9999, confidence_level=0.95, method="percentile",
+        rng=np.random.default_rng(0),
+    ).confidence_interval  # fmt: skip
+    assert protocol_report.paired_bootstrap(diffs) == pytest.approx((want.low, want.high))
+    clustered = protocol_report.paired_bootstrap(diffs, ["a"] * 4 + ["b"] * 4)
+    assert clustered == pytest.approx((-100.0, 0.0))  # two contexts: nothing narrower is supported
+    assert clustered[0] < want.low and want.high < clustered[1]
 
 
 def test_amortised_cost(part):

@@ -379,3 +379,9 @@ def test_decode_step_ratios_pair_each_method_with_the_full_cache_of_its_own_roun
     assert decode_step_ratios(rows, all_rounds=True)["h2o"].n == 3
     with pytest.raises(ValueError, match="clock must be one of"):
         decode_step_ratios(rows, clock="bogus")
+    # The mean step (a schedule's compressions amortised): its own column.
+    for r in rows:
+        r["tpot_mean_ref"] = r["tpot_ref"] * (1.5 if r["method"] == "h2o" else 1.0)
+    assert decode_step_ratios(rows, mean=True)["h2o"].median == pytest.approx(1.5 * (1.2 + 1.1) / 2)
+    with pytest.raises(ValueError, match="mean step is recorded for clock cpu or ref"):
+        decode_step_ratios(rows, clock="wall", mean=True)

@@ -3,6 +3,7 @@ timing divided by its neighbour reference cancels the machine's speed at that mo
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -170,6 +171,9 @@ class PhaseProbe:
         out: dict[str, float | None] = {
             "prefill_cpu_s": sum(c.own for c in pre) if pre else None,
             "tpot_cpu_s": tpot.median if tpot else None,
+            # The mean step: what a schedule that compresses every N steps costs amortised (the
+            # median leaves its compression steps out).
+            "tpot_mean_cpu_s": statistics.fmean(c.own for c in dec) if dec else None,
             "prefill_other_cores": cores(pre),
             "decode_other_cores": cores(dec),
         }
@@ -188,10 +192,12 @@ class PhaseProbe:
                 ref_prefill_tokens=self.prefill_reference.tokens,
             )
         if self.decode_reference is not None:
-            step = spread(c.own / c.ref_cpu for c in dec if c.ref_cpu)
+            ratios = [c.own / c.ref_cpu for c in dec if c.ref_cpu]
+            step = spread(ratios)
             refs = spread(c.ref_cpu for c in dec if c.ref_cpu)
             out.update(
                 tpot_ref=step.median if step else None,
+                tpot_mean_ref=statistics.fmean(ratios) if ratios else None,
                 ref_decode_cpu_s=refs.median if refs else None,
                 ref_decode_tokens=self.decode_reference.tokens,
             )

@@ -111,16 +111,23 @@ def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[st
     return out
 
 
+MEAN_TPOT_COLUMNS = {"cpu": "tpot_mean_cpu_s", "ref": "tpot_mean_ref"}
+
+
 def decode_step_ratios(
-    rows: Sequence[dict[str, Any]], clock: str = "ref", all_rounds: bool = False
+    rows: Sequence[dict[str, Any]], clock: str = "ref", all_rounds: bool = False, mean: bool = False
 ) -> dict[str, Spread | None]:
     """Per method run at the longest input: its TPOT over the full cache's TPOT at the shortest
     input (a cache of the budget's size), one ratio per kept round from that round's own two
     configurations, summarised as median and IQR. What a decode step of each method costs beside
-    a plain step over as many entries (decode-time eviction, hooks, bookkeeping)."""
+    a plain step over as many entries (decode-time eviction, hooks, bookkeeping). `mean`: the mean
+    step instead of the median (a decode schedule's compressions amortised over its steps; clock
+    cpu or ref)."""
     if clock not in CLOCK_COLUMNS:
         raise ValueError(f"clock must be one of {sorted(CLOCK_COLUMNS)}, got clock={clock!r}")
-    col = CLOCK_COLUMNS[clock]["tpot_s"]
+    if mean and clock not in MEAN_TPOT_COLUMNS:
+        raise ValueError(f"the mean step is recorded for clock cpu or ref, got clock={clock!r}")
+    col = MEAN_TPOT_COLUMNS[clock] if mean else CLOCK_COLUMNS[clock]["tpot_s"]
     ok = _ok(rows)
     if not ok:
         return {}

@@ -50,7 +50,7 @@ COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "
            "error", "noisy", "wall_s", "own_cpu_s", "other_cpu_s", "other_cores", "prefill_other_cores",
            "decode_other_cores", "load_start", "load_end",
            "torch_threads", "cpu_count", *(k.lower() for k in THREAD_ENV),
-           "model", "dtype", "device", "attn_impl", "method_params"]  # fmt: skip
+           "model", "dtype", "device", "attn_impl", "method_params", "tpot_mean_cpu_s", "tpot_mean_ref"]  # fmt: skip
 CLOCKS = ("ref", "cpu", "wall")
 # Top-level shortcuts for the model config's keys (`dtype=bfloat16` -> `model.dtype=bfloat16`).
 MODEL_ALIASES = ("dtype", "device", "attn_implementation")

@@ -101,6 +101,8 @@ def latency(root: Path, out: Path) -> list[Path]:
     written = []
     for path in csvs:
         df = pd.read_csv(path)
+        if not {"method", "input_tokens", "tpot_s", "dtype"} <= set(df.columns):
+            continue  # not a scripts/bench_speed.py CSV (e.g. bench/kvpress/: per-round ratios)
         if "round" not in df:  # a one-run CSV from before the interleaved rounds: one round
             df = df.assign(round=0)
         rows = df.to_dict("records")

@@ -1813,6 +1813,42 @@ KVPRESS_CLAIMS = [
     ),
 ]
 
+
+def long_generation() -> tuple:
+    """Problems per method, rescored rows and pass@1 of results/long_generation, as its report
+    computes them (eval/tasks/reasoning/report.py)."""
+    from eval.tasks.reasoning import report as rreport
+
+    df = prepare(rows("long_generation"))
+    problems = {m: g["prompt_id"].nunique() for m, g in df.groupby("method")}
+    rescored = int(df.loc[df["method"] == "full", "rescored"].notna().sum())
+    prepared = rreport.prepare_rows(df)
+    score = {m: f"{rreport.pass_at_1(g)[0] * 100:.1f}" for m, g in prepared.groupby("method")}
+    assert problems["full"] == problems["snapkv_d"]
+    return (problems["full"], problems["streamingllm"], rescored, score["full"], score["snapkv_d"],
+            score["streamingllm"], max(problems.values()))  # fmt: skip
+
+
+LONG_GENERATION_CLAIMS = [
+    Claim(
+        GALLERY,
+        "Landed: the full cache and SnapKV-D on the first {} problems, StreamingLLM on {}; H2O, TOVA, R-KV and "
+        "prefill-only SnapKV not yet",
+        lambda: long_generation()[:2],
+    ),
+    Claim(
+        GALLERY,
+        "task.samples=4`): {} full-cache answers that state the value",
+        lambda: long_generation()[2:3],
+    ),
+    Claim(
+        GALLERY,
+        "pass@1 x100 so far: full {}, SnapKV-D {}, StreamingLLM {} (intervals over problems in the report; with at "
+        "most {} problems no comparison",
+        lambda: long_generation()[3:],
+    ),
+]
+
 CATALOGUE_ROWS = catalogue_rows()
 PROTOCOL_ROWS = protocol_rows()
 
@@ -1843,6 +1879,7 @@ CHECKS = (
     + CATALOGUE_COST_CLAIMS
     + DECODE_EVICTION_CLAIMS
     + KVPRESS_CLAIMS
+    + LONG_GENERATION_CLAIMS
 )
 
 

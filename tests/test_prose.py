@@ -1611,7 +1611,7 @@ def protocol_counts() -> tuple:
     complete = sorted(
         {m for (m, _), n in per.items() if n == 16 and (per[m] == 16).all() and len(per[m]) == 5}
     )
-    assert complete == ["full", "pyramidkv", "snapkv"], complete
+    assert complete == ["adakv", "full", "pyramidkv", "snapkv"], complete
     contexts = df.loc[df["method"] == "full", "context_id"].nunique()
     return contexts, 16
 
@@ -1648,7 +1648,11 @@ def pyramidkv_losses() -> tuple:
 
 
 PROTOCOL_CLAIMS = [
-    Claim(GALLERY, "**{} contexts ({} questions) per cell, for full, snapkv and pyramidkv;", protocol_counts),
+    Claim(
+        GALLERY,
+        "**{} contexts ({} questions) per cell, for full, snapkv, pyramidkv and adakv; H2O",
+        protocol_counts,
+    ),
     Claim(
         GALLERY,
         "the full cache answers {} under `query_aware`, `context_only` and `multi_request` (the same forwards, "
@@ -1829,12 +1833,19 @@ def long_generation() -> tuple:
             score["streamingllm"], max(problems.values()))  # fmt: skip
 
 
+def long_generation_h2o() -> int:
+    df = prepare(rows("long_generation"))
+    h2o = df[df["method"] == "h2o"]
+    assert len(h2o) == 2 and set(df["method"]) == {"full", "snapkv_d", "streamingllm", "h2o"}
+    return h2o["prompt_id"].nunique()
+
+
 LONG_GENERATION_CLAIMS = [
     Claim(
         GALLERY,
-        "Landed: the full cache and SnapKV-D on the first {} problems, StreamingLLM on {}; H2O, TOVA, R-KV and "
-        "prefill-only SnapKV not yet",
-        lambda: long_generation()[:2],
+        "Landed: the full cache and SnapKV-D on the first {} problems, StreamingLLM on {}, H2O on {} (its first two "
+        "samples); TOVA, R-KV and prefill-only SnapKV not yet",
+        lambda: (*long_generation()[:2], long_generation_h2o()),
     ),
     Claim(
         GALLERY,

@@ -81,6 +81,16 @@ def default_clock(rows: Sequence[dict[str, Any]]) -> str:
     return "ref" if any(_float(r.get("tpot_ref")) is not None for r in _ok(rows)) else "cpu"
 
 
+def _cells(ok: Sequence[dict[str, Any]]) -> tuple[list[int], dict[tuple[int, str, int], dict[str, Any]]]:
+    """(the input lengths, ascending; each (round, method, length)'s row at the smallest batch)."""
+    lengths = sorted({int(r["input_tokens"]) for r in ok})
+    batch = min(int(r["batch_size"]) for r in ok)
+    cell = {
+        (int(r["round"]), r["method"], int(r["input_tokens"])): r for r in ok if int(r["batch_size"]) == batch
+    }
+    return lengths, cell
+
+
 def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[str, dict[int, float]]:
     """Each target's ratio per round, from the configurations of that same round only; `clock`
     picks the columns (CLOCK_COLUMNS: "wall" prefill_s / tpot_s, "cpu" the CPU-time ones, "ref"
@@ -91,12 +101,8 @@ def round_ratios(rows: Sequence[dict[str, Any]], clock: str = "wall") -> dict[st
     ok = _ok(rows)
     if not ok:
         return {t.key: {} for t in TARGETS}
-    lengths = sorted({int(r["input_tokens"]) for r in ok})
-    batch = min(int(r["batch_size"]) for r in ok)
+    lengths, cell = _cells(ok)
     at = {"short": lengths[0], "long": lengths[-1]}
-    cell = {
-        (int(r["round"]), r["method"], int(r["input_tokens"])): r for r in ok if int(r["batch_size"]) == batch
-    }
     out: dict[str, dict[int, float]] = {}
     for t in TARGETS:
         per: dict[int, float] = {}
@@ -132,11 +138,7 @@ def decode_step_ratios(
     if not ok:
         return {}
     kept, _ = kept_rounds(rows, all_rounds)
-    lengths = sorted({int(r["input_tokens"]) for r in ok})
-    batch = min(int(r["batch_size"]) for r in ok)
-    cell = {
-        (int(r["round"]), r["method"], int(r["input_tokens"])): r for r in ok if int(r["batch_size"]) == batch
-    }
+    lengths, cell = _cells(ok)
     methods = sorted({m for (_, m, n) in cell if n == lengths[-1] and m != "full"})
     out = {}
     for m in methods:

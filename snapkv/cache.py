@@ -142,6 +142,7 @@ class CompressibleLayer(DynamicLayer):
         # with room for `APPEND_ROOM` more entries: a decode step writes its token into them (and
         # `evict_in_place` frees a slot) instead of copying the layer into a new tensor.
         self._kv_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self._kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
@@ -179,13 +180,16 @@ class CompressibleLayer(DynamicLayer):
         return super().update(key_states, value_states)
 
     def _holds_buffer(self) -> bool:
-        """Whether keys / values / positions are still the prefix views of `_kv_buf` (any other
-        assignment since, by a keep, a rollback or a reorder, fails the check)."""
-        if self._kv_buf is None:
-            return False
-        return all(
-            mine.data_ptr() == buf.data_ptr() and mine.stride() == buf.stride()
-            for mine, buf in zip((self.keys, self.values, self.positions), self._kv_buf)
+        """Whether keys / values / positions are still the prefix views of `_kv_buf` that `_append`
+        or `evict_in_place` made (any other assignment since, by a keep, a rollback or a reorder,
+        replaces them with other objects and fails the check; identity is cheaper than comparing
+        storage, and a decode step asks once per layer)."""
+        views = self._kv_views
+        return (
+            views is not None
+            and self.keys is views[0]
+            and self.values is views[1]
+            and self.positions is views[2]
         )
 
     def _append(self, key_states: torch.Tensor, value_states: torch.Tensor):
@@ -209,30 +213,46 @@ class CompressibleLayer(DynamicLayer):
             positions[:, :, n].fill_(self.seen - 1)
         else:
             positions[:, :, n : n + q].copy_(torch.arange(self.seen - q, self.seen, device=positions.device))
-        self.keys, self.values = keys[:, :, : n + q], values[:, :, : n + q]
-        self.positions = positions[:, :, : n + q]
+        self._set_views(n + q)
         return self.keys, self.values
 
-    def evict_in_place(self, victims: torch.Tensor) -> None:
-        """Drop the entry `victims[b, h]` of every row and KV head without copying the layer: the
-        last entry moves into the victim's slot and keys / values become views one slot shorter
-        of the same buffers, whose freed slot the next token's `update` fills. The entries are then no longer
-        in position order; a decode step's attention does not depend on their order (every stored
-        entry precedes the query), and `positions` says where each one came from."""
+    def _set_views(self, stored: int) -> None:
+        keys, values, positions = self._kv_buf
+        self.keys, self.values = keys[:, :, :stored], values[:, :, :stored]
+        self.positions = positions[:, :, :stored]
+        self._kv_views = (self.keys, self.values, self.positions)
+
+    def evict_in_place(self, victims: torch.Tensor | int) -> None:
+        """Drop the entry `victims[b, h]` of every row and KV head (an int: the same slot in every
+        row and head) without copying the layer: the last entry moves into the victim's slot and
+        keys / values become views one slot shorter of the same buffers, whose freed slot the next
+        token's `update` fills. The entries are then no longer in position order; a decode step's
+        attention does not depend on their order (every stored entry precedes the query), and
+        `positions` says where each one came from."""
         self._save_marked_entries()
-        n = self.stored
-        last = n - 1
-        d = self.keys.shape[-1]
-        idx = victims.unsqueeze(-1)  # [b, h, 1]
-        kv_idx = idx.unsqueeze(-1).expand(-1, -1, 1, d)
-        for t in (self.keys, self.values):
-            t.scatter_(2, kv_idx, t[:, :, last:].clone())
-        self.positions.scatter_(2, idx, self.positions[..., last:].clone())
-        self.keys, self.values = self.keys[:, :, :last], self.values[:, :, :last]
-        self.positions = self.positions[..., :last]
-        # scores: a new tensor (a checkpoint may hold the old one)
-        if self.scores is not None:
-            self.scores = self.scores.scatter(2, idx, self.scores[..., last:])[..., :last]
+        last = self.stored - 1
+        if isinstance(victims, int):  # one slot everywhere: three slice copies, no index tensors
+            for t in (self.keys, self.values, self.positions):
+                t.select(2, victims).copy_(t.select(2, last))
+            if self.scores is not None:  # a new tensor (a checkpoint may hold the old one)
+                scores = self.scores[..., :last].clone()
+                scores[..., victims] = self.scores[..., last]
+                self.scores = scores
+        else:
+            d = self.keys.shape[-1]
+            idx = victims.unsqueeze(-1)  # [b, h, 1]
+            kv_idx = idx.unsqueeze(-1).expand(-1, -1, 1, d)
+            for t in (self.keys, self.values):
+                t.scatter_(2, kv_idx, t[:, :, last:].clone())
+            self.positions.scatter_(2, idx, self.positions[..., last:].clone())
+            # scores: a new tensor (a checkpoint may hold the old one)
+            if self.scores is not None:
+                self.scores = self.scores.scatter(2, idx, self.scores[..., last:])[..., :last]
+        if self._holds_buffer():
+            self._set_views(last)
+        else:
+            self.keys, self.values = self.keys[:, :, :last], self.values[:, :, :last]
+            self.positions = self.positions[..., :last]
 
     def sort_by_position(self) -> None:
         """Put the stored entries back in position order (after `evict_in_place`); a no-op when
@@ -297,7 +317,9 @@ class CompressibleLayer(DynamicLayer):
         if self.pads is not None and pads is None:
             raise ValueError("keep() on a padded batch needs the kept rows' pads (snapkv.padding)")
         self._save_marked_entries()
-        self._kv_buf = None  # gathered into new tensors: the old buffer is not the layer's any more
+        self._kv_buf = self._kv_views = (
+            None  # gathered into new tensors: the old buffer is not the layer's any more
+        )
         self.pads = pads
         self.last_kept = indices
         idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
@@ -347,7 +369,7 @@ class CompressibleLayer(DynamicLayer):
             raise ValueError(
                 f"layer {self.index} holds {self.seen} tokens, fewer than its mark's {mark.seen}"
             )
-        self._kv_buf = None  # the buffers hold entries written after the mark
+        self._kv_buf = self._kv_views = None  # the buffers hold entries written after the mark
         if mark.kv is not None:  # the layer evicted since the mark: its copy-on-write entries
             self.keys, self.values, self.positions = mark.kv
         else:
@@ -382,7 +404,7 @@ class CompressibleLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._mark = None
-        self._kv_buf = None
+        self._kv_buf = self._kv_views = None
         self.seen = 0
         self.positions = self.scores = None
         self.state = "empty"
@@ -397,7 +419,7 @@ class CompressibleLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._mark = self._kv_buf = None  # the marked rows are not these rows any more
+        self._mark = self._kv_buf = self._kv_views = None  # the marked rows are not these rows any more
         if self.pads is not None:  # padded batches: each beam keeps its row's pads
             self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
             self.prompt_pads = self.prompt_pads.index_select(0, beam_idx.to(self.prompt_pads.device))
@@ -408,13 +430,13 @@ class CompressibleLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
-        self._mark = self._kv_buf = None
+        self._mark = self._kv_buf = self._kv_views = None
         super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
-        self._mark = self._kv_buf = None
+        self._mark = self._kv_buf = self._kv_views = None
         super().batch_select_indices(indices)
 
 

@@ -187,9 +187,11 @@ def test_h2o_unfused_leaves_the_decode_attention_to_the_model():
     assert method.decode_attention(layer, None, None, None, None) is None
 
 
-def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch):
-    """StreamingLLM names its victim from positions alone; at every in-place eviction it is the
-    entry the base class's rule (lowest score, protections by position) would drop."""
+@pytest.mark.parametrize("batch", [1, 2])
+def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch, batch):
+    """StreamingLLM names its victim from positions alone, one slot for every row and head; at
+    every in-place eviction it is the entry the base class's rule (lowest score, protections by
+    position) would drop in each row and head."""
     from snapkv.cache import CompressibleLayer
     from snapkv.methods.base import Method
 
@@ -198,9 +200,11 @@ def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch):
     original = CompressibleLayer.evict_in_place
 
     def checking(self, victims):
-        checked.append(torch.equal(victims, Method.victims(method, self)))
+        base = Method.victims(method, self)
+        checked.append(isinstance(victims, int) and bool((base == victims).all()))
         return original(self, victims)
 
     monkeypatch.setattr(CompressibleLayer, "evict_in_place", checking)
-    generate_ids(tiny_model("llama"), random_ids(60), None, method, max_new_tokens=NEW)
+    ids = random_ids(60, batch=batch)
+    generate_ids(tiny_model("llama"), ids, None, method, max_new_tokens=NEW)
     assert len(checked) == 3 * (NEW - 1) and all(checked)

@@ -312,10 +312,10 @@ class Method:
         (StreamingLLM's compacted positions, Ada-KV) takes the ordered path."""
         return type(self).prune is Method.prune
 
-    def victims(self, layer: CompressibleLayer) -> torch.Tensor:
-        """`[batch, kv_heads]`: the entry `select(scores, stored - 1)` would drop, found by position
-        rather than by index (in-place evictions leave the entries out of position order): the
-        protected first / last entries are the oldest / newest positions (the protected ones are
+    def victims(self, layer: CompressibleLayer) -> torch.Tensor | int:
+        """`[batch, kv_heads]` (or one int: the same slot in every row and head): the entry
+        `select(scores, stored - 1)` would drop, found by position rather than by index (in-place
+        evictions leave the entries out of position order): the protected first / last entries are the oldest / newest positions (the protected ones are
         never evicted, so positions `[0, first)` and `[seen - last, seen)` are all present); of the
         lowest-scored of the rest, the newest (the stable sort keeps the earlier of a tie)."""
         first, last = self.protected()

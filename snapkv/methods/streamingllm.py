@@ -46,10 +46,13 @@ class StreamingLLM(Method):
         # positions re-rotate every kept key to its slot, which needs the ordered path.
         return self.positions == "original"
 
-    def victims(self, layer) -> torch.Tensor:
-        # Sinks and recent tokens fill the budget: the one entry left is the oldest non-sink.
-        # The base class's rule gives the same; without scores it takes two operations, not ten.
-        return layer.positions.masked_fill(layer.positions < self.n_sink, layer.seen).argmin(dim=-1)
+    def victims(self, layer) -> int:
+        # Sinks and recent tokens fill the budget: the one entry left is the oldest non-sink. The
+        # in-place path has no pads, so every row and head holds the same positions: one slot
+        # (read off row 0, head 0) serves them all. The base class's rule gives the same; without
+        # scores this takes three operations, not ten.
+        pos = layer.positions[0, 0]
+        return int(pos.masked_fill(pos < self.n_sink, layer.seen).argmin())
 
     def protected(self) -> tuple[int, int]:
         # Together exactly the budget: sinks + the most recent tokens; scores are not needed.

@@ -187,11 +187,14 @@ def test_h2o_unfused_leaves_the_decode_attention_to_the_model():
     assert method.decode_attention(layer, None, None, None, None) is None
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch, batch):
+@pytest.mark.parametrize(
+    ("batch", "prompt", "new", "evictions"), [(1, 60, NEW, NEW - 1), (2, 60, NEW, NEW - 1), (1, 3, 30, 8)]
+)
+def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch, batch, prompt, new, evictions):
     """StreamingLLM names its victim from positions alone, one slot for every row and head; at
     every in-place eviction it is the entry the base class's rule (lowest score, protections by
-    position) would drop in each row and head."""
+    position) would drop in each row and head: after a compressed prompt, and after a prompt
+    shorter than the sinks (the cache fills while decoding)."""
     from snapkv.cache import CompressibleLayer
     from snapkv.methods.base import Method
 
@@ -205,6 +208,5 @@ def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch, batch):
         return original(self, victims)
 
     monkeypatch.setattr(CompressibleLayer, "evict_in_place", checking)
-    ids = random_ids(60, batch=batch)
-    generate_ids(tiny_model("llama"), ids, None, method, max_new_tokens=NEW)
-    assert len(checked) == 3 * (NEW - 1) and all(checked)
+    generate_ids(tiny_model("llama"), random_ids(prompt, batch=batch), None, method, max_new_tokens=new)
+    assert len(checked) == 3 * evictions and all(checked)

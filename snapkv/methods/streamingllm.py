@@ -49,10 +49,10 @@ class StreamingLLM(Method):
     def victims(self, layer) -> int:
         # Sinks and recent tokens fill the budget: the one entry left is the oldest non-sink. The
         # in-place path has no pads, so every row and head holds the same positions: one slot
-        # (read off row 0, head 0) serves them all. The base class's rule gives the same; without
-        # scores this takes three operations, not ten.
-        pos = layer.positions[0, 0]
-        return int(pos.masked_fill(pos < self.n_sink, layer.seen).argmin())
+        # (read off row 0, head 0) serves them all. The sinks sit in the first `n_sink` slots
+        # (kept in position order, never a victim, never the moved last entry), so the oldest of
+        # the rest is an argmin over the slots after them. The base class's rule gives the same.
+        return self.n_sink + int(layer.positions[0, 0, self.n_sink :].argmin())
 
     def protected(self) -> tuple[int, int]:
         # Together exactly the budget: sinks + the most recent tokens; scores are not needed.

@@ -1797,12 +1797,13 @@ def kvpress_ratios(name: str) -> dict:
 
 
 def kvpress_claim() -> tuple:
-    now = kvpress_ratios("smollm2_4096_b512_buffered")
+    now = kvpress_ratios("smollm2_4096_b512_rolling")
+    index_victims = kvpress_ratios("smollm2_4096_b512_buffered")
     runs = [kvpress_ratios(n) for n in ("smollm2_4096_b512", "smollm2_4096_b512_snapkv_as_kvpress")]
     rounds = {len(list(csv.DictReader((RESULTS / "bench" / "kvpress" / f"{n}.csv").open()))) // 3
               for n in ("smollm2_4096_b512", "smollm2_4096_b512_snapkv_as_kvpress")}  # fmt: skip
     assert rounds == {20}
-    return (now["snapkv"], now["full"], now["streamingllm"],
+    return (now["snapkv"], now["full"], now["streamingllm"], index_victims["streamingllm"],
             *(r["snapkv"] for r in runs), *(r["full"] for r in runs), *(r["streamingllm"] for r in runs))  # fmt: skip
 
 
@@ -1810,7 +1811,8 @@ KVPRESS_CLAIMS = [
     Claim(
         GALLERY,
         "SnapKV (512 kept) {}, the full cache (4,096) {}, StreamingLLM {} (ours rolls, one eviction per token; "
-        "kvpress compresses once). Before, with a `torch.cat` of the layer and its positions every step and "
+        "kvpress compresses once). With StreamingLLM's victims as index tensors (commit 8d2ce0f, "
+        "`smollm2_4096_b512_buffered.csv`): StreamingLLM {}. Before, with a `torch.cat` of the layer and its positions every step and "
         "StreamingLLM's sort-and-gather eviction (two 20-round runs): SnapKV {} and {}; the full cache {} and {}; "
         "StreamingLLM {} and {}.",
         kvpress_claim,

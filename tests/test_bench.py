@@ -142,6 +142,7 @@ def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
         (["model=random:nope"], "nope"),
         (["rounds=0"], "rounds"),
         (["noise_threshold=-1"], "noise_threshold"),
+        (["resume=maybe"], "resume"),
         (["clock=ref", "reference_tokens.decode=0"], "reference_tokens.decode"),
         (["reference_tokens=16"], "reference_tokens"),
         (["clock=sundial"], "sundial"),
@@ -385,3 +386,51 @@ def test_decode_step_ratios_pair_each_method_with_the_full_cache_of_its_own_roun
     assert decode_step_ratios(rows, mean=True)["h2o"].median == pytest.approx(1.5 * (1.2 + 1.1) / 2)
     with pytest.raises(ValueError, match="mean step is recorded for clock cpu or ref"):
         decode_step_ratios(rows, clock="wall", mean=True)
+
+
+def test_resume_measures_only_the_cells_a_cut_short_run_lacks(tmp_path, monkeypatch, capsys):
+    """A run stopped inside its second round, resumed with resume=true and more rounds: the rows
+    already written stay as they are (the cut-short round's too) and only the missing
+    (round, configuration) cells are measured, each once; a resume whose plan differs from the
+    rows' exits 2 with one line before anything runs and leaves the file as it was."""
+    out = tmp_path / "b.csv"
+    args = [*TOY, "methods=[full,snapkv]", "configs=[full@64,snapkv@64]", "subprocess=false", "plots=false",
+            f"out={out}"]  # fmt: skip
+    real, calls = bench.measure.measure, []
+
+    def cut_short(model, vocab, spec):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append((spec["method"], spec["input_tokens"]))
+        return real(model, vocab, spec)
+
+    monkeypatch.setattr(bench.measure, "measure", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run(compose(args))
+    with out.open(newline="") as f:
+        first = list(csv.DictReader(f))
+    assert [(r["round"], r["method"]) for r in first] == [("0", "full"), ("0", "snapkv"), ("1", "snapkv")]
+
+    calls.clear()
+    monkeypatch.setattr(bench.measure, "measure", lambda *a: calls.append(a[2]["method"]) or real(*a))
+    rows = bench.run(compose([*args, "rounds=3", "resume=true"]))
+    assert calls == ["full", "full", "snapkv"]  # round 1's full, then round 2 (rotated: full first)
+    with out.open(newline="") as f:
+        now = list(csv.DictReader(f))
+    cells = [(r["round"], r["method"]) for r in now]
+    assert sorted(cells) == sorted({(str(r), m) for r in range(3) for m in ("full", "snapkv")})
+    kept = {(r["round"], r["method"]): r for r in now}
+    for r in first:  # unchanged, noisy now set for the rounds that completed
+        assert {k: v for k, v in kept[r["round"], r["method"]].items() if k != "noisy"} == {
+            k: v for k, v in r.items() if k != "noisy"
+        }
+    assert all(r["noisy"] in ("True", "False") for r in now) and len(rows) == 6
+
+    before = out.read_text()
+    assert bench.main([*args, "rounds=4", "resume=true", "snapkv.window=4"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "other parameters" in err and "snapkv@64" in err
+    assert bench.main([*args, "configs=[full@32]", "resume=true"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [err] and "full@64" in err and "not in this run" in err
+    assert out.read_text() == before

@@ -192,7 +192,9 @@ def validate(cfg: DictConfig) -> None:
         raise ValueError(f"threads must be a positive integer or null, got threads={cfg.threads!r}")
     if not isinstance(cfg.noise_threshold, int | float) or cfg.noise_threshold < 0:
         raise ValueError(f"noise_threshold must be >= 0, got noise_threshold={cfg.noise_threshold!r}")
-    plan(cfg)
+    if not isinstance(cfg.resume, bool):
+        raise ValueError(f"resume must be true or false, got resume={cfg.resume!r}")
+    resumed(cfg, plan(cfg))
 
 
 def plan(cfg: DictConfig) -> list[Config]:
@@ -215,6 +217,50 @@ def plan(cfg: DictConfig) -> list[Config]:
         for b in cfg.batch_sizes
         for m, n in pairs
     ]
+
+
+def _cell(value: str) -> Any:
+    """A CSV cell as `_write_csv` wrote it: "" -> None, numbers and booleans as such."""
+    if value == "":
+        return None
+    if value in ("True", "False"):
+        return value == "True"
+    for kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    return value
+
+
+def _key(method: str, input_tokens: int, batch_size: int) -> tuple[str, int, int]:
+    return method, int(input_tokens), int(batch_size)
+
+
+def resumed(cfg: DictConfig, configs: list[Config]) -> list[dict[str, Any]]:
+    """With `resume=true`, the rows `out` already holds (every one kept, a cut-short round's too, an
+    error row as the cell's result): `run` measures only the (round, configuration) cells they lack. Rows of another plan (a method,
+    length or batch size not planned, other method parameters, another model or dtype) raise
+    ValueError naming the first, before anything loads."""
+    out = Path(cfg.out)
+    if not cfg.resume or not out.exists():
+        return []
+    with out.open(newline="") as f:
+        rows = [{k: _cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
+    planned = {_key(c.method, c.input_tokens, c.batch_size): dict(c.params) for c in configs}
+    for row in rows:
+        key = _key(row["method"], row["input_tokens"], row["batch_size"])
+        what = f"{out} round {row['round']} {key[0]}@{key[1]} batch {key[2]}"
+        if key not in planned:
+            raise ValueError(f"resume=true: {what} is not in this run's configurations")
+        if json.loads(row["method_params"]) != json.loads(json.dumps(planned[key])):
+            raise ValueError(f"resume=true: {what} ran with other parameters: {row['method_params']}")
+        for field in ("model", "dtype"):
+            if str(row[field]) != str(cfg.model[field if field != "model" else "name"]):
+                raise ValueError(
+                    f"resume=true: {what} ran with {field}={row[field]}, not {cfg.model[field if field != 'model' else 'name']}"
+                )
+    return rows
 
 
 def rotated(configs: list[Config], r: int) -> list[Config]:
@@ -269,10 +315,17 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     model = vocab = None
     if not use_sub and cfg.threads and cfg.model.device == "cpu":
         torch.set_num_threads(cfg.threads)
+    before = resumed(cfg, configs)
+    done = {(row["round"], *_key(row["method"], row["input_tokens"], row["batch_size"])) for row in before}
+    if before:
+        print(f"resume: {len(before)} rows in {out}; measuring the cells they lack", flush=True)
     rows: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
-        round_rows: list[dict[str, Any]] = []
+        round_rows = [row for row in before if row["round"] == r]
+        later = [row for row in before if row["round"] > r]  # written back with every write: never lost
         for order, c in enumerate(rotated(configs, r)):
+            if (r, *_key(c.method, c.input_tokens, c.batch_size)) in done:
+                continue
             t = time.perf_counter()
             spec = spec_of(cfg, c)
             if use_sub:
@@ -284,15 +337,18 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
             row.update({"round": r, "order": order})
             round_rows.append(row)
             _print_row(row, time.perf_counter() - t)
-            _write_csv(out, rows + round_rows)  # every row as it comes (`noisy` once its round is done)
+            _write_csv(
+                out, rows + round_rows + later
+            )  # every row as it comes (`noisy` once its round is done)
+        round_rows.sort(key=lambda x: x["order"])
         noisy = any((x.get("other_cores") or 0.0) > cfg.noise_threshold for x in round_rows)
         for row in round_rows:
             row["noisy"] = noisy
         rows += round_rows
-        _write_csv(out, rows)
+        _write_csv(out, rows + later)
         print(f"round {r + 1}/{cfg.rounds}: {'NOISY' if noisy else 'quiet'} (max other cores "
               f"{max((x.get('other_cores') or 0.0) for x in round_rows):.2f})", flush=True)  # fmt: skip
-    return rows
+    return rows + [row for row in before if row["round"] >= cfg.rounds]
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

@@ -394,7 +394,7 @@ def test_resume_measures_only_the_cells_a_cut_short_run_lacks(tmp_path, monkeypa
     (round, configuration) cells are measured, each once; a resume whose plan differs from the
     rows' exits 2 with one line before anything runs and leaves the file as it was."""
     out = tmp_path / "b.csv"
-    args = [*TOY, "methods=[full,snapkv]", "configs=[full@64,snapkv@64]", "subprocess=false", "plots=false",
+    args = [*TOY, "methods=[full,knorm]", "configs=[full@64,knorm@64]", "subprocess=false", "plots=false",
             f"out={out}"]  # fmt: skip
     real, calls = bench.measure.measure, []
 
@@ -409,16 +409,16 @@ def test_resume_measures_only_the_cells_a_cut_short_run_lacks(tmp_path, monkeypa
         bench.run(compose(args))
     with out.open(newline="") as f:
         first = list(csv.DictReader(f))
-    assert [(r["round"], r["method"]) for r in first] == [("0", "full"), ("0", "snapkv"), ("1", "snapkv")]
+    assert [(r["round"], r["method"]) for r in first] == [("0", "full"), ("0", "knorm"), ("1", "knorm")]
 
     calls.clear()
     monkeypatch.setattr(bench.measure, "measure", lambda *a: calls.append(a[2]["method"]) or real(*a))
     rows = bench.run(compose([*args, "rounds=3", "resume=true"]))
-    assert calls == ["full", "full", "snapkv"]  # round 1's full, then round 2 (rotated: full first)
+    assert calls == ["full", "full", "knorm"]  # round 1's full, then round 2 (rotated: full first)
     with out.open(newline="") as f:
         now = list(csv.DictReader(f))
     cells = [(r["round"], r["method"]) for r in now]
-    assert sorted(cells) == sorted({(str(r), m) for r in range(3) for m in ("full", "snapkv")})
+    assert sorted(cells) == sorted({(str(r), m) for r in range(3) for m in ("full", "knorm")})
     kept = {(r["round"], r["method"]): r for r in now}
     for r in first:  # unchanged, noisy now set for the rounds that completed
         assert {k: v for k, v in kept[r["round"], r["method"]].items() if k != "noisy"} == {
@@ -427,9 +427,9 @@ def test_resume_measures_only_the_cells_a_cut_short_run_lacks(tmp_path, monkeypa
     assert all(r["noisy"] in ("True", "False") for r in now) and len(rows) == 6
 
     before = out.read_text()
-    assert bench.main([*args, "rounds=4", "resume=true", "snapkv.window=4"]) == 2
+    assert bench.main([*args, "rounds=4", "resume=true", "knorm.skip_layers=[0]"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [err] and "other parameters" in err and "snapkv@64" in err
+    assert err.splitlines() == [err] and "other parameters" in err and "knorm@64" in err
     assert bench.main([*args, "configs=[full@32]", "resume=true"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "full@64" in err and "not in this run" in err

@@ -247,13 +247,18 @@ def resumed(cfg: DictConfig, configs: list[Config]) -> list[dict[str, Any]]:
         return []
     with out.open(newline="") as f:
         rows = [{k: _cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
-    planned = {_key(c.method, c.input_tokens, c.batch_size): dict(c.params) for c in configs}
+    planned = {
+        _key(c.method, c.input_tokens, c.batch_size): {
+            k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in c.params
+        }
+        for c in configs
+    }
     for row in rows:
         key = _key(row["method"], row["input_tokens"], row["batch_size"])
         what = f"{out} round {row['round']} {key[0]}@{key[1]} batch {key[2]}"
         if key not in planned:
             raise ValueError(f"resume=true: {what} is not in this run's configurations")
-        if json.loads(row["method_params"]) != json.loads(json.dumps(planned[key])):
+        if json.loads(row["method_params"]) != planned[key]:
             raise ValueError(f"resume=true: {what} ran with other parameters: {row['method_params']}")
         for field in ("model", "dtype"):
             if str(row[field]) != str(cfg.model[field if field != "model" else "name"]):

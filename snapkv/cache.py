@@ -232,11 +232,13 @@ class CompressibleLayer(DynamicLayer):
         self._save_marked_entries()
         last = self.stored - 1
         if isinstance(victims, int):  # one slot everywhere: three slice copies, no index tensors
-            for t in (self.keys, self.values, self.positions):
-                t.select(2, victims).copy_(t.select(2, last))
+            if victims != last:  # (the newest entry itself: dropping the last slot is all)
+                for t in (self.keys, self.values, self.positions):
+                    t.select(2, victims).copy_(t.select(2, last))
             if self.scores is not None:  # a new tensor (a checkpoint may hold the old one)
                 scores = self.scores[..., :last].clone()
-                scores[..., victims] = self.scores[..., last]
+                if victims != last:
+                    scores[..., victims] = self.scores[..., last]
                 self.scores = scores
         else:
             d = self.keys.shape[-1]

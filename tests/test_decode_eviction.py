@@ -188,23 +188,29 @@ def test_h2o_unfused_leaves_the_decode_attention_to_the_model():
 
 
 @pytest.mark.parametrize(
+    ("name", "params"),
+    [("streamingllm", {"n_sink": 4}), ("tova", {}), ("tova", {"keep_last": True})],
+)
+@pytest.mark.parametrize(
     ("batch", "prompt", "new", "evictions"), [(1, 60, NEW, NEW - 1), (2, 60, NEW, NEW - 1), (1, 3, 30, 8)]
 )
-def test_streamingllm_victim_shortcut_is_the_base_rule(monkeypatch, batch, prompt, new, evictions):
-    """StreamingLLM names its victim from positions alone, one slot for every row and head; at
-    every in-place eviction it is the entry the base class's rule (lowest score, protections by
-    position) would drop in each row and head: after a compressed prompt, and after a prompt
-    shorter than the sinks (the cache fills while decoding)."""
+def test_one_slot_victims_are_the_base_rule(monkeypatch, name, params, batch, prompt, new, evictions):
+    """StreamingLLM (from positions alone) and TOVA with one row (one kept set per layer) name their
+    victim as one slot for every head (StreamingLLM: and every row); at every in-place eviction it
+    is the entry the base class's rule (lowest score, ties to the newest, protections by position)
+    would drop in each row and head: after a compressed prompt, and after a prompt shorter than
+    the budget (the cache fills while decoding)."""
     from snapkv.cache import CompressibleLayer
     from snapkv.methods.base import Method
 
-    method = build_method("streamingllm", budget=BUDGET, n_sink=4)
+    method = build_method(name, budget=BUDGET, **params)
     checked = []
     original = CompressibleLayer.evict_in_place
 
     def checking(self, victims):
         base = Method.victims(method, self)
-        checked.append(isinstance(victims, int) and bool((base == victims).all()))
+        one_slot = isinstance(victims, int) or (name == "tova" and batch > 1)  # TOVA's rows differ
+        checked.append(one_slot and bool((base == victims).all()))
         return original(self, victims)
 
     monkeypatch.setattr(CompressibleLayer, "evict_in_place", checking)

@@ -25,6 +25,7 @@ the originals do not chunk). kvpress' budget is a ratio of the prompt; here an e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -107,3 +108,14 @@ class TOVA(Method):
 
     def decode_score(self, layer) -> torch.Tensor:
         return layer.scores
+
+    def victims(self, layer) -> torch.Tensor | int:
+        # One kept set per layer: every KV head holds the same positions and scores, so with one
+        # row the victim is one slot, found on head 0 by the base class's rule (the lowest score,
+        # the newest of a tie, the newest entry protected with keep_last).
+        if layer.positions.shape[0] != 1:
+            return super().victims(layer)
+        s, pos = layer.scores[0, 0].float(), layer.positions[0, 0]
+        if self.keep_last:
+            s = s.masked_fill(pos == layer.seen - 1, math.inf)
+        return int(torch.where(s == s.amin(), pos, -1).argmax())

@@ -25,6 +25,7 @@ from eval.bench.report import (
     decode_step_ratios,
     default_clock,
     kept_rounds,
+    prefill_ratios,
     ratio_spreads,
     round_ratios,
     rounds_needed,
@@ -386,6 +387,23 @@ def test_decode_step_ratios_pair_each_method_with_the_full_cache_of_its_own_roun
     assert decode_step_ratios(rows, mean=True)["h2o"].median == pytest.approx(1.5 * (1.2 + 1.1) / 2)
     with pytest.raises(ValueError, match="mean step is recorded for clock cpu or ref"):
         decode_step_ratios(rows, clock="wall", mean=True)
+
+
+def test_prefill_ratios_pair_each_method_with_the_full_cache_at_its_length_in_its_round():
+    def row(rnd, method, n, prefill, noisy=False):
+        return {"round": rnd, "method": method, "input_tokens": n, "batch_size": 1, "status": "ok",
+                "prefill_ref": prefill, "noisy": noisy}  # fmt: skip
+
+    rows = [row(0, "full", 512, 9.0), row(0, "full", 8192, 100.0), row(0, "kvzip", 8192, 400.0)]
+    rows += [row(1, "full", 8192, 120.0), row(1, "kvzip", 8192, 420.0), row(1, "tova", 8192, 121.2)]
+    rows += [row(2, "full", 8192, 100.0, noisy=True), row(2, "kvzip", 8192, 900.0, noisy=True)]
+    got = prefill_ratios(rows)
+    assert set(got) == {"kvzip", "tova"}  # the long input's methods, over the full cache at 8192
+    assert got["kvzip"].n == 2 and got["kvzip"].median == pytest.approx((4.0 + 3.5) / 2)
+    assert got["tova"].n == 1 and got["tova"].median == pytest.approx(1.01)  # round 1's only
+    assert prefill_ratios(rows, all_rounds=True)["kvzip"].n == 3
+    with pytest.raises(ValueError, match="clock must be one of"):
+        prefill_ratios(rows, clock="bogus")
 
 
 def test_resume_measures_only_the_cells_a_cut_short_run_lacks(tmp_path, monkeypatch, capsys):

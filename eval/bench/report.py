@@ -134,23 +134,43 @@ def decode_step_ratios(
     if mean and clock not in MEAN_TPOT_COLUMNS:
         raise ValueError(f"the mean step is recorded for clock cpu or ref, got clock={clock!r}")
     col = MEAN_TPOT_COLUMNS[clock] if mean else CLOCK_COLUMNS[clock]["tpot_s"]
+    return _over_full(rows, col, "shortest", all_rounds)
+
+
+def _over_full(
+    rows: Sequence[dict[str, Any]], col: str, full_at: str, all_rounds: bool
+) -> dict[str, Spread | None]:
+    """Per method run at the longest input: its `col` over the full cache's `col` at the shortest
+    input (`full_at="shortest"`) or at the same input (`"same"`), one ratio per kept round from
+    that round's own two configurations, summarised as median and IQR."""
     ok = _ok(rows)
     if not ok:
         return {}
     kept, _ = kept_rounds(rows, all_rounds)
     lengths, cell = _cells(ok)
-    methods = sorted({m for (_, m, n) in cell if n == lengths[-1] and m != "full"})
+    n, base = lengths[-1], (lengths[0] if full_at == "shortest" else lengths[-1])
     out = {}
-    for m in methods:
+    for m in sorted({m for (_, m, length) in cell if length == n and m != "full"}):
         per = []
         for rnd in kept:
-            a, b = cell.get((rnd, m, lengths[-1])), cell.get((rnd, "full", lengths[0]))
+            a, b = cell.get((rnd, m, n)), cell.get((rnd, "full", base))
             x = _float(a.get(col)) if a else None
             y = _float(b.get(col)) if b else None
             if x is not None and y:
                 per.append(x / y)
         out[m] = spread(per)
     return out
+
+
+def prefill_ratios(
+    rows: Sequence[dict[str, Any]], clock: str = "ref", all_rounds: bool = False
+) -> dict[str, Spread | None]:
+    """Per method run at the longest input: its prefill (+ scoring and compression) over the full
+    cache's prefill at the same input, one ratio per kept round from that round's own two
+    configurations, summarised as median and IQR: what a method's selection adds to the prefill."""
+    if clock not in CLOCK_COLUMNS:
+        raise ValueError(f"clock must be one of {sorted(CLOCK_COLUMNS)}, got clock={clock!r}")
+    return _over_full(rows, CLOCK_COLUMNS[clock]["prefill_s"], "same", all_rounds)
 
 
 def kept_ratios(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import subprocess
@@ -363,10 +364,13 @@ def test_every_catalogue_method_plans_a_json_spec():
     assert json.loads(json.dumps(knorm))["params"]["skip_layers"] == [0, 1]
 
 
+def _timed_row(column: str, rnd: int, method: str, n: int, value: float, noisy: bool = False) -> dict:
+    return {"round": rnd, "method": method, "input_tokens": n, "batch_size": 1, "status": "ok",
+            column: value, "noisy": noisy}  # fmt: skip
+
+
 def test_decode_step_ratios_pair_each_method_with_the_full_cache_of_its_own_round():
-    def row(rnd, method, n, tpot, noisy=False):
-        return {"round": rnd, "method": method, "input_tokens": n, "batch_size": 1, "status": "ok",
-                "tpot_ref": tpot, "noisy": noisy}  # fmt: skip
+    row = functools.partial(_timed_row, "tpot_ref")
 
     rows = [row(0, "full", 512, 1.0), row(0, "h2o", 2048, 1.2), row(0, "streamingllm", 2048, 1.02)]
     rows += [row(1, "full", 512, 2.0), row(1, "h2o", 2048, 2.2), row(1, "streamingllm", 2048, 2.0)]
@@ -390,9 +394,7 @@ def test_decode_step_ratios_pair_each_method_with_the_full_cache_of_its_own_roun
 
 
 def test_prefill_ratios_pair_each_method_with_the_full_cache_at_its_length_in_its_round():
-    def row(rnd, method, n, prefill, noisy=False):
-        return {"round": rnd, "method": method, "input_tokens": n, "batch_size": 1, "status": "ok",
-                "prefill_ref": prefill, "noisy": noisy}  # fmt: skip
+    row = functools.partial(_timed_row, "prefill_ref")
 
     rows = [row(0, "full", 512, 9.0), row(0, "full", 8192, 100.0), row(0, "kvzip", 8192, 400.0)]
     rows += [row(1, "full", 8192, 120.0), row(1, "kvzip", 8192, 420.0), row(1, "tova", 8192, 121.2)]

@@ -26,7 +26,7 @@ import pytest
 
 from eval import protocol_report
 from eval.bench.kvpress import summarise as kvpress_summarise
-from eval.bench.report import decode_step_ratios, default_clock, summarise_run
+from eval.bench.report import decode_step_ratios, default_clock, prefill_ratios, summarise_run
 from eval.protocols import PROTOCOLS
 from eval.report import prepare
 from eval.store import ResultStore, canonical_json
@@ -1705,25 +1705,36 @@ CATALOGUE_COST_ORDER = (
 
 
 def catalogue_cost() -> tuple:
-    """Prefill (reference units) over the full cache's, round 1 of the catalogue run (the one complete)."""
-    df = pd.read_csv(RESULTS / "bench" / "catalogue" / "cpu_smollm2_8k.csv")
-    first = df[(df["round"] == 0) & (df["status"] == "ok")].set_index("method")["prefill_ref"]
-    assert set(first.index) == {"full", *CATALOGUE_COST_ORDER}
-    complete = df.groupby("round")["method"].nunique()
-    assert (complete == len(CATALOGUE_COST_ORDER) + 1).sum() == 1  # one complete round, as the prose says
-    ratios = first / first["full"]
-    within = [m for m in CATALOGUE_COST_ORDER if ratios[m] <= 1.05]
-    assert within == ["snapkv", "knorm", "tova", "chunkkv", "expected_attention", "adakv_expected_attention"]
-    return (", ".join(f"{m} {ratios[m]:.3f}" for m in CATALOGUE_COST_ORDER), f"{ratios['kvzip']:.1f}x")
+    """Prefill (reference units) over the full cache's per round, median [Q1, Q3] over the three
+    rounds of the catalogue run; its first round's Expected Attention ratio."""
+    with (RESULTS / "bench" / "catalogue" / "cpu_smollm2_8k.csv").open(newline="") as f:
+        rows_ = list(csv.DictReader(f))
+    assert (
+        sorted({(r["round"], r["method"]) for r in rows_})
+        == sorted({(str(k), m) for k in range(3) for m in ("full", *CATALOGUE_COST_ORDER)})
+        and len(rows_) == 27
+    )  # three complete rounds, each flagged noisy, as the prose says
+    assert {r["noisy"] for r in rows_} == {"True"}
+    got = prefill_ratios(rows_, "ref")
+    within = [m for m in CATALOGUE_COST_ORDER if got[m].median <= 1.05]
+    assert within == ["snapkv", "knorm", "tova", "chunkkv"]
+    first = {r["method"]: float(r["prefill_ref"]) for r in rows_ if r["round"] == "0"}
+    return (
+        *(f"{got[m].median:.3f} [{got[m].q1:.3f}, {got[m].q3:.3f}]" for m in CATALOGUE_COST_ORDER),
+        f"{first['expected_attention'] / first['full']:.3f}",
+        f"{got['kvzip'].median:.1f}x",
+    )
 
 
 CATALOGUE_COST_CLAIMS = [
     Claim(
         GALLERY,
-        "prefill + scoring over plain prefill, SmolLM2, 8,192 tokens, budget 512: {}. KNorm, TOVA,",
-        lambda: catalogue_cost()[:1],
+        "snapkv {}, knorm {}, tova {}, chunkkv {}, criticalkv {}, expected_attention {}, "
+        "adakv_expected_attention {}, kvzip {}. SnapKV, KNorm, TOVA and ChunkKV are within 1.05 at the median.",
+        lambda: catalogue_cost()[:8],
     ),
-    Claim(GALLERY, "makes its prefill {} of plain prefill", lambda: catalogue_cost()[1:]),
+    Claim(GALLERY, "its first round alone read {}, so the rounds disagree", lambda: catalogue_cost()[8:9]),
+    Claim(GALLERY, "makes its prefill {} of plain prefill", lambda: catalogue_cost()[9:]),
 ]
 
 

@@ -521,6 +521,10 @@ def sample_ids(
     )  # fmt: skip
 
 
+# Every entry point reaches the model through here: without inference mode (model weights require
+# grad after `from_pretrained`) each cached key and value would hold its autograd graph, keeping
+# every forward's activations alive until the sample ends (memory growing with every token).
+@torch.inference_mode()
 def _generate(
     model,
     context_ids: torch.Tensor,

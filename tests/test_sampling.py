@@ -228,3 +228,32 @@ def test_greedy_rows_carry_no_sampling_columns(tiny_dir, tmp_path):
     (row,) = _rows(tmp_path)
     assert not set(SAMPLED_ROW_SCHEMA) & set(row)
     assert "#" not in row["sample_id"] and row["e2e_s"] >= row["ttft_s"]
+
+
+def test_every_entry_point_runs_the_model_without_autograd(tiny_dir):
+    """The weights of a loaded model require grad; every generation entry point runs its forwards
+    without recording autograd graphs (a cached key or value would otherwise keep every forward's
+    activations alive for the rest of the sample), and hands back tensors with no graph."""
+    from snapkv import answer, compress_context, generate, generate_samples
+    from snapkv.models import load_model
+
+    model, tokenizer, _ = load_model(tiny_dir)
+    assert any(p.requires_grad for p in model.parameters())
+    recording = []
+    handle = model.register_forward_hook(lambda m, a, o: recording.append(torch.is_grad_enabled()))
+    try:
+        for method in (None, build_method("snapkv", budget=4, window=2), build_method("h2o", budget=4)):
+            assert isinstance(
+                generate(model, tokenizer, "a b c d e f g h", method=method, max_new_tokens=3).text, str
+            )
+        generate_samples(
+            model, tokenizer, "a b c d", sampling=Sampling(temperature=0.7), seeds=[1, 2], max_new_tokens=3
+        )
+        ids, _ = generate_ids(model, random_ids(12), None, None, max_new_tokens=3)
+        sample_ids(model, random_ids(12), None, None, sampling=Sampling(), seeds=[3], max_new_tokens=3)
+        cache = compress_context(model, random_ids(12), build_method("snapkv", budget=6, window=2))
+        answer(model, cache, random_ids(3), max_new_tokens=2)
+    finally:
+        handle.remove()
+    assert recording and not any(recording)
+    assert not ids.requires_grad

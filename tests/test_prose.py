@@ -1839,46 +1839,131 @@ KVPRESS_CLAIMS = [
 ]
 
 
-def long_generation() -> tuple:
-    """Problems per method, rescored rows and pass@1 of results/long_generation, as its report
-    computes them (eval/tasks/reasoning/report.py)."""
+LG_ORDER = ("h2o", "streamingllm", "tova", "snapkv", "snapkv_d", "rkv")
+
+
+@functools.cache
+def long_generation() -> dict:
+    """Per (method, budget) of results/long_generation, as its report computes them
+    (eval/tasks/reasoning/report.py, eval/paired.py): pass@1 with its interval, problems, samples,
+    output length over the full cache's, format share, and the difference from the full cache on
+    the shared samples (all datasets) with its interval."""
+    from eval.paired import ALL, paired_rows
     from eval.tasks.reasoning import report as rreport
 
     df = prepare(rows("long_generation"))
-    problems = {m: g["prompt_id"].nunique() for m, g in df.groupby("method")}
-    rescored = int(df.loc[df["method"] == "full", "rescored"].notna().sum())
     prepared = rreport.prepare_rows(df)
-    score = {m: f"{rreport.pass_at_1(g)[0] * 100:.1f}" for m, g in prepared.groupby("method")}
-    assert problems["full"] == problems["snapkv_d"]
-    return (problems["full"], problems["streamingllm"], rescored, score["full"], score["snapkv_d"],
-            score["streamingllm"], max(problems.values()))  # fmt: skip
+    full = prepared[prepared["method"] == "full"]
+    paired = paired_rows(df)
+    paired = paired[(paired["dataset"] == ALL) & (paired["baseline"] == full["config_label"].iloc[0])]
+    out = {}
+    for (method, budget), g in prepared.groupby(["method", "budget"], dropna=False):
+        value, lo, hi, problems = rreport.pass_at_1(g)
+        pair = paired[paired["config"] == g["config_label"].iloc[0]]
+        out[method, None if pd.isna(budget) else int(budget)] = {
+            "pass": f"{value * 100:.1f} [{lo * 100:.1f}, {hi * 100:.1f}]",
+            "problems": problems,
+            "samples": len(g),
+            "ratio": f"{rreport.length_ratio(g, full):.3f}",
+            "format": f"{g['format'].mean() * 100:.0f}",
+            "diff": None
+            if pair.empty
+            else "{:+.1f} [{:+.1f}, {:+.1f}]".format(*pair[["diff", "lo", "hi"]].iloc[0]),
+            "n_shared": None if pair.empty else int(pair["n_shared"].iloc[0]),
+            "rows": g,
+        }
+    return out
 
 
-def long_generation_h2o() -> int:
-    df = prepare(rows("long_generation"))
-    h2o = df[df["method"] == "h2o"]
-    assert len(h2o) == 2 and set(df["method"]) == {"full", "snapkv_d", "streamingllm", "h2o"}
-    return h2o["prompt_id"].nunique()
+def long_generation_128() -> tuple:
+    cells = long_generation()
+    at = [cells["full", None]] + [cells[m, 128] for m in LG_ORDER]
+    assert {c["problems"] for c in at} == {16} and {c["samples"] for c in at} == {32}
+    assert {c["n_shared"] for c in at[1:]} == {32}
+    return (16, 32, *(c["pass"] for c in at), 32, *(c["diff"] for c in at[1:]),
+            *(c["ratio"] for c in at[1:]), *(c["format"] for c in at))  # fmt: skip
+
+
+def long_generation_snapkv() -> tuple:
+    """Prefill-only SnapKV at 128: the prompts it compressed, and its other samples' tokens equal
+    the full cache's (same seeds)."""
+    cells = long_generation()
+    snap, full = cells["snapkv", 128]["rows"], cells["full", None]["rows"].set_index("pair_key")
+    compressed = snap[snap["compressed"].astype(bool)]
+    rest = snap[~snap["compressed"].astype(bool)]
+    assert (rest["prediction"].to_numpy() == full.loc[rest["pair_key"], "prediction"].to_numpy()).all()
+    longest = int(cells["full", None]["rows"]["input_tokens"].max())
+    assert compressed["input_tokens"].min() > 128 and longest <= 256
+    return compressed["prompt_key"].nunique(), len(rest), longest
+
+
+def long_generation_256() -> tuple:
+    cells = long_generation()
+    at = {m: cells[m, 256]["problems"] for (m, b) in cells if b == 256}
+    assert "snapkv" not in at and set(at) <= {"h2o", "streamingllm", "tova", "snapkv_d", "rkv"}
+    names = {
+        "h2o": "H2O",
+        "streamingllm": "StreamingLLM",
+        "tova": "TOVA",
+        "snapkv_d": "SnapKV-D",
+        "rkv": "R-KV",
+    }
+    ran = ", ".join(
+        f"{names[m]} on {at[m]}" for m in ("snapkv_d", "h2o", "streamingllm", "tova", "rkv") if m in at
+    )
+    missing = [names[m] for m in ("snapkv_d", "h2o", "streamingllm", "tova", "rkv") if m not in at]
+    return ran, " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+
+
+def long_generation_shape() -> tuple:
+    """The qualitative reading of budget 128, asserted: right answers per config, intervals, lengths."""
+    cells = long_generation()
+    right = {m: int((c["rows"]["score"] >= 0.5).sum()) for (m, b), c in cells.items() if b in (None, 128)}
+    evicting = ("h2o", "streamingllm", "tova", "snapkv_d", "rkv")
+    assert all(right[m] < right["full"] for m in evicting)
+    assert sorted(evicting, key=right.get)[:2] == ["tova", "h2o"] and right["tova"] == 0
+    assert all(right[m] == right["full"] - 1 for m in ("streamingllm", "snapkv_d", "rkv"))
+    fmt = {m: float(cells[m, 128]["format"]) for m in LG_ORDER}
+    assert min(fmt, key=fmt.get) == "tova"
+    assert all(float(cells[m, 128]["diff"].split("[")[1].split(",")[1].rstrip("]")) >= 0 for m in LG_ORDER)
+    ratio = {m: float(cells[m, 128]["ratio"]) for m in LG_ORDER}
+    assert max(ratio, key=ratio.get) == "tova" and min(ratio, key=ratio.get) == "snapkv_d"
+    return right["full"], cells["full", None]["samples"]
+
+
+def long_generation_rescored() -> tuple:
+    df = rows("long_generation")
+    return (int(df.loc[df["method"] == "full", "rescored"].notna().sum()),)
 
 
 LONG_GENERATION_CLAIMS = [
     Claim(
         GALLERY,
-        "Landed: the full cache and SnapKV-D on the first {} problems, StreamingLLM on {}, H2O on {} (its first two "
-        "samples); TOVA, R-KV and prefill-only SnapKV not yet",
-        lambda: (*long_generation()[:2], long_generation_h2o()),
+        "Budget 128, every configuration on the first {} problems ({} samples each, the same seeds): pass@1 x100 "
+        "[95% interval over problems] full {}, H2O {}, StreamingLLM {}, TOVA {}, SnapKV (prefill-only) {}, "
+        "SnapKV-D {}, R-KV {}. Minus the full cache on the {} shared samples (x100, exact McNemar interval): H2O {}, "
+        "StreamingLLM {}, TOVA {}, SnapKV {}, SnapKV-D {}, R-KV {}. Output length over the full cache's on the "
+        "same samples: H2O {}, StreamingLLM {}, TOVA {}, SnapKV {}, SnapKV-D {}, R-KV {}. Answers with a final-answer "
+        "line: full {}%, H2O {}%, StreamingLLM {}%, TOVA {}%, SnapKV {}%, SnapKV-D {}%, R-KV {}%.",
+        long_generation_128,
     ),
     Claim(
         GALLERY,
-        "task.samples=4`): {} full-cache answers that state the value",
-        lambda: long_generation()[2:3],
+        "Prefill-only SnapKV compresses only the {} problems whose prompt is longer than 128 tokens; its other {} "
+        "samples are token for token the full cache's. The longest prompt has {} tokens",
+        long_generation_snapkv,
     ),
+    Claim(GALLERY, "Budget 256 so far: {}; {} not yet (the run resumes).", long_generation_256),
+    Claim(GALLERY, "task.samples=4`): {} full-cache answers that state the value", long_generation_rescored),
     Claim(
         GALLERY,
-        "pass@1 x100 so far: full {}, SnapKV-D {}, StreamingLLM {} (intervals over problems in the report; with at "
-        "most {} problems no comparison",
-        lambda: long_generation()[3:],
+        "at 128 entries every method that evicts while decoding answers fewer samples right than the full cache, "
+        "H2O and TOVA most (TOVA none, and it most often ends without a final-answer line), StreamingLLM, SnapKV-D "
+        "and R-KV one sample fewer; no interval excludes zero, because the full cache itself is right on only {} of "
+        "the {} samples",
+        lambda: long_generation_shape(),
     ),
+    Claim(GALLERY, "TOVA's answers run longest, SnapKV-D's shortest.", lambda: long_generation_shape()[:0]),
 ]
 
 CATALOGUE_ROWS = catalogue_rows()

@@ -319,9 +319,8 @@ class CompressibleLayer(DynamicLayer):
         if self.pads is not None and pads is None:
             raise ValueError("keep() on a padded batch needs the kept rows' pads (snapkv.padding)")
         self._save_marked_entries()
-        self._kv_buf = self._kv_views = (
-            None  # gathered into new tensors: the old buffer is not the layer's any more
-        )
+        # gathered into new tensors: the old buffer is not the layer's any more
+        self._kv_buf = self._kv_views = None
         self.pads = pads
         self.last_kept = indices
         idx = indices.unsqueeze(-1).expand(-1, -1, -1, self.keys.shape[-1])
@@ -421,7 +420,8 @@ class CompressibleLayer(DynamicLayer):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._mark = self._kv_buf = self._kv_views = None  # the marked rows are not these rows any more
+        # the marked rows are not these rows any more
+        self._mark = self._kv_buf = self._kv_views = None
         if self.pads is not None:  # padded batches: each beam keeps its row's pads
             self.pads = self.pads.index_select(0, beam_idx.to(self.pads.device))
             self.prompt_pads = self.prompt_pads.index_select(0, beam_idx.to(self.prompt_pads.device))

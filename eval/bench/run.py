@@ -239,9 +239,9 @@ def _key(method: str, input_tokens: int, batch_size: int) -> tuple[str, int, int
 
 def resumed(cfg: DictConfig, configs: list[Config]) -> list[dict[str, Any]]:
     """With `resume=true`, the rows `out` already holds (every one kept, a cut-short round's too, an
-    error row as the cell's result): `run` measures only the (round, configuration) cells they lack. Rows of another plan (a method,
-    length or batch size not planned, other method parameters, another model or dtype) raise
-    ValueError naming the first, before anything loads."""
+    error row as the cell's result): `run` measures only the (round, configuration) cells they
+    lack. Rows of another plan (a method, length or batch size not planned, other method
+    parameters, another model or dtype) raise ValueError naming the first, before anything loads."""
     out = Path(cfg.out)
     if not cfg.resume or not out.exists():
         return []
@@ -260,11 +260,9 @@ def resumed(cfg: DictConfig, configs: list[Config]) -> list[dict[str, Any]]:
             raise ValueError(f"resume=true: {what} is not in this run's configurations")
         if json.loads(row["method_params"]) != planned[key]:
             raise ValueError(f"resume=true: {what} ran with other parameters: {row['method_params']}")
-        for field in ("model", "dtype"):
-            if str(row[field]) != str(cfg.model[field if field != "model" else "name"]):
-                raise ValueError(
-                    f"resume=true: {what} ran with {field}={row[field]}, not {cfg.model[field if field != 'model' else 'name']}"
-                )
+        for field, want in (("model", cfg.model.name), ("dtype", cfg.model.dtype)):
+            if str(row[field]) != str(want):
+                raise ValueError(f"resume=true: {what} ran with {field}={row[field]}, not {want}")
     return rows
 
 
@@ -327,7 +325,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for r in range(cfg.rounds):
         round_rows = [row for row in before if row["round"] == r]
-        later = [row for row in before if row["round"] > r]  # written back with every write: never lost
+        later = [row for row in before if row["round"] > r]
         for order, c in enumerate(rotated(configs, r)):
             if (r, *_key(c.method, c.input_tokens, c.batch_size)) in done:
                 continue
@@ -342,9 +340,8 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
             row.update({"round": r, "order": order})
             round_rows.append(row)
             _print_row(row, time.perf_counter() - t)
-            _write_csv(
-                out, rows + round_rows + later
-            )  # every row as it comes (`noisy` once its round is done)
+            # every row as it comes (`noisy` once its round is done), the later rounds' resumed rows too
+            _write_csv(out, rows + round_rows + later)
         round_rows.sort(key=lambda x: x["order"])
         noisy = any((x.get("other_cores") or 0.0) > cfg.noise_threshold for x in round_rows)
         for row in round_rows:

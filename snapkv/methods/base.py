@@ -315,17 +315,21 @@ class Method:
     def victims(self, layer: CompressibleLayer) -> torch.Tensor | int:
         """`[batch, kv_heads]` (or one int: the same slot in every row and head): the entry
         `select(scores, stored - 1)` would drop, found by position rather than by index (in-place
-        evictions leave the entries out of position order): the protected first / last entries are the oldest / newest positions (the protected ones are
-        never evicted, so positions `[0, first)` and `[seen - last, seen)` are all present); of the
-        lowest-scored of the rest, the newest (the stable sort keeps the earlier of a tie)."""
+        evictions leave the entries out of position order); see `victim_by_position`."""
+        return self.victim_by_position(self.decode_score(layer), layer.positions, layer.seen)
+
+    def victim_by_position(self, scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
+        """`[..., n]` scores and positions -> `[...]` the slot to drop: the protected first / last
+        entries are the oldest / newest positions (the protected ones are never evicted, so
+        positions `[0, first)` and `[seen - last, seen)` are all present); of the lowest-scored of
+        the rest, the newest (the stable sort keeps the earlier of a tie)."""
         first, last = self.protected()
-        pos = layer.positions
-        protected = pos >= layer.seen - last
+        protected = positions >= seen - last
         if first:
-            protected |= pos < first
-        s = self.decode_score(layer).float().masked_fill(protected, math.inf)
+            protected |= positions < first
+        s = scores.float().masked_fill(protected, math.inf)
         low = s.amin(dim=-1, keepdim=True)
-        return torch.where(s == low, pos, -1).argmax(dim=-1)
+        return torch.where(s == low, positions, -1).argmax(dim=-1)
 
     def evict(self, layer: CompressibleLayer, in_place: bool = False) -> None:
         """Decode-time eviction back to the budget (evicted entries never return). `in_place`

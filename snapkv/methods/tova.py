@@ -25,7 +25,6 @@ the originals do not chunk). kvpress' budget is a ratio of the prompt; here an e
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -111,11 +110,7 @@ class TOVA(Method):
 
     def victims(self, layer) -> torch.Tensor | int:
         # One kept set per layer: every KV head holds the same positions and scores, so with one
-        # row the victim is one slot, found on head 0 by the base class's rule (the lowest score,
-        # the newest of a tie, the newest entry protected with keep_last).
+        # row the victim is one slot, the base class's rule applied to head 0.
         if layer.positions.shape[0] != 1:
             return super().victims(layer)
-        s, pos = layer.scores[0, 0].float(), layer.positions[0, 0]
-        if self.keep_last:
-            s = s.masked_fill(pos == layer.seen - 1, math.inf)
-        return int(torch.where(s == s.amin(), pos, -1).argmax())
+        return int(self.victim_by_position(layer.scores[0, 0], layer.positions[0, 0], layer.seen))

@@ -30,6 +30,8 @@ from matplotlib.ticker import FixedLocator, NullLocator
 NEEDLE_CMAP = LinearSegmentedColormap.from_list("needle", ["#F0496E", "#EBB839", "#0CD79F"])
 DPI = 150
 SCALE = 100.0  # scores are plotted x100, like the report's tables
+UNCOMPRESSED = "not compressed (prompt <= budget)"  # legend of hollow points: the full cache ran
+SOME_UNCOMPRESSED = "some samples never compressed (cache within budget)"  # ... for some samples
 
 
 def _fmt_num(x: float) -> str:
@@ -303,8 +305,10 @@ def draw_vs_budget(
     scale: float = 1.0,
     compressed: str = "compressed",
     y_top: float = SCALE,
+    hollow_label: str = UNCOMPRESSED,
 ) -> None:
-    """Draw `score_vs_budget_figure`'s plot on the matplotlib axes `ax` (one panel of a larger figure)."""
+    """Draw `score_vs_budget_figure`'s plot on the matplotlib axes `ax` (one panel of a larger figure);
+    `hollow_label` is the legend entry of the hollow points."""
     cols = [x, y, line] + ([compressed] if compressed in df.columns else [])
     data = df[cols].copy()
     data[x] = pd.to_numeric(data[x], errors="coerce")
@@ -356,23 +360,31 @@ def draw_vs_budget(
         handles.append(
             Line2D([], [], linestyle="none", marker="o", markerfacecolor="white", markeredgecolor="black")
         )
-        labels.append("not compressed (prompt <= budget)")
+        labels.append(hollow_label)
     if handles:
         ax.legend(handles, labels, fontsize=8)
+
+
+def reasoning_vs_budget_figure(df: pd.DataFrame, title: str | None = None, line: str = "line") -> Figure:
+    """Two panels side by side from per-problem rows: accuracy x100 (`score`, the mean of the
+    problem's samples) and mean generated tokens (`new_tokens`) vs KV budget, one line per value of
+    `line`; rows without a budget (the full cache) as dashed horizontal lines; a point hollow where
+    some row's `compressed` is false (a sample whose cache never outgrew the budget)."""
+    fig = Figure(figsize=(12, 4.5), layout="tight")
+    left, right = fig.subplots(1, 2)
+    draw_vs_budget(left, df, "accuracy (pass@1)", y="score", line=line, ylabel="accuracy x100", scale=SCALE,
+                   hollow_label=SOME_UNCOMPRESSED)  # fmt: skip
+    draw_vs_budget(
+        right, df, "output length", y="new_tokens", line=line, ylabel="generated tokens (mean)", y_top=0.0,
+        hollow_label=SOME_UNCOMPRESSED,
+    )  # fmt: skip
+    if title:
+        fig.suptitle(title)
+    return fig
 
 
 def reasoning_vs_budget(
     df: pd.DataFrame, path: str | os.PathLike, title: str | None = None, line: str = "line"
 ) -> Path:
-    """Two panels side by side from per-problem rows: accuracy x100 (`score`, the mean of the
-    problem's samples) and mean generated tokens (`new_tokens`) vs KV budget, one line per value of
-    `line`; rows without a budget (the full cache) as dashed horizontal lines."""
-    fig = Figure(figsize=(12, 4.5), layout="tight")
-    left, right = fig.subplots(1, 2)
-    draw_vs_budget(left, df, "accuracy (pass@1)", y="score", line=line, ylabel="accuracy x100", scale=SCALE)
-    draw_vs_budget(
-        right, df, "output length", y="new_tokens", line=line, ylabel="generated tokens (mean)", y_top=0.0
-    )
-    if title:
-        fig.suptitle(title)
-    return _save(fig, path)
+    """`reasoning_vs_budget_figure` written to `path`."""
+    return _save(reasoning_vs_budget_figure(df, title, line), path)

@@ -232,6 +232,21 @@ def test_length_ratio_pairs_rows_by_problem_and_seed():
     assert math.isnan(rreport.length_ratio(other[other["sample_id"] == "c#0"], full))
 
 
+def test_a_sample_counts_as_compressed_when_its_cache_lost_entries_at_any_point():
+    df = pd.DataFrame({
+        "compressed": [True, False, False, False, None],
+        "evicted_during_decode": [False, True, False, False, None],
+        "decode_compressions": [0, 0, 2, 0, None],
+    })  # fmt: skip
+    assert rreport.was_compressed(df).tolist() == [True, True, True, False, False]
+    # Rows written before the decode-time columns existed: prefill compression alone decides.
+    assert rreport.was_compressed(df[["compressed"]]).tolist() == [True, False, False, False, False]
+    # A problem is drawn filled only when every one of its samples was compressed.
+    rows = df.assign(model="m", decoding="d", config_label="c", method="x", prompt_key=list("aabbc"),
+                     score=1.0, new_tokens=1, budget=8, method_params=None)  # fmt: skip
+    assert rreport.per_problem(rows)["compressed"].tolist() == [True, False, False]
+
+
 # ----------------------------------------------------------------------------------------- runner
 def test_runs_and_reports_with_tiny_model_across_budgets(tiny_dir, tmp_path):
     needs_rg()
@@ -269,10 +284,11 @@ def test_runs_and_reports_with_tiny_model_across_budgets(tiny_dir, tmp_path):
     section = rep.markdown.split("## Reasoning (long generation)", 1)[1].split("\n## ", 1)[0]
     full_line = next(line for line in section.splitlines() if line.startswith("| full"))
     assert "| 1.000 |" in full_line  # the full cache against itself
-    assert "| KV peak | KV mean | compressions |" in section
+    assert "| KV peak | KV mean | compressions | compressed % |" in section
     snap_line = next(line for line in section.splitlines() if line.startswith("| snapkv"))
     mean_compressions = sum(r["decode_compressions"] for r in snap) / len(snap)
-    assert snap_line.rstrip(" |").endswith(f"{mean_compressions:.1f}")
+    assert snap_line.rstrip(" |").endswith(f"| {mean_compressions:.1f} | 100.0")
+    assert full_line.rstrip(" |").endswith("| 0.0 | 0.0")
     names = {p.name for p in rep.plots}
     assert any(n.startswith("reasoning_vs_budget_") for n in names), names
 

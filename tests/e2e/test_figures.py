@@ -14,7 +14,16 @@ import pandas as pd
 import pytest
 from test_report import MODEL, PNG_MAGIC, SNAP, base_row, write
 
-from eval.plots import natural_sorted, needle_heatmap_figure, score_limits, score_vs_budget_figure
+from eval.plots import (
+    SOME_UNCOMPRESSED,
+    UNCOMPRESSED,
+    natural_sorted,
+    needle_heatmap_figure,
+    reasoning_vs_budget,
+    reasoning_vs_budget_figure,
+    score_limits,
+    score_vs_budget_figure,
+)
 from eval.tables import slug
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -160,9 +169,28 @@ def test_uncompressed_points_are_marked():
     ax = score_vs_budget_figure(df, scale=100).axes[0]
     hollow = [ln for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
     assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [1024]
-    assert "not compressed (prompt <= budget)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert UNCOMPRESSED in [t.get_text() for t in ax.get_legend().get_texts()]
     ax = score_vs_budget_figure(df.assign(compressed=True), scale=100).axes[0]
     assert not [ln for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
+
+
+def test_reasoning_points_with_an_uncompressed_sample_are_hollow_and_labelled_so(tmp_path):
+    """Decode-time methods compress only samples whose cache outgrew the budget: a point is hollow
+    when some of its problems' samples never were, and the legend says that, not 'prompt <= budget'."""
+    df = pd.DataFrame(
+        [
+            dict(line="h2o", budget=128, score=0.5, new_tokens=300, compressed=True),
+            dict(line="h2o", budget=256, score=0.5, new_tokens=300, compressed=True),
+            dict(line="h2o", budget=256, score=1.0, new_tokens=100, compressed=False),
+            dict(line="full", budget=None, score=0.5, new_tokens=300, compressed=False),
+        ]
+    )
+    for ax in reasoning_vs_budget_figure(df, title="t").axes:
+        hollow = [ln for ln in ax.get_lines() if ln.get_markerfacecolor() == "white"]
+        assert len(hollow) == 1 and list(hollow[0].get_xdata()) == [256]
+        texts = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert SOME_UNCOMPRESSED in texts and UNCOMPRESSED not in texts
+    assert reasoning_vs_budget(df, tmp_path / "r.png").read_bytes()[:8] == PNG_MAGIC
 
 
 def test_heatmap_is_x100_like_the_tables():

@@ -13,10 +13,13 @@ Per (model, decoding) one table, a row per method config (ok rows only):
 - e2e s: mean end-to-end seconds per sample (`e2e_s`: prefill + compression + every decode step);
 - KV peak / KV mean: `kv_entries_peak` / `kv_entries_mean` (entries per KV head the decode steps
   attended to), compressions: `decode_compressions` (scheduled compressions while decoding), means
-  over samples.
+  over samples;
+- compressed %: samples whose cache lost entries at all (`was_compressed`): a sample whose prompt and
+  output fit the budget, or ended before its first scheduled compression, ran on the full cache.
 
 Figure `reasoning_vs_budget_<model>.png` (eval/plots.py): accuracy and mean output length vs KV
-budget, a line per method, the full cache dashed; drawn when some config has a budget.
+budget, a line per method, the full cache dashed, a point hollow where some of its samples were
+never compressed; drawn when some config has a budget.
 """
 
 from __future__ import annotations
@@ -81,6 +84,19 @@ def length_ratio(rows: pd.DataFrame, full: pd.DataFrame) -> float:
     return float(paired["new_tokens"].sum() / denom) if denom > 0 else math.nan
 
 
+def was_compressed(df: pd.DataFrame) -> pd.Series:
+    """Per row: the cache was compressed at prefill, evicted entries while decoding, or compressed on
+    its decode schedule (missing columns and values count as not)."""
+
+    def flag(col: str) -> pd.Series:
+        if col not in df.columns:
+            return pd.Series(False, index=df.index)
+        return df[col].astype("boolean").fillna(False).astype(bool)
+
+    scheduled = pd.to_numeric(df.get("decode_compressions", pd.Series(0, index=df.index)), errors="coerce")
+    return flag("compressed") | flag("evicted_during_decode") | (scheduled.fillna(0) > 0)
+
+
 def tables(df: pd.DataFrame) -> list[str]:
     ok = df[df["ok"]]
     out = []
@@ -99,7 +115,7 @@ def tables(df: pd.DataFrame) -> list[str]:
                     cell(100 * g["format"].mean(), 1), cell(g["new_tokens"].mean(), 1),
                     cell(ratio, 3) if not math.isnan(ratio) else "n/a", cell(g["e2e_s"].mean(), 2),
                     cell(g["kv_entries_peak"].mean(), 1), cell(g["kv_entries_mean"].mean(), 1),
-                    cell(g["decode_compressions"].mean(), 1),
+                    cell(g["decode_compressions"].mean(), 1), cell(100 * was_compressed(g).mean(), 1),
                 ]
             )  # fmt: skip
         headers = [
@@ -115,6 +131,7 @@ def tables(df: pd.DataFrame) -> list[str]:
             "KV peak",
             "KV mean",
             "compressions",
+            "compressed %",
         ]
         out.append(
             f"### {model} — {decoding}\n\npass@1 x100: mean over problems of the mean correctness of each "
@@ -122,18 +139,17 @@ def tables(df: pd.DataFrame) -> list[str]:
             "full: Σ tokens / Σ the full cache's tokens on the same problems and sample seeds; e2e s: mean "
             "seconds per sample, prefill + compression + decode; KV peak / mean: entries per KV head the "
             "decode steps attended to (largest / mean over steps, mean over samples); compressions: "
-            "scheduled compressions while decoding per sample.\n\n" + md_table(headers, rows)
+            "scheduled compressions while decoding per sample; compressed %: samples whose cache lost "
+            "entries (at prefill or while decoding; the others fit the budget and ran on the full cache)."
+            "\n\n" + md_table(headers, rows)
         )
     return out
 
 
 def per_problem(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (model, decoding, config, problem): mean score and tokens over its samples, the
-    budget, and `compressed` (the cache was compressed at prefill or evicted while decoding)."""
-    df = df.assign(
-        compressed=df["compressed"].fillna(False).astype(bool)
-        | df.get("evicted_during_decode", pd.Series(False, index=df.index)).fillna(False).astype(bool)
-    )
+    budget, and `compressed` (every sample's cache lost entries: `was_compressed`)."""
+    df = df.assign(compressed=was_compressed(df))
     keys = ["model", "decoding", "config_label", "method", "prompt_key"]
     return (
         df.groupby(keys, dropna=False)
@@ -141,7 +157,7 @@ def per_problem(df: pd.DataFrame) -> pd.DataFrame:
             score=("score", "mean"),
             new_tokens=("new_tokens", "mean"),
             budget=("budget", "first"),
-            compressed=("compressed", "any"),
+            compressed=("compressed", "all"),
             method_params=("method_params", "first"),
         )  # fmt: skip
         .reset_index()

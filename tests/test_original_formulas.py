@@ -1144,20 +1144,35 @@ def test_criticalkv_selects_as_the_authors_code(kind, params, rows):
                 assert got[idx][r] == want[idx], f"L={len(row)}, row {r}, layer {idx}"
 
 
+@pytest.mark.parametrize("block", [None, 7])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_projected_value_norms_equal_the_per_head_loop(kv_heads):
+def test_projected_value_norms_equal_the_per_head_loop(kv_heads, block, monkeypatch):
+    """CriticalKV's ||v W_o^h||_1 (group mean) and KVzip+'s ||v W_o^h||_2 (per head) against a loop
+    over heads; `block=7`: blocks of 7 entries (the last one partial) instead of one."""
     from types import SimpleNamespace
 
-    from snapkv.methods.criticalkv import projected_value_norms
+    import snapkv.methods.criticalkv as criticalkv
+    from snapkv.methods.kvzip import head_output_norms
 
+    if block is not None:
+        monkeypatch.setattr(criticalkv, "CPU_BLOCK_BYTES", 1)
+        monkeypatch.setattr(criticalkv, "MIN_BLOCK_ENTRIES", block)
+        assert (
+            len(list(criticalkv.head_projections(torch.zeros(2, kv_heads, 30, 8), torch.zeros(16, 32)))) == 5
+        )
     g = torch.Generator().manual_seed(kv_heads)
     values = torch.randn(2, kv_heads, 30, 8, generator=g)
     proj = torch.nn.Linear(4 * 8, 16, bias=False)
     module = SimpleNamespace(o_proj=proj)
-    got = projected_value_norms(values, proj.weight)
+    got = criticalkv.projected_value_norms(values, proj.weight)
+    l2 = head_output_norms(values, proj.weight)  # [b, kv, group, n]
+    w_o = proj.weight.detach().T.reshape(4, 8, 16)  # [heads, d, hidden]
     for r in range(2):
         want = naive_vwl1norm(module, values[r : r + 1], 4)
         torch.testing.assert_close(got[r], want.detach())
+        v = values[r].repeat_interleave(4 // kv_heads, dim=0)  # [heads, n, d]
+        want_l2 = torch.stack([(v[h] @ w_o[h]).norm(dim=-1) for h in range(4)])
+        torch.testing.assert_close(l2[r].reshape(4, 30), want_l2)
 
 
 @pytest.mark.parametrize(

@@ -33,6 +33,7 @@ the batch). Nothing is evicted while decoding.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,8 +46,11 @@ from snapkv.methods.base import Method
 from snapkv.methods.registry import register
 
 CRITICAL_BASES = ("snapkv", "pyramidkv", "adakv")
-# fp32 bytes of one block of projected values `[batch, heads, entries, hidden]`.
+# fp32 bytes of one block of projected values `[batch, heads, entries, hidden]`: on CPU a block
+# that stays in cache, elsewhere one large enough to keep the device busy.
+CPU_BLOCK_BYTES = 2**20
 BLOCK_BYTES = 64 * 2**20
+MIN_BLOCK_ENTRIES = 16
 
 
 def output_projections(model, method: str = "criticalkv") -> dict[int, torch.Tensor]:
@@ -68,23 +72,37 @@ def output_projections(model, method: str = "criticalkv") -> dict[int, torch.Ten
     return found
 
 
+def head_projections(values: torch.Tensor, out_proj: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+    """`v W_o^h` for every entry and query head, in blocks of entries: yields `(start, proj)` with
+    proj `[batch, kv_heads, m, group, hidden]` (fp32) for entries `start .. start + m - 1`.
+
+    values `[batch, kv_heads, n, head_dim]`; out_proj the layer's `o_proj` weight
+    `[hidden, heads * head_dim]` (the output is `o_proj(concat_h out_h)`, so head h's slice is
+    `W_o^h = out_proj[:, h*d:(h+1)*d]^T`; query head h belongs to KV head `h // group`). On CPU the
+    blocks are small enough to stay in cache while the caller reduces them (a 64 MiB block costs
+    ~3x the time: the reduction then reads it back from memory)."""
+    b, kv, n, d = values.shape
+    hidden, heads = out_proj.shape[0], out_proj.shape[1] // d
+    g = heads // kv
+    # [kv, d, group * hidden]: one matmul per block gives every head of the group side by side.
+    w = out_proj.to(values.device, torch.float32).view(hidden, kv, g, d).permute(1, 3, 2, 0)
+    w = w.reshape(kv, d, g * hidden)
+    block = CPU_BLOCK_BYTES if values.device.type == "cpu" else BLOCK_BYTES
+    step = max(MIN_BLOCK_ENTRIES, block // (4 * b * heads * hidden))
+    for s in range(0, n, step):
+        proj = torch.matmul(values[:, :, s : s + step].float(), w)  # [b, kv, m, g * hidden]
+        yield s, proj.view(b, kv, proj.shape[2], g, hidden)
+
+
 def projected_value_norms(values: torch.Tensor, out_proj: torch.Tensor) -> torch.Tensor:
     """`||v W_o^h||_1` per entry, averaged over the query heads h of each GQA group.
 
     values `[batch, kv_heads, n, head_dim]`; out_proj the layer's `o_proj` weight
-    `[hidden, heads * head_dim]` (the output is `o_proj(concat_h out_h)`, so head h's slice is
-    `W_o^h = out_proj[:, h*d:(h+1)*d]^T`). Returns `[batch, kv_heads, n]` (fp32)."""
-    b, kv, n, d = values.shape
-    hidden = out_proj.shape[0]
-    heads = out_proj.shape[1] // d
-    # [kv, group, d, hidden]: each KV head's query heads' W_o^h
-    w = out_proj.to(values.device, torch.float32).view(hidden, heads, d).permute(1, 2, 0)
-    w = w.reshape(kv, heads // kv, d, hidden)
+    `[hidden, heads * head_dim]` (`head_projections`). Returns `[batch, kv_heads, n]` (fp32)."""
+    b, kv, n, _ = values.shape
     out = torch.empty(b, kv, n, dtype=torch.float32, device=values.device)
-    step = max(1, BLOCK_BYTES // (4 * b * heads * hidden))
-    for s in range(0, n, step):
-        proj = torch.einsum("bknd,kgdo->bkgno", values[:, :, s : s + step].float(), w)
-        out[..., s : s + step] = proj.abs().sum(dim=-1).mean(dim=2)
+    for s, proj in head_projections(values, out_proj):
+        out[..., s : s + proj.shape[2]] = torch.linalg.vector_norm(proj, ord=1, dim=-1).mean(dim=-1)
     return out
 
 

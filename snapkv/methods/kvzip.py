@@ -66,7 +66,7 @@ from snapkv.cache import CompressibleLayer
 from snapkv.headwise import LAYOUTS, HeadwiseLayer
 from snapkv.methods.adakv import keep_top_per_head
 from snapkv.methods.base import Method, grouped, soft_cap, softmax_scores
-from snapkv.methods.criticalkv import output_projections
+from snapkv.methods.criticalkv import head_projections, output_projections
 from snapkv.methods.registry import register
 
 SELECTIONS = ("threshold", "global", "layer", "head")
@@ -165,17 +165,11 @@ def head_output_norms(values: torch.Tensor, out_proj: torch.Tensor) -> torch.Ten
     """`||v W_o^h||_2` of each entry for each query head h of its KV head's group.
 
     values `[batch, kv_heads, n, head_dim]`, out_proj the layer's `o_proj` weight
-    `[hidden, heads * head_dim]` (head h's slice `out_proj[:, h*d:(h+1)*d]^T`). Returns
-    `[batch, kv_heads, group, n]` (fp32), in blocks of entries."""
+    `[hidden, heads * head_dim]` (`head_projections`). Returns `[batch, kv_heads, group, n]` (fp32)."""
     b, kv, n, d = values.shape
-    hidden, heads = out_proj.shape[0], out_proj.shape[1] // d
-    w = out_proj.to(values.device, torch.float32).view(hidden, heads, d).permute(1, 2, 0)
-    w = w.reshape(kv, heads // kv, d, hidden)  # [kv, group, d, hidden]
-    out = torch.empty(b, kv, heads // kv, n, dtype=torch.float32, device=values.device)
-    step = max(1, BLOCK_BYTES // (4 * b * heads * hidden))
-    for s in range(0, n, step):
-        proj = torch.einsum("bknd,kgdo->bkgno", values[:, :, s : s + step].float(), w)
-        out[..., s : s + step] = proj.norm(dim=-1)
+    out = torch.empty(b, kv, out_proj.shape[1] // d // kv, n, dtype=torch.float32, device=values.device)
+    for s, proj in head_projections(values, out_proj):
+        out[..., s : s + proj.shape[2]] = torch.linalg.vector_norm(proj, dim=-1).transpose(2, 3)
     return out
 
 

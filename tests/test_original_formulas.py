@@ -995,6 +995,24 @@ def test_expected_attention_selects_as_kvpress(kind, name, params, rows):
                 assert got[idx][r] == want[idx], f"L={len(row)}, row {r}, layer {idx}"
 
 
+@pytest.mark.parametrize("kind", ["mha", "gqa"])
+@pytest.mark.parametrize("name", ["expected_attention", "adakv_expected_attention"])
+def test_expected_attention_fits_its_queries_in_blocks_as_in_one_pass(kind, name, monkeypatch):
+    """The Gaussian fit runs over blocks of queries (merged): blocks of 9 queries, the last one
+    partial, select what kvpress's single pass does; a padded batch included."""
+    import snapkv.methods.expected_attention as ea
+
+    monkeypatch.setattr(ea, "QUERY_BLOCK", 9)
+    model, budget = MODELS[kind](), 24
+    method = build_method(name, budget=budget)
+    for batch in ([random_ids(70)[0]], [random_ids(n, seed=s)[0] for n, s in ((70, 1), (budget + 1, 2))]):
+        got = _kept_by_method(model, method, batch)
+        for r, row in enumerate(batch):
+            want = _ea_expected(model, name, {}, row, budget)
+            for idx in want:
+                assert got[idx][r] == want[idx], f"L={len(row)}, row {r}, layer {idx}"
+
+
 def test_expected_attention_on_a_qk_norm_model_with_per_layer_type_rope():
     """Gemma 3 (q_norm before RoPE; a rotary embedding per layer type; query_pre_attn_scalar
     scaling): the pre-RoPE statistics and the future rotation follow the model. Compared with the

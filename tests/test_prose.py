@@ -1726,6 +1726,25 @@ def catalogue_cost() -> tuple:
     )
 
 
+BLOCKED_COST_ORDER = ("criticalkv", "expected_attention", "adakv_expected_attention")
+
+
+def catalogue_cost_blocked() -> tuple:
+    """The same ratios for the three methods whose scoring runs in cache-sized blocks (commit
+    519849e), beside the full cache, three rounds."""
+    with (RESULTS / "bench" / "catalogue" / "cpu_smollm2_8k_blocks.csv").open(newline="") as f:
+        rows_ = list(csv.DictReader(f))
+    assert (
+        sorted({(r["round"], r["method"]) for r in rows_})
+        == sorted({(str(k), m) for k in range(3) for m in ("full", *BLOCKED_COST_ORDER)})
+        and len(rows_) == 12
+    )
+    assert {r["noisy"] for r in rows_} == {"True"}
+    got = prefill_ratios(rows_, "ref")
+    assert all(got[m].median <= 1.05 for m in BLOCKED_COST_ORDER)
+    return tuple(f"{got[m].median:.3f} [{got[m].q1:.3f}, {got[m].q3:.3f}]" for m in BLOCKED_COST_ORDER)
+
+
 CATALOGUE_COST_CLAIMS = [
     Claim(
         GALLERY,
@@ -1735,6 +1754,12 @@ CATALOGUE_COST_CLAIMS = [
     ),
     Claim(GALLERY, "its first round alone read {}, so the rounds disagree", lambda: catalogue_cost()[8:9]),
     Claim(GALLERY, "makes its prefill {} of plain prefill", lambda: catalogue_cost()[9:]),
+    Claim(
+        GALLERY,
+        "`cpu_smollm2_8k_blocks.csv`, 3 rounds, also beside other jobs): criticalkv {}, expected_attention {}, "
+        "adakv_expected_attention {}: all three within 1.05 (a ratio below 1 is these rounds' noise).",
+        catalogue_cost_blocked,
+    ),
 ]
 
 

@@ -1895,6 +1895,7 @@ def long_generation() -> dict:
             if pair.empty
             else "{:+.1f} [{:+.1f}, {:+.1f}]".format(*pair[["diff", "lo", "hi"]].iloc[0]),
             "n_shared": None if pair.empty else int(pair["n_shared"].iloc[0]),
+            "compressed": f"{rreport.was_compressed(g).mean() * 100:.0f}",
             "rows": g,
         }
     return out
@@ -1922,22 +1923,19 @@ def long_generation_snapkv() -> tuple:
     return compressed["prompt_key"].nunique(), len(rest), longest
 
 
+LG_256 = ("h2o", "streamingllm", "tova", "snapkv_d", "rkv")
+
+
 def long_generation_256() -> tuple:
+    """Budget 256, every decode-time configuration on the same problems and seeds as 128 (prefill-only
+    SnapKV does not run there: every prompt fits)."""
     cells = long_generation()
-    at = {m: cells[m, 256]["problems"] for (m, b) in cells if b == 256}
-    assert "snapkv" not in at and set(at) <= {"h2o", "streamingllm", "tova", "snapkv_d", "rkv"}
-    names = {
-        "h2o": "H2O",
-        "streamingllm": "StreamingLLM",
-        "tova": "TOVA",
-        "snapkv_d": "SnapKV-D",
-        "rkv": "R-KV",
-    }
-    ran = ", ".join(
-        f"{names[m]} on {at[m]}" for m in ("snapkv_d", "h2o", "streamingllm", "tova", "rkv") if m in at
-    )
-    missing = [names[m] for m in ("snapkv_d", "h2o", "streamingllm", "tova", "rkv") if m not in at]
-    return ran, " and ".join([", ".join(missing[:-1]), missing[-1]] if len(missing) > 1 else missing)
+    assert ("snapkv", 256) not in cells
+    at = [cells[m, 256] for m in LG_256]
+    assert {c["problems"] for c in at} == {16} and {c["samples"] for c in at} == {32}
+    assert {c["n_shared"] for c in at} == {32}
+    return (16, 32, *(c["pass"] for c in at), 32, *(c["diff"] for c in at), *(c["ratio"] for c in at),
+            *(c["format"] for c in at), *(c["compressed"] for c in at))  # fmt: skip
 
 
 def long_generation_shape() -> tuple:
@@ -1954,6 +1952,25 @@ def long_generation_shape() -> tuple:
     ratio = {m: float(cells[m, 128]["ratio"]) for m in LG_ORDER}
     assert max(ratio, key=ratio.get) == "tova" and min(ratio, key=ratio.get) == "snapkv_d"
     return right["full"], cells["full", None]["samples"]
+
+
+def long_generation_256_shape() -> tuple:
+    """At 256 every decode-time configuration is right on exactly the full cache's samples; which
+    configurations lengthen the output; how many samples the 128-step schedule never compressed."""
+    cells = long_generation()
+
+    def right(m, b):
+        g = cells[m, b]["rows"]
+        return set(g.loc[g["score"] >= 0.5, "pair_key"])
+
+    full = right("full", None)
+    assert all(right(m, 256) == full for m in LG_256)
+    ratio = {m: float(cells[m, 256]["ratio"]) for m in LG_256}
+    longer = [m for m in LG_256 if ratio[m] > 1]
+    assert longer == ["streamingllm", "tova"]
+    comp = {m: int(cells[m, 256]["compressed"]) for m in LG_256}
+    assert comp["snapkv_d"] == comp["rkv"] < min(comp[m] for m in ("h2o", "streamingllm", "tova"))
+    return len(full), ratio["streamingllm"], ratio["tova"]
 
 
 def long_generation_rescored() -> tuple:
@@ -1978,8 +1995,23 @@ LONG_GENERATION_CLAIMS = [
         "samples are token for token the full cache's. The longest prompt has {} tokens",
         long_generation_snapkv,
     ),
-    Claim(GALLERY, "Budget 256 so far: {}; {} not yet (the run resumes).", long_generation_256),
+    Claim(
+        GALLERY,
+        "Budget 256, every decode-time configuration on the same {} problems ({} samples each): pass@1 x100 H2O {}, "
+        "StreamingLLM {}, TOVA {}, SnapKV-D {}, R-KV {}. Minus the full cache on the {} shared samples: H2O {}, "
+        "StreamingLLM {}, TOVA {}, SnapKV-D {}, R-KV {}. Output length over the full cache's: H2O {}, StreamingLLM {}, "
+        "TOVA {}, SnapKV-D {}, R-KV {}. Answers with a final-answer line: H2O {}%, StreamingLLM {}%, TOVA {}%, "
+        "SnapKV-D {}%, R-KV {}%. Samples whose cache lost entries at all: H2O {}%, StreamingLLM {}%, TOVA {}%, "
+        "SnapKV-D {}%, R-KV {}%",
+        long_generation_256,
+    ),
     Claim(GALLERY, "task.samples=4`): {} full-cache answers that state the value", long_generation_rescored),
+    Claim(
+        GALLERY,
+        "At 256 entries every method that evicts while decoding is right on exactly the full cache's {} samples "
+        "(no discordant pair), and StreamingLLM's answers run {}x and TOVA's {}x the full cache's length",
+        long_generation_256_shape,
+    ),
     Claim(
         GALLERY,
         "at 128 entries every method that evicts while decoding answers fewer samples right than the full cache, "

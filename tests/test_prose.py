@@ -272,7 +272,7 @@ def needle_methods(model: str, method: str, **params) -> pd.DataFrame:
 def qwen_adakv_vs_snapkv() -> tuple:
     ada = needle_methods(QWEN, "adakv", gqa_order="reduce_first").set_index("sample_id")
     snap = needle_methods(QWEN, "snapkv", gqa_order="reduce_first").set_index("sample_id").loc[ada.index]
-    assert (ada["scores"] == snap["scores"]).all()  # "and its scores in all 15"
+    assert (ada["scores"] == snap["scores"]).all()  # "and its scores in all of them"
     return int((ada["prediction"] == snap["prediction"]).sum()), len(ada)
 
 
@@ -321,13 +321,6 @@ def qwen_snapkv() -> tuple:
     return hits, len(df), needle(df, "exact").mean(), partial, by_length[1000], by_length[8000]
 
 
-def qwen_at_8k() -> tuple:
-    at8k = rows("needle_methods").query("model == @QWEN and context_length == 8000")
-    assert not set(at8k["method"]) & {"h2o", "pyramidkv", "adakv"}
-    complete = [m for m in ("full", "snapkv") if (at8k["method"] == m).sum() == 5]
-    return ", ".join(complete), int((at8k["method"] == "streamingllm").sum())
-
-
 def mean_of_length_means(df: pd.DataFrame) -> tuple:
     return tuple(needle(df, m).groupby(df["context_length"]).mean().mean() for m in ("exact", "partial"))
 
@@ -346,12 +339,12 @@ NEEDLE_CLAIMS = [
     ),
     Claim(
         GALLERY,
-        "gives SnapKV's answer in {} of its {} cells (and its scores in all 15)",
+        "gives SnapKV's answer in {} of its {} cells (and its scores in all of them)",
         qwen_adakv_vs_snapkv,
     ),
     Claim(
         GALLERY,
-        "PyramidKV is lower ({:.0f} / {:.0f} over 1K-4K)",
+        "PyramidKV is lower ({:.0f} / {:.1f})",
         lambda: tuple(needle(needle_methods(QWEN, "pyramidkv"), m).mean() for m in ("exact", "partial")),
     ),
     Claim(
@@ -395,16 +388,6 @@ NEEDLE_CLAIMS = [
         "The two GQA orders give the same SmolLM2 scores on these 20 cells (SnapKV {:.0f} / {:.1f} both)",
         lambda: gqa_orders_agree("needle_methods", SMOL),
     ),
-    Claim(
-        GALLERY,
-        "Qwen at 8K ran for {} and {} of StreamingLLM's 5 cells (h2o, pyramidkv and adakv at 8K: not run;",
-        qwen_at_8k,
-    ),
-    Claim(
-        GALLERY,
-        "(StreamingLLM {:.1f} / {:.1f} there, the 8K cell weighing as much as each length's 5)",
-        lambda: mean_of_length_means(needle_methods(QWEN, "streamingllm")),
-    ),
 ]
 
 
@@ -423,8 +406,10 @@ def git_of_todays_defaults() -> tuple:
     df = df[df["method"].isin(["snapkv", "pyramidkv", "adakv"])]
     df = df[[p.get("gqa_order") == "reduce_first" for p in df["method_params"]]]
     assert df["git_dirty"].eq(False).all()
-    (sha,) = set(df["git_sha"])
-    return (sha[:7],)
+    later = (df["model"] == QWEN) & (df["context_length"] == 8000) & df["method"].isin(["pyramidkv", "adakv"])
+    (sha,) = set(df.loc[~later, "git_sha"])
+    (sha_8k,) = set(df.loc[later, "git_sha"])
+    return sha[:7], sha_8k[:7]
 
 
 def rows_without_dirty_flag() -> tuple:
@@ -433,7 +418,11 @@ def rows_without_dirty_flag() -> tuple:
 
 
 HEADER_CLAIMS = [
-    Claim(GALLERY, "were added beside them (git {}, clean tree)", git_of_todays_defaults),
+    Claim(
+        GALLERY,
+        "were added beside them (git {}, clean tree; Qwen's 8K cells of PyramidKV and Ada-KV later, at {})",
+        git_of_todays_defaults,
+    ),
     Claim(
         GALLERY,
         "{} rows were written before the rows recorded whether the working tree had uncommitted changes",
@@ -1521,8 +1510,8 @@ README_CLAIMS = [
 
 
 # --------------------------------------------------------------- the catalogue on Qwen's needle grid
-CATALOGUE_NEEDLE = "**The 2026 catalogue on Qwen's 1K-4K grid**"
-CATALOGUE_LENGTHS = (1000, 2000, 4000)
+CATALOGUE_NEEDLE = "**The 2026 catalogue on Qwen's grid**"
+CATALOGUE_LENGTHS = (1000, 2000, 4000, 8000)
 CATALOGUE_METHODS = {  # label -> (method, params): today's defaults
     "full": ("full", {}),
     "snapkv": ("snapkv", {"gqa_order": "reduce_first"}),
@@ -1532,6 +1521,7 @@ CATALOGUE_METHODS = {  # label -> (method, params): today's defaults
     "knorm": ("knorm", {}),
     "chunkkv": ("chunkkv", {}),
     "criticalkv": ("criticalkv", {}),
+    "kvzip": ("kvzip", {}),
 }
 
 
@@ -1548,6 +1538,34 @@ def catalogue_rows() -> list[Row]:
         for label, (m, p) in CATALOGUE_METHODS.items()
         if m in ran
     ]
+
+
+CATALOGUE_VS_SNAPKV = ("chunkkv", "kvzip", "tova", "adakv_expected_attention", "criticalkv", "expected_attention",
+                       "knorm")  # fmt: skip
+
+
+@functools.cache
+def catalogue_vs_snapkv() -> dict:
+    """Each catalogue method minus SnapKV (exact score x100) on Qwen's needle cells both ran, as the
+    needle report's paired table computes it (eval/paired.py): `method diff [lo, hi] (n, p)`."""
+    from eval.paired import paired_rows
+
+    df = prepare(rows("needle_methods"))
+    part = df[df["model"] == QWEN]
+    paired = paired_rows(part)
+
+    def label(method: str, **params) -> str:
+        (h,) = set(config("needle_methods", QWEN, method, **params)["method_hash"])
+        (name,) = set(part.loc[part["method_hash"] == h, "config_label"])
+        return name
+
+    paired = paired[paired["baseline"] == label("snapkv", gqa_order="reduce_first")]
+    out = {}
+    for m in CATALOGUE_VS_SNAPKV:
+        r = paired[paired["config"] == label(m)].iloc[0]
+        p = "p<0.001" if r["p"] < 0.001 else f"p={r['p']:.3f}"
+        out[m] = f"{r['diff']:+.1f} [{r['lo']:+.1f}, {r['hi']:+.1f}] (n={int(r['n_shared'])}, {p})"
+    return out
 
 
 # ------------------------------------------------------------------------ shared-context protocols
@@ -1674,28 +1692,72 @@ PROTOCOL_CLAIMS = [
 ]
 
 
-def catalogue_cells() -> tuple:
-    def cells(method: str, params: dict) -> tuple[int, int]:
-        df = config("needle_methods", QWEN, method, **params)
-        df = df[df["context_length"] <= max(CATALOGUE_LENGTHS)]
-        return int((needle(df, "exact") == 100).sum()), len(df)
+CATALOGUE_HITS = ("chunkkv", "kvzip", "tova", "adakv_expected_attention", "criticalkv", "snapkv",
+                  "expected_attention", "knorm")  # fmt: skip
 
-    tova, n = cells("tova", {})
-    snap, n_snap = cells("snapkv", {"gqa_order": "reduce_first"})
-    assert n == n_snap == 15
-    ea, _ = cells("expected_attention", {})
-    knorm, _ = cells("knorm", {})
-    assert knorm == 0
-    return tova, n, snap, ea
+
+def catalogue_cells() -> tuple:
+    """Cells where each method finds the whole number (exact), out of the cells it ran, on 1K-8K."""
+
+    def cells(method: str) -> str:
+        params = {"gqa_order": "reduce_first"} if method == "snapkv" else {}
+        df = config("needle_methods", QWEN, method, **params)
+        return f"{int((needle(df, 'exact') == 100).sum())} of {len(df)}"
+
+    return tuple(cells(m) for m in CATALOGUE_HITS)
+
+
+def catalogue_reading() -> tuple:
+    """Which paired intervals against SnapKV exclude zero, and on which side."""
+    got = catalogue_vs_snapkv()
+
+    def bounds(m: str) -> tuple[float, float]:
+        lo, hi = got[m].split("[")[1].split("]")[0].split(", ")
+        return float(lo), float(hi)
+
+    above = [m for m in CATALOGUE_VS_SNAPKV if bounds(m)[0] > 0]
+    below = [m for m in CATALOGUE_VS_SNAPKV if bounds(m)[1] < 0]
+    assert above == ["chunkkv", "tova"] and below == ["expected_attention", "knorm"]
+    for m in ("kvzip", "adakv_expected_attention", "criticalkv"):
+        lo, hi = bounds(m)
+        assert lo < 0 < hi and float(got[m].split(" ")[0]) > 0
+    hits = dict(zip(CATALOGUE_HITS, (int(c.split(" of ")[0]) for c in catalogue_cells())))
+    assert hits["adakv_expected_attention"] > hits["expected_attention"] and hits["knorm"] == 0
+    return ()
+
+
+def kvzip_at_8k() -> tuple:
+    """KVzip's 8K answers: none holds a digit of the number, and none mentions the magic number."""
+    df = config("needle_methods", QWEN, "kvzip")
+    at = df[df["context_length"] == 8000]
+    assert len(at) == 5 and (needle(at, "partial") == 0).all()
+    assert not at["prediction"].str.contains("magic number").any()
+    return (len(at),)
 
 
 CATALOGUE_CLAIMS = [
     Claim(
         GALLERY,
-        "holds the number in {} of {} cells where SnapKV holds {}; Expected Attention (query-agnostic by "
-        "design: no window votes) keeps it in {} and KNorm (attention-free) in none.",
+        "Cells where the whole number comes back, of those that ran: ChunkKV {}, KVzip {}, TOVA {}, Ada-KV "
+        "Expected Attention {}, CriticalKV {}, SnapKV {}, Expected Attention {}, KNorm {}.",
         catalogue_cells,
     ),
+    Claim(
+        GALLERY,
+        "Minus SnapKV on the cells both ran (exact x100, exact McNemar interval, p): ChunkKV {}, KVzip {}, TOVA {}, "
+        "Ada-KV Expected Attention {}, CriticalKV {}, Expected Attention {}, KNorm {}.",
+        lambda: tuple(catalogue_vs_snapkv()[m] for m in CATALOGUE_VS_SNAPKV),
+    ),
+    Claim(
+        GALLERY,
+        "ChunkKV and TOVA keep the number where SnapKV loses it (intervals above zero); Expected Attention and "
+        "KNorm lose it where SnapKV keeps it (intervals below zero); KVzip, Ada-KV Expected Attention and CriticalKV "
+        "(SnapKV's scores re-ranked by each value's projected norm) score above SnapKV on average, but their "
+        "intervals include zero. Expected Attention (query-agnostic by design: no window votes) finds the number "
+        "in more cells with Ada-KV's head budgets than without, and KNorm (attention-free) in none",
+        catalogue_reading,
+    ),
+    Claim(GALLERY, "KVzip's {} answers at 8K are off-topic text", kvzip_at_8k),
 ]
 
 

@@ -373,6 +373,28 @@ def _needle_rows(**kw):
     ]
 
 
+def test_needle_compare_is_drawn_only_beside_the_full_cache(tmp_path, monkeypatch, capsys):
+    """Two compressed configs alone get their own heatmaps but no side-by-side figure; with the full
+    cache among them the figure holds it first."""
+    drawn = []
+
+    def fake_compare(df, path, labels, **kw):
+        drawn.append(labels)
+        return Path(path)
+
+    monkeypatch.setattr(eval.plots, "needle_compare", fake_compare)
+    d = tmp_path / "r"
+    other = {**SNAP, "budget": 256}
+    rows = _needle_rows() + [{**r, "method_params": other, "method_hash": "b" * 16} for r in _needle_rows()]
+    write(d, rows)
+    assert main([str(d)]) == 0
+    assert drawn == []
+    full = [{**r, "method": "full", "method_params": {}, "method_hash": "f" * 16} for r in _needle_rows()]
+    write(d, full)
+    assert main([str(d)]) == 0
+    assert len(drawn) == 1 and drawn[0][0] == "full" and len(drawn[0]) == 3
+
+
 def test_trained_context_flag_wins_over_the_rows(tmp_path, monkeypatch, capsys):
     seen = []
 

@@ -631,19 +631,20 @@ def _trained_context(g: pd.DataFrame, options: ReportOptions) -> int | None:
 
 # Names of the needle's score columns in the compare figure's colour bar.
 METRIC_NAMES = {"exact": "exact match", "partial": "partial credit", "word_recall": "word recall"}
-MAX_COMPARE_PANELS = 12
+MAX_COMPARE_PANELS = 16  # a 4 x 4 grid: the whole catalogue beside the full cache
 
 
 def _compare_plots(needle: pd.DataFrame, options: ReportOptions, several_tasks: bool) -> list[Path]:
     """`needle_compare_<model>.png` (and `_partial`): every config of a (task, model) side by side, the
-    full cache first, one colour scale: what compression costs, in one picture. Skipped for a single
+    full cache first, one colour scale: what compression costs, in one picture. Skipped without a
+    full-cache config (a compressed method is drawn beside its baseline or not at all), for a single
     config, and above MAX_COMPARE_PANELS configs (a sweep: its score-vs-budget plot reads better)."""
     from eval.plots import needle_compare  # lazy: matplotlib; every run imports this task
 
     written: list[Path] = []
     for (task, model), g in needle.groupby(["task", "model"], sort=True):
         labels = column_order(g)
-        if not 2 <= len(labels) <= MAX_COMPARE_PANELS:
+        if not 2 <= len(labels) <= MAX_COMPARE_PANELS or not (g["method"] == "full").any():
             continue
         tc = _trained_context(g, options)
         stem = f"needle_compare_{slug(task) + '_' if several_tasks else ''}{slug(model)}"

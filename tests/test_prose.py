@@ -1735,6 +1735,31 @@ def kvzip_at_8k() -> tuple:
     return (len(at),)
 
 
+def context_only_at_8k() -> tuple:
+    """Qwen's 8K needle prompts with the context compressed alone: KVzip's answers all name the magic
+    number; the cells where KVzip, SnapKV and the full cache find the whole number, of 5."""
+    got = {}
+    for method, params in (("kvzip", {}), ("snapkv", {"gqa_order": "reduce_first"}), ("full", {})):
+        df = config("needle_context_only", QWEN, method, **params)
+        assert (
+            len(df) == 5 and set(df["context_length"]) == {8000} and set(df["protocol"]) == {"context_only"}
+        )
+        got[method] = df
+    assert got["kvzip"]["prediction"].str.contains("magic number").all()
+    return tuple(int((needle(got[m], "exact") == 100).sum()) for m in ("kvzip", "snapkv", "full"))
+
+
+def context_only_kvzip_vs_snapkv() -> tuple:
+    """KVzip minus SnapKV under `context_only` at 8K, as the needle report's paired table has it."""
+    from eval.paired import paired_rows
+
+    paired = paired_rows(prepare(rows("needle_context_only")))
+    (r,) = paired[
+        paired["config"].str.startswith("kvzip") & paired["baseline"].str.startswith("snapkv")
+    ].itertuples()
+    return f"{r.diff:+.1f}", f"{r.lo:+.1f}", f"{r.hi:+.1f}", int(r.n_shared)
+
+
 CATALOGUE_CLAIMS = [
     Claim(
         GALLERY,
@@ -1758,6 +1783,133 @@ CATALOGUE_CLAIMS = [
         catalogue_reading,
     ),
     Claim(GALLERY, "KVzip's {} answers at 8K are off-topic text", kvzip_at_8k),
+    Claim(
+        GALLERY,
+        "KVzip finds the whole number at {} of the 5 depths and every one of its answers names the magic number; "
+        "SnapKV at {} of 5, the full cache at {} of 5 (",
+        context_only_at_8k,
+    ),
+    Claim(
+        GALLERY,
+        "(KVzip minus SnapKV {} [{}, {}], n={}, exact McNemar: five prompts cannot separate the two)",
+        context_only_kvzip_vs_snapkv,
+    ),
+]
+
+
+# ------------------------------------------------------------------ the catalogue on Qwen's RULER
+RULER_CATALOGUE = "**The catalogue on Qwen's RULER at 4K**"
+RULER_NIAH = RULER_TASKS[:8]
+RULER_CATALOGUE_METHODS = {  # label -> (method, params): today's defaults at budget 1024
+    **RULER_METHODS,
+    "chunkkv": ("chunkkv", {"budget": 1024}),
+    "tova": ("tova", {"budget": 1024}),
+    "criticalkv": ("criticalkv", {"budget": 1024}),
+    "knorm": ("knorm", {"budget": 1024}),
+    "expected_attention": ("expected_attention", {"budget": 1024}),
+    "adakv_expected_attention": ("adakv_expected_attention", {"budget": 1024}),
+    "kvzip": ("kvzip", {"budget": 1024}),
+}
+
+
+@functools.cache
+def ruler_catalogue() -> pd.DataFrame:
+    """Qwen's 4K needle-task RULER rows of every catalogue config that ran, on the samples all of them
+    ran (`config_label` = the method name)."""
+    ran = set(rows("ruler").query("model == @QWEN")["method"])
+    parts = []
+    for label, (method, params) in RULER_CATALOGUE_METHODS.items():
+        if method not in ran:
+            continue
+        df = config("ruler", QWEN, method, **params)
+        df = df[(df["ruler_length"].astype(int) == 4096) & df["ruler_task"].isin(RULER_NIAH)]
+        parts.append(df.assign(config_label=label, ok=True))
+    df = pd.concat(parts)
+    shared = frozenset.intersection(*df.groupby("config_label")["sample_id"].agg(frozenset))
+    return df[df["sample_id"].isin(shared)]
+
+
+def ruler_catalogue_means(label: str) -> pd.Series:
+    df = ruler_catalogue().query("config_label == @label")
+    return df.groupby("ruler_task")["score"].mean().mul(100).reindex(list(RULER_NIAH))
+
+
+def ruler_catalogue_vs(label: str, baseline: str = "snapkv") -> str:
+    ((*_, point, interval),) = paired_differences(ruler_catalogue(), [(label, baseline)])
+    return f"{point:+.1f} {interval}"
+
+
+def ruler_catalogue_row(label: str) -> list[str]:
+    """label | the 8 needle tasks' means | suite average | minus SnapKV [95% CI] | minus the full cache."""
+    means = ruler_catalogue_means(label)
+    assert means.notna().all()
+    vs = ["—" if label == b else ruler_catalogue_vs(label, b) for b in ("snapkv", "full")]
+    return [label] + [f"{x:.0f}" for x in means] + [f"**{means.mean():.1f}**"] + vs
+
+
+def ruler_catalogue_rows() -> list[Row]:
+    ran = set(rows("ruler").query("model == @QWEN")["method"])
+    if not ran & {m for m, _ in list(RULER_CATALOGUE_METHODS.values())[len(RULER_METHODS) :]}:
+        return []
+    return [
+        Row(GALLERY, RULER_CATALOGUE, label, functools.partial(ruler_catalogue_row, label))
+        for label, (m, _) in RULER_CATALOGUE_METHODS.items()
+        if m in ran
+    ]
+
+
+def ruler_catalogue_shape() -> tuple:
+    """Every config on the same samples: 10 per task, the first 10 indices of the committed 20."""
+    df = ruler_catalogue()
+    per = df.groupby(["config_label", "ruler_task"]).size()
+    assert per.nunique() == 1 and len(per) == len(RULER_NIAH) * df["config_label"].nunique()
+    assert set(df["ruler_index"].astype(int)) == set(range(int(per.iloc[0])))
+    return int(per.iloc[0]), df["sample_id"].nunique()
+
+
+def ruler_chunkkv_reading() -> tuple:
+    chunk, snap, full = (ruler_catalogue_means(m) for m in ("chunkkv", "snapkv", "full"))
+    assert (chunk[["niah_single_3", "niah_multikey_3"]] == 0).all()
+    assert (snap[["niah_single_3", "niah_multikey_3"]] == 0).all()
+    return (
+        ruler_catalogue_vs("chunkkv"),
+        chunk["niah_multikey_2"],
+        snap["niah_multikey_2"],
+        full["niah_single_3"],
+        full["niah_multikey_3"],
+    )
+
+
+def ruler_tova_reading() -> tuple:
+    tova = ruler_catalogue_means("tova")
+    return (
+        tova.mean(),
+        ruler_catalogue_vs("tova"),
+        tova["niah_single_1"],
+        tova["niah_multikey_2"],
+        tova["niah_multivalue"],
+    )
+
+
+RULER_CATALOGUE_CLAIMS = [
+    Claim(
+        GALLERY,
+        "the first 10 samples of each: the same",
+        lambda: holds(ruler_catalogue_shape()[0] == 10, "10"),
+    ),
+    Claim(
+        GALLERY,
+        "ChunkKV is above it, with the interval above zero ({}): it keeps niah_multikey_2 at {:.0f} where SnapKV "
+        "keeps {:.0f}, and like SnapKV it loses every UUID task (niah_single_3 and niah_multikey_3 at 0, where the "
+        "full cache scores {:.0f} and {:.0f}).",
+        ruler_chunkkv_reading,
+    ),
+    Claim(
+        GALLERY,
+        "falls to {:.1f} here ({}): it keeps niah_single_1 at {:.0f} but few of the tasks with several needles or "
+        "values (niah_multikey_2 {:.0f}, niah_multivalue {:.0f})",
+        ruler_tova_reading,
+    ),
 ]
 
 
@@ -2086,6 +2238,7 @@ LONG_GENERATION_CLAIMS = [
 ]
 
 CATALOGUE_ROWS = catalogue_rows()
+RULER_CATALOGUE_ROWS = ruler_catalogue_rows()
 PROTOCOL_ROWS = protocol_rows()
 
 
@@ -2109,6 +2262,8 @@ CHECKS = (
     + README_ROWS
     + README_CLAIMS
     + CATALOGUE_ROWS
+    + RULER_CATALOGUE_ROWS
+    + RULER_CATALOGUE_CLAIMS
     + PROTOCOL_ROWS
     + PROTOCOL_CLAIMS
     + CATALOGUE_CLAIMS

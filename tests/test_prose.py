@@ -1812,21 +1812,29 @@ RULER_CATALOGUE_METHODS = {  # label -> (method, params): today's defaults at bu
 }
 
 
+RULER_CATALOGUE_SAMPLES = frozenset(f"{task}-4096-{i}" for task in RULER_NIAH for i in range(10))
+
+
+def ruler_catalogue_ran() -> list[str]:
+    """The catalogue configs with committed 4K rows for every one of the shared needle-task samples."""
+    df = rows("ruler").query("model == @QWEN")
+    return [
+        label
+        for label, (method, _) in RULER_CATALOGUE_METHODS.items()
+        if RULER_CATALOGUE_SAMPLES <= set(df.loc[df["method"] == method, "sample_id"])
+    ]
+
+
 @functools.cache
 def ruler_catalogue() -> pd.DataFrame:
-    """Qwen's 4K needle-task RULER rows of every catalogue config that ran, on the samples all of them
-    ran (`config_label` = the method name)."""
-    ran = set(rows("ruler").query("model == @QWEN")["method"])
+    """Qwen's 4K RULER rows of every catalogue config that ran them all, on the first 10 samples of
+    the 8 needle tasks (`config_label` = the method name)."""
     parts = []
-    for label, (method, params) in RULER_CATALOGUE_METHODS.items():
-        if method not in ran:
-            continue
+    for label in ruler_catalogue_ran():
+        method, params = RULER_CATALOGUE_METHODS[label]
         df = config("ruler", QWEN, method, **params)
-        df = df[(df["ruler_length"].astype(int) == 4096) & df["ruler_task"].isin(RULER_NIAH)]
-        parts.append(df.assign(config_label=label, ok=True))
-    df = pd.concat(parts)
-    shared = frozenset.intersection(*df.groupby("config_label")["sample_id"].agg(frozenset))
-    return df[df["sample_id"].isin(shared)]
+        parts.append(df[df["sample_id"].isin(RULER_CATALOGUE_SAMPLES)].assign(config_label=label, ok=True))
+    return pd.concat(parts)
 
 
 def ruler_catalogue_means(label: str) -> pd.Series:
@@ -1848,13 +1856,11 @@ def ruler_catalogue_row(label: str) -> list[str]:
 
 
 def ruler_catalogue_rows() -> list[Row]:
-    ran = set(rows("ruler").query("model == @QWEN")["method"])
-    if not ran & {m for m, _ in list(RULER_CATALOGUE_METHODS.values())[len(RULER_METHODS) :]}:
+    ran = ruler_catalogue_ran()
+    if not set(ran) - set(RULER_METHODS):
         return []
     return [
-        Row(GALLERY, RULER_CATALOGUE, label, functools.partial(ruler_catalogue_row, label))
-        for label, (m, _) in RULER_CATALOGUE_METHODS.items()
-        if m in ran
+        Row(GALLERY, RULER_CATALOGUE, label, functools.partial(ruler_catalogue_row, label)) for label in ran
     ]
 
 

@@ -1897,6 +1897,28 @@ def ruler_tova_reading() -> tuple:
     )
 
 
+def ruler_unvoted_reading() -> tuple:
+    """KNorm and Expected Attention below StreamingLLM; KNorm's score all from niah_single_1."""
+    knorm, ea, sllm = (ruler_catalogue_means(m) for m in ("knorm", "expected_attention", "streamingllm"))
+    assert max(knorm.mean(), ea.mean()) < sllm.mean()
+    assert (knorm.drop("niah_single_1") == 0).all()
+    return (
+        knorm.mean(),
+        ruler_catalogue_vs("knorm"),
+        knorm["niah_single_1"],
+        ea.mean(),
+        ruler_catalogue_vs("expected_attention"),
+    )
+
+
+def ruler_adakv_ea_reading() -> tuple:
+    ada, ea = ruler_catalogue_means("adakv_expected_attention"), ruler_catalogue_means("expected_attention")
+    point, rest = ruler_catalogue_vs("adakv_expected_attention").split(" ", 1)
+    lo, hi = (float(x) for x in rest.strip("[]").split(", "))
+    assert float(point) > 0 and lo < 0 < hi
+    return ada.mean(), point, rest, ada.mean() - ea.mean()
+
+
 RULER_CATALOGUE_CLAIMS = [
     Claim(
         GALLERY,
@@ -1915,6 +1937,19 @@ RULER_CATALOGUE_CLAIMS = [
         "falls to {:.1f} here ({}): it keeps niah_single_1 at {:.0f} but few of the tasks with several needles or "
         "values (niah_multikey_2 {:.0f}, niah_multivalue {:.0f})",
         ruler_tova_reading,
+    ),
+    Claim(
+        GALLERY,
+        "are below even StreamingLLM: KNorm {:.1f} ({} against SnapKV), all of it from niah_single_1 ({:.0f}, 0 on "
+        "every other task; its noise haystack repeats one sentence, so the needle's keys may be the ones whose norms "
+        "differ: a candidate reason, not measured), Expected Attention {:.1f} ({}), as on the needle grid",
+        ruler_unvoted_reading,
+    ),
+    Claim(
+        GALLERY,
+        "Ada-KV's head budgets reach {:.1f} ({} {} against SnapKV: above it on average, the interval including "
+        "zero): how a method's budget is spread over heads moves it by {:.1f} points here",
+        ruler_adakv_ea_reading,
     ),
 ]
 

@@ -1919,6 +1919,26 @@ def ruler_adakv_ea_reading() -> tuple:
     return ada.mean(), point, rest, ada.mean() - ea.mean()
 
 
+def ruler_kvzip_so_far() -> tuple:
+    """KVzip's committed 4K needle-task rows while it has not run them all: every one answered."""
+    df = config("ruler", QWEN, "kvzip", budget=1024)
+    df = df[df["sample_id"].isin(RULER_CATALOGUE_SAMPLES)]
+    per = df.groupby("ruler_task").size()
+    assert "kvzip" not in ruler_catalogue_ran() and (df["score"] == 1).all()
+    assert per["niah_single_3"] == 10 and (ruler_catalogue_means("snapkv")["niah_single_3"] == 0)
+    assert ruler_catalogue_means("chunkkv")["niah_single_3"] == 0
+    return len(df), per["niah_single_1"], per["niah_multikey_1"]
+
+
+def ruler_criticalkv_reading() -> tuple:
+    crit, snap = ruler_catalogue_means("criticalkv"), ruler_catalogue_means("snapkv")
+    gains = (crit - snap)[lambda d: d != 0]
+    assert set(gains.index) == {"niah_multikey_2", "niah_multivalue", "niah_multiquery"} and gains.nlargest(
+        2
+    ).index.tolist() == ["niah_multikey_2", "niah_multivalue"]
+    return crit.mean(), ruler_catalogue_vs("criticalkv"), crit["niah_multikey_2"], crit["niah_multivalue"]
+
+
 RULER_CATALOGUE_CLAIMS = [
     Claim(
         GALLERY,
@@ -1931,6 +1951,11 @@ RULER_CATALOGUE_CLAIMS = [
         "keeps {:.0f}, and like SnapKV it loses every UUID task (niah_single_3 and niah_multikey_3 at 0, where the "
         "full cache scores {:.0f} and {:.0f}).",
         ruler_chunkkv_reading,
+    ),
+    Claim(
+        GALLERY,
+        "is above it too, {:.1f} ({}), from niah_multikey_2 ({:.0f}) and niah_multivalue ({:.0f}).",
+        ruler_criticalkv_reading,
     ),
     Claim(
         GALLERY,
@@ -1950,6 +1975,12 @@ RULER_CATALOGUE_CLAIMS = [
         "Ada-KV's head budgets reach {:.1f} ({} {} against SnapKV: above it on average, the interval including "
         "zero): how a method's budget is spread over heads moves it by {:.1f} points here",
         ruler_adakv_ea_reading,
+    ),
+    Claim(
+        GALLERY,
+        "On the {} samples KVzip has run (niah_single_1 to niah_single_3, {} each, and {} of niah_multikey_1) it "
+        "answers every one, the 10 UUID values of niah_single_3 included, which SnapKV and ChunkKV miss on all 10.",
+        ruler_kvzip_so_far,
     ),
 ]
 

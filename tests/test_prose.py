@@ -1087,9 +1087,14 @@ def ruler(model: str, length: int) -> pd.DataFrame:
     return pd.concat(parts)
 
 
+def label_task_means(df: pd.DataFrame, label: str, tasks=RULER_TASKS) -> pd.Series:
+    """Score x100 per RULER task of one config of `df`, in `tasks` order."""
+    part = df.query("config_label == @label")
+    return part.groupby("ruler_task")["score"].mean().mul(100).reindex(list(tasks))
+
+
 def task_means(model: str, length: int, method: str) -> pd.Series:
-    df = ruler(model, length).query("config_label == @method")
-    return df.groupby("ruler_task")["score"].mean().mul(100).reindex(list(RULER_TASKS))
+    return label_task_means(ruler(model, length), method)
 
 
 def suite(model: str, length: int, method: str) -> float:
@@ -1107,7 +1112,12 @@ def ruler_row(model: str, method: str) -> list[str]:
 def paired(model: str, length: int, a: str, b: str) -> tuple[float, str]:
     """Suite average of `a` minus `b` on their shared samples and its 95% interval, by the report's
     own stratified bootstrap."""
-    ((*_, point, interval),) = paired_differences(ruler(model, length), [(a, b)])
+    return paired_in(ruler(model, length), a, b)
+
+
+def paired_in(df: pd.DataFrame, a: str, b: str) -> tuple[float, str]:
+    """The report's paired suite-average difference `a` - `b` over the RULER rows `df`, and its interval."""
+    ((*_, point, interval),) = paired_differences(df, [(a, b)])
     return point, interval
 
 
@@ -1838,12 +1848,11 @@ def ruler_catalogue() -> pd.DataFrame:
 
 
 def ruler_catalogue_means(label: str) -> pd.Series:
-    df = ruler_catalogue().query("config_label == @label")
-    return df.groupby("ruler_task")["score"].mean().mul(100).reindex(list(RULER_NIAH))
+    return label_task_means(ruler_catalogue(), label, RULER_NIAH)
 
 
 def ruler_catalogue_vs(label: str, baseline: str = "snapkv") -> str:
-    ((*_, point, interval),) = paired_differences(ruler_catalogue(), [(label, baseline)])
+    point, interval = paired_in(ruler_catalogue(), label, baseline)
     return f"{point:+.1f} {interval}"
 
 
@@ -1913,10 +1922,10 @@ def ruler_unvoted_reading() -> tuple:
 
 def ruler_adakv_ea_reading() -> tuple:
     ada, ea = ruler_catalogue_means("adakv_expected_attention"), ruler_catalogue_means("expected_attention")
-    point, rest = ruler_catalogue_vs("adakv_expected_attention").split(" ", 1)
-    lo, hi = (float(x) for x in rest.strip("[]").split(", "))
-    assert float(point) > 0 and lo < 0 < hi
-    return ada.mean(), point, rest, ada.mean() - ea.mean()
+    point, interval = paired_in(ruler_catalogue(), "adakv_expected_attention", "snapkv")
+    lo, hi = (float(x) for x in interval.strip("[]").split(", "))
+    assert point > 0 and lo < 0 < hi
+    return ada.mean(), f"{point:+.1f}", interval, ada.mean() - ea.mean()
 
 
 def ruler_kvzip_so_far() -> tuple:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from matplotlib import colormaps
 from matplotlib.figure import Figure
 from scipy.stats import bootstrap
 
@@ -406,10 +407,16 @@ def figure(part: pd.DataFrame, title: str) -> Figure:
     questions = [c for c in table.columns if c not in ("n", "all")]
     panels = [p for p in protocols.PROTOCOLS if p in set(ok["protocol"])]
     full = set(ok.loc[ok["method"] == "full", "method_key"])
-    fig = Figure(figsize=(4.2 * len(panels) + 1.5, 4), layout="constrained")
+    # The method's name where it has one config here, else the whole config label.
+    methods = part[["method_key", "method"]].drop_duplicates()
+    configs = methods["method"].value_counts()
+    names = {k: (m if configs[m] == 1 else k) for k, m in zip(methods["method_key"], methods["method"])}
+    fig = Figure(figsize=(3.6 * len(panels) + 2.5, 4), layout="constrained")
     axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
     values = table[questions].to_numpy().ravel().tolist()
-    colors: dict[str, str] = {}
+    palette = colormaps["tab20"]
+    colors: dict[str, tuple] = {}
+    legend: dict[str, object] = {}
     for ax, protocol in zip(axes, panels):
         lines = [(m, p) for m, p in table.index if p == protocol]
         if not any(m in full for m, _ in lines):
@@ -422,16 +429,17 @@ def figure(part: pd.DataFrame, title: str) -> Figure:
                     if p == protocol
                     else dict(color="grey", linestyle=":")
                 )
-                label = m if p == protocol else f"{m} (query_aware)"
+                label = names[m] if p == protocol else f"{names[m]} (query_aware)"
             else:
-                colors.setdefault(m, f"C{len(colors) % 10}")
-                style, label = dict(color=colors[m], linestyle="-"), m
-            ax.plot(questions, y, marker="o", label=label, **style)
+                colors.setdefault(m, palette(len(colors) % palette.N))
+                style, label = dict(color=colors[m], linestyle="-"), names[m]
+            (line,) = ax.plot(questions, y, marker="o", markersize=3, label=label, **style)
+            legend.setdefault(label, line)
         ax.set_title(protocol)
         ax.set_xlabel("question")
         ax.set_xticks(questions)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+    fig.legend(list(legend.values()), list(legend.keys()), loc="outside right upper", fontsize=7)
     axes[0].set_ylabel("score x100")
     axes[0].set_ylim(*score_limits(values))
     fig.suptitle(title)

@@ -128,6 +128,17 @@ def one(values: set):
     return value
 
 
+def point(text: str) -> float:
+    """The point estimate of a "+1.2 [-0.3, +2.8] ..." cell."""
+    return float(text.split(" [")[0])
+
+
+def interval(text: str) -> tuple[float, float]:
+    """The bounds of the first "[lo, hi]" in a cell."""
+    lo, hi = text.split("[", 1)[1].split("]", 1)[0].split(", ")
+    return float(lo), float(hi)
+
+
 def same_records(df: pd.DataFrame, ids) -> pd.DataFrame:
     out = df[df["sample_id"].isin(set(ids))]
     assert len(out) == len(set(ids)), "not every record ran"
@@ -1271,7 +1282,7 @@ RULER_CLAIMS = [
         "The ordering snapkv > streamingllm > h2o, both paired gaps above zero",
         lambda: holds(
             all(
-                float(paired(SMOL, 4096, a, b)[1].strip("[]").split(",")[0]) > 0
+                interval(paired(SMOL, 4096, a, b)[1])[0] > 0
                 for a, b in [("snapkv", "streamingllm"), ("streamingllm", "h2o")]
             ),
             "both lower interval ends above zero",
@@ -1614,6 +1625,11 @@ def protocol_part(method: str, model: str = SMOL_MODEL) -> tuple[pd.DataFrame, s
 
 
 def protocol_row(method: str, model: str = SMOL_MODEL) -> list[str]:
+    return list(_protocol_row(method, model))
+
+
+@functools.cache
+def _protocol_row(method: str, model: str) -> tuple[str, ...]:
     """method | questions | score x100 under each protocol | minus the full cache under query_aware
     [95% CI] | the shift of that loss to context_only, first_question and multi_turn [95% CI], as the
     report computes them (eval/protocol_report.py), on the questions of `protocol_part`."""
@@ -1622,27 +1638,33 @@ def protocol_row(method: str, model: str = SMOL_MODEL) -> list[str]:
     scores = mine.groupby("protocol")["score"].mean().mul(100).reindex(PROTOCOLS)
     cells = [method, str(mine["sample_id"].nunique()), *(f"{x:.1f}" for x in scores)]
     if method == "full":
-        return cells + ["—"] * (1 + len(SHIFTS))
+        return (*cells, *["—"] * (1 + len(SHIFTS)))
     loss = protocol_report.compression_penalty(part).set_index("protocol")
     qa = loss.loc["query_aware"]
     cells.append(f"{qa['loss']:+.1f} [{qa['low']:+.1f}, {qa['high']:+.1f}]")
     for p in SHIFTS:
         r = loss.loc[p]
         cells.append(f"{r['shift']:+.1f} [{r['shift_low']:+.1f}, {r['shift_high']:+.1f}]")
-    return cells
+    return tuple(cells)
+
+
+def protocol_methods(model: str) -> list[str]:
+    """PROTOCOL_METHODS with committed rows under every protocol for `model`, when the full cache has
+    them too (a README row needs both)."""
+    if not (RESULTS / "protocols").is_dir():
+        return []
+    ran = rows("protocols").query("model == @model").groupby("method")["protocol"].nunique()
+    if ran.get("full", 0) != len(PROTOCOLS):
+        return []
+    return [m for m in PROTOCOL_METHODS if ran.get(m, 0) == len(PROTOCOLS)]
 
 
 def protocol_rows() -> list[Row]:
-    """One row per method with committed rows under every protocol, per model."""
-    if not (RESULTS / "protocols").is_dir():
-        return []
-    df = rows("protocols")
-    ran = df.groupby(["model", "method"])["protocol"].nunique()
+    """One README row per method with rows under every protocol, per model."""
     return [
         Row(GALLERY, anchor, f"{model} {m}", functools.partial(protocol_row, m, model))
         for model, anchor in PROTOCOL_ANCHORS.items()
-        for m in PROTOCOL_METHODS
-        if ran.get((model, m), 0) == len(PROTOCOLS) and ran.get((model, "full"), 0) == len(PROTOCOLS)
+        for m in protocol_methods(model)
     ]
 
 
@@ -1650,28 +1672,25 @@ def protocol_coverage(model: str = SMOL_MODEL) -> str:
     """Contexts (questions) each method's rows cover, methods grouped by count: "full and snapkv 20
     contexts (80 questions) under each protocol; h2o 8-12 (the counts differ between protocols) ..."."""
     df = rows("protocols").query("model == @model")
+    (k,) = set(df["questions_in_context"].astype(int))  # questions per context
     per = df.groupby(["method", "protocol"])["context_id"].nunique().unstack("protocol")
     per = per.reindex(columns=list(PROTOCOLS)).fillna(0).astype(int)
     questions = df.groupby("method").size()
-    groups: dict[str, list[str]] = {}
-    for method in PROTOCOL_METHODS:
-        if method not in per.index:
-            continue
-        lo, hi = per.loc[method].min(), per.loc[method].max()
-        key = f"{hi}" if lo == hi else f"{lo}-{hi}"
-        groups.setdefault(key, []).append(method)
+    groups: dict[tuple[int, int], list[str]] = {}
+    for method in (m for m in PROTOCOL_METHODS if m in per.index):
+        groups.setdefault((per.loc[method].min(), per.loc[method].max()), []).append(method)
     parts = []
-    for i, (key, methods) in enumerate(sorted(groups.items(), key=lambda kv: -int(kv[0].split("-")[-1]))):
+    for i, ((lo, hi), methods) in enumerate(sorted(groups.items(), key=lambda kv: -kv[0][1])):
         names = methods[0] if len(methods) == 1 else ", ".join(methods[:-1]) + " and " + methods[-1]
-        uneven = "-" in key
-        n = int(key.split("-")[-1])
-        if uneven:
-            parts.append(f"{names} {key} (the counts differ between protocols: a run cut mid-way)")
-        elif i == 0:
-            assert all(questions[m] == 4 * n * len(PROTOCOLS) for m in methods)
-            parts.append(f"{names} {n} contexts ({4 * n} questions) under each protocol")
-        else:
-            parts.append(f"{names} {n} ({4 * n})")
+        if lo != hi:
+            parts.append(f"{names} {lo}-{hi} (the counts differ between protocols: a run cut mid-way)")
+            continue
+        assert all(questions[m] == k * hi * len(PROTOCOLS) for m in methods)
+        parts.append(
+            f"{names} {hi} contexts ({k * hi} questions) under each protocol"
+            if i == 0
+            else f"{names} {hi} ({k * hi})"
+        )
     return "; ".join(parts)
 
 
@@ -1683,19 +1702,10 @@ def pcell(method: str, column: str, model: str = SMOL_MODEL) -> str:
     return protocol_row(method, model)[PROTOCOL_COLUMNS.index(column)]
 
 
-def point(text: str) -> float:
-    return float(text.split(" [")[0])
-
-
-def interval(text: str) -> tuple[float, float]:
-    lo, hi = text.split("[")[1].rstrip("]").split(", ")
-    return float(lo), float(hi)
-
-
 def full_by_protocol() -> tuple:
-    qa, co, fq, mr, mt = (pcell("full", p) for p in PROTOCOLS)
-    assert PROTOCOLS[3] == "multi_request" and qa == co == mr
-    return qa, fq, mt
+    score = {p: pcell("full", p) for p in PROTOCOLS}
+    assert score["query_aware"] == score["context_only"] == score["multi_request"]
+    return score["query_aware"], score["first_question"], score["multi_turn"]
 
 
 def snapkv_thesis() -> tuple:
@@ -1717,16 +1727,11 @@ def ada_ea_thesis() -> tuple:
     return pcell(m, "query_aware"), pcell(m, "context_only"), shift, pcell(m, "questions")
 
 
-def compressed_with_rows(model: str = SMOL_MODEL) -> list[str]:
-    names = {r.name for r in PROTOCOL_ROWS}
-    return [m for m in PROTOCOL_METHODS[1:] if f"{model} {m}" in names]
-
-
 def protocol_floor() -> tuple:
     """The full cache's own drop under first_question and multi_turn, beside the shifts of the
     methods: positive for most of them."""
     qa, fq, mt = (float(x) for x in full_by_protocol())
-    methods = compressed_with_rows()
+    methods = [m for m in protocol_methods(SMOL_MODEL) if m != "full"]
     positive = [m for m in methods if point(pcell(m, "shift_first_question")) > 0]
     assert len(positive) > len(methods) / 2, positive
     return f"{qa - fq:.1f}", f"{qa - mt:.1f}"
@@ -1735,7 +1740,7 @@ def protocol_floor() -> tuple:
 def kvzip_protocols() -> tuple:
     """KVzip loses least to the full cache under query_aware (ties allowed), and no more without the
     question in the window (an interval around zero)."""
-    losses = {m: point(pcell(m, "loss")) for m in compressed_with_rows()}
+    losses = {m: point(pcell(m, "loss")) for m in [m for m in protocol_methods(SMOL_MODEL) if m != "full"]}
     assert losses["kvzip"] == max(losses.values()), losses
     shift = pcell("kvzip", "shift_context_only")
     assert interval(shift)[0] <= 0 <= interval(shift)[1]
@@ -1816,15 +1821,11 @@ def catalogue_reading() -> tuple:
     """Which paired intervals against SnapKV exclude zero, and on which side."""
     got = catalogue_vs_snapkv()
 
-    def bounds(m: str) -> tuple[float, float]:
-        lo, hi = got[m].split("[")[1].split("]")[0].split(", ")
-        return float(lo), float(hi)
-
-    above = [m for m in CATALOGUE_VS_SNAPKV if bounds(m)[0] > 0]
-    below = [m for m in CATALOGUE_VS_SNAPKV if bounds(m)[1] < 0]
+    above = [m for m in CATALOGUE_VS_SNAPKV if interval(got[m])[0] > 0]
+    below = [m for m in CATALOGUE_VS_SNAPKV if interval(got[m])[1] < 0]
     assert above == ["chunkkv", "tova"] and below == ["expected_attention", "knorm"]
     for m in ("kvzip", "adakv_expected_attention", "criticalkv"):
-        lo, hi = bounds(m)
+        lo, hi = interval(got[m])
         assert lo < 0 < hi and float(got[m].split(" ")[0]) > 0
     hits = dict(zip(CATALOGUE_HITS, (int(c.split(" of ")[0]) for c in catalogue_cells())))
     assert hits["adakv_expected_attention"] > hits["expected_attention"] and hits["knorm"] == 0
@@ -2017,10 +2018,10 @@ def ruler_unvoted_reading() -> tuple:
 
 def ruler_adakv_ea_reading() -> tuple:
     ada, ea = ruler_catalogue_means("adakv_expected_attention"), ruler_catalogue_means("expected_attention")
-    point, interval = paired_in(ruler_catalogue(), "adakv_expected_attention", "snapkv")
-    lo, hi = (float(x) for x in interval.strip("[]").split(", "))
-    assert point > 0 and lo < 0 < hi
-    return ada.mean(), f"{point:+.1f}", interval, ada.mean() - ea.mean()
+    diff, bounds = paired_in(ruler_catalogue(), "adakv_expected_attention", "snapkv")
+    lo, hi = interval(bounds)
+    assert diff > 0 and lo < 0 < hi
+    return ada.mean(), f"{diff:+.1f}", bounds, ada.mean() - ea.mean()
 
 
 def ruler_kvzip_reading() -> tuple:
@@ -2346,7 +2347,7 @@ def long_generation_shape() -> tuple:
     assert all(right[m] == right["full"] - 1 for m in ("streamingllm", "snapkv_d", "rkv"))
     fmt = {m: float(cells[m, 128]["format"]) for m in LG_ORDER}
     assert min(fmt, key=fmt.get) == "tova"
-    assert all(float(cells[m, 128]["diff"].split("[")[1].split(",")[1].rstrip("]")) >= 0 for m in LG_ORDER)
+    assert all(interval(cells[m, 128]["diff"])[1] >= 0 for m in LG_ORDER)
     ratio = {m: float(cells[m, 128]["ratio"]) for m in LG_ORDER}
     assert max(ratio, key=ratio.get) == "tova" and min(ratio, key=ratio.get) == "snapkv_d"
     return right["full"], cells["full", None]["samples"]

@@ -1694,6 +1694,12 @@ def protocol_coverage(model: str = SMOL_MODEL) -> str:
     return "; ".join(parts)
 
 
+def protocol_dtype(model: str) -> str:
+    """The one dtype every protocol row of `model` ran in."""
+    (dtype,) = set(rows("protocols").query("model == @model")["dtype"])
+    return dtype
+
+
 PROTOCOL_COLUMNS = ("method", "questions", *PROTOCOLS, "loss", *(f"shift_{p}" for p in SHIFTS))
 
 
@@ -1747,23 +1753,75 @@ def kvzip_protocols() -> tuple:
     return pcell("kvzip", "loss"), shift
 
 
-def qwen_snapkv_thesis() -> tuple:
-    """Qwen: SnapKV with the question in the window, the same score under every other protocol,
-    the shift, its questions, the full cache's query_aware score."""
-    others = {pcell("snapkv", p, QWEN_MODEL) for p in PROTOCOLS[1:]}
-    assert len(others) == 1, others
+def protocol_versus(a: str, b: str, protocol: str = "query_aware", model: str = SMOL_MODEL) -> str:
+    """Score x100 of method `a` minus method `b` under `protocol`, paired on the questions both
+    answered, "+d [lo, hi]" with the report's bootstrap over whole contexts."""
+    part = protocol_frame(model)
+    ok = part[part["ok"] & part["score"].notna() & (part["protocol"] == protocol)]
+    sa, sb = (ok[ok["method"] == m].set_index("sample_id") for m in (a, b))
+    both = sa.index.intersection(sb.index)
+    d = (sa.loc[both, "score"] - sb.loc[both, "score"]) * 100
+    lo, hi = protocol_report.paired_bootstrap(d.to_numpy(), sa.loc[both, "context_id"].to_numpy())
+    return f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]"
+
+
+def smol_recency() -> tuple:
+    """SmolLM2: StreamingLLM (recency alone) not below SnapKV with the question in the window."""
+    diff = protocol_versus("streamingllm", "snapkv")
+    assert interval(diff)[0] >= 0 < point(diff), diff
+    return pcell("streamingllm", "query_aware"), pcell("snapkv", "query_aware"), diff
+
+
+def qwen_thesis() -> tuple:
+    """Qwen: the full cache's query_aware score; SnapKV, Ada-KV and PyramidKV with the question in
+    the window, without it, the shift (an interval below zero for each) and their questions."""
+    cells: list[str] = [pcell("full", "query_aware", QWEN_MODEL)]
+    for m in ("snapkv", "adakv", "pyramidkv"):
+        shift = pcell(m, "shift_context_only", QWEN_MODEL)
+        assert interval(shift)[1] < 0, (m, shift)
+        cells += [pcell(m, c, QWEN_MODEL) for c in ("query_aware", "context_only")]
+        cells += [shift, pcell(m, "questions", QWEN_MODEL)]
+    return tuple(cells)
+
+
+def qwen_context_only_recency() -> tuple:
+    """Qwen: SnapKV compressing the context alone against StreamingLLM (an interval around zero)."""
+    diff = protocol_versus("snapkv", "streamingllm", "context_only", QWEN_MODEL)
+    lo, hi = interval(diff)
+    assert lo <= 0 <= hi, diff
+    return (diff,)
+
+
+def reuse_later(method: str, model: str) -> tuple:
+    """Under first_question: the first question's score (equal to query_aware's, the same
+    compression), then the later questions' score against query_aware's on the same questions,
+    "+d [lo, hi]" over whole contexts, and their count."""
+    part = protocol_frame(model)
+    ok = part[part["ok"] & part["score"].notna() & (part["method"] == method)]
+    by = {p: ok[ok["protocol"] == p].set_index("sample_id") for p in ("first_question", "query_aware")}
+    both = by["first_question"].index.intersection(by["query_aware"].index)
+    fq, qa = by["first_question"].loc[both], by["query_aware"].loc[both]
+    first = fq["question_index"] == 0
+    assert fq.loc[first, "score"].mean() == qa.loc[first, "score"].mean()
+    d = (fq.loc[~first, "score"] - qa.loc[~first, "score"]) * 100
+    lo, hi = protocol_report.paired_bootstrap(d.to_numpy(), fq.loc[~first, "context_id"].to_numpy())
+    assert d.mean() < 0, d.mean()  # the later questions lose on average
     return (
-        pcell("snapkv", "query_aware", QWEN_MODEL),
-        others.pop(),
-        pcell("snapkv", "shift_context_only", QWEN_MODEL),
-        pcell("snapkv", "questions", QWEN_MODEL),
-        pcell("full", "query_aware", QWEN_MODEL),
+        f"{fq.loc[first, 'score'].mean() * 100:.1f}",
+        f"{fq.loc[~first, 'score'].mean() * 100:.1f}",
+        f"{qa.loc[~first, 'score'].mean() * 100:.1f}",
+        f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]",
+        str(len(d)),
     )
 
 
 PROTOCOL_CLAIMS = [
     Claim(GALLERY, "What ran on SmolLM2: {}.", lambda: (protocol_coverage(SMOL_MODEL),)),
-    Claim(GALLERY, "Qwen2.5-Coder-0.5B at 2K: {};", lambda: (protocol_coverage(QWEN_MODEL),)),
+    Claim(
+        GALLERY,
+        "Qwen2.5-Coder-0.5B at 2K, in {}: {};",
+        lambda: (protocol_dtype(QWEN_MODEL), protocol_coverage(QWEN_MODEL)),
+    ),
     Claim(
         GALLERY,
         "the full cache answers {} under `query_aware`, `context_only` and `multi_request` (the same forwards, "
@@ -1795,9 +1853,29 @@ PROTOCOL_CLAIMS = [
     ),
     Claim(
         GALLERY,
-        "SnapKV scores {} with the question in the window and {} under every protocol without it (shift {}, {} "
-        "questions: the interval reaches zero), against the full cache's {}.",
-        qwen_snapkv_thesis,
+        "StreamingLLM, which keeps only the attention sinks and the latest tokens, scores {} against SnapKV's {} "
+        "under `query_aware` ({}, paired)",
+        smol_recency,
+    ),
+    Claim(
+        GALLERY,
+        "On Qwen2.5-Coder, whose full cache answers {} under `query_aware` and nearly as much under every "
+        "protocol, SnapKV's thesis holds and reusing its cache breaks: SnapKV scores {} with the question in "
+        "the window and {} when the context is compressed alone (shift {}, {} questions), Ada-KV {} and {} ({}, "
+        "{}), PyramidKV {} and {} ({}, {}).",
+        qwen_thesis,
+    ),
+    Claim(
+        GALLERY,
+        "Compressed without the question, SnapKV is no better than StreamingLLM's recency ({} under "
+        "`context_only`, paired).",
+        qwen_context_only_recency,
+    ),
+    Claim(
+        GALLERY,
+        "Kept for the later questions (`first_question`), SnapKV's cache answers the first as under "
+        "`query_aware` ({}), the later three {} against {} with their own compression ({}, {} questions)",
+        lambda: reuse_later("snapkv", QWEN_MODEL),
     ),
 ]
 

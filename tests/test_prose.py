@@ -1603,6 +1603,13 @@ def protocol_frame(model: str = SMOL_MODEL) -> pd.DataFrame:
     return frame[frame["model"] == model]
 
 
+@functools.cache
+def protocol_ok(model: str = SMOL_MODEL) -> pd.DataFrame:
+    """The rows of `protocol_frame` that ran and were scored."""
+    part = protocol_frame(model)
+    return part[part["ok"] & part["score"].notna()]
+
+
 PROTOCOL_METHODS = (
     "full", "snapkv", "pyramidkv", "adakv", "h2o", "streamingllm", "chunkkv", "criticalkv", "tova", "knorm",
     "expected_attention", "adakv_expected_attention", "kvzip",
@@ -1614,8 +1621,7 @@ def protocol_part(method: str, model: str = SMOL_MODEL) -> tuple[pd.DataFrame, s
     """The ok rows of `method` and of the full cache with `model`, on the questions both answered
     under every protocol (so every cell of a README row rests on the same questions), and the
     method's `method_key`."""
-    part = protocol_frame(model)
-    ok = part[part["ok"] & part["score"].notna()]
+    ok = protocol_ok(model)
     (key,) = sorted(set(ok.loc[ok["method"] == method, "method_key"]))
     (full,) = sorted(set(ok.loc[ok["method"] == "full", "method_key"]))
     both = ok[ok["method_key"].isin({key, full})]
@@ -1753,16 +1759,20 @@ def kvzip_protocols() -> tuple:
     return pcell("kvzip", "loss"), shift
 
 
+def paired_cell(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.Series, str]:
+    """Score x100 of rows `a` minus rows `b` (both indexed by sample_id) on the questions both hold,
+    and "+d [lo, hi]" with the report's bootstrap over whole contexts."""
+    both = a.index.intersection(b.index)
+    d = (a.loc[both, "score"] - b.loc[both, "score"]) * 100
+    lo, hi = protocol_report.paired_bootstrap(d.to_numpy(), a.loc[both, "context_id"].to_numpy())
+    return d, f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]"
+
+
 def protocol_versus(a: str, b: str, protocol: str = "query_aware", model: str = SMOL_MODEL) -> str:
-    """Score x100 of method `a` minus method `b` under `protocol`, paired on the questions both
-    answered, "+d [lo, hi]" with the report's bootstrap over whole contexts."""
-    part = protocol_frame(model)
-    ok = part[part["ok"] & part["score"].notna() & (part["protocol"] == protocol)]
-    sa, sb = (ok[ok["method"] == m].set_index("sample_id") for m in (a, b))
-    both = sa.index.intersection(sb.index)
-    d = (sa.loc[both, "score"] - sb.loc[both, "score"]) * 100
-    lo, hi = protocol_report.paired_bootstrap(d.to_numpy(), sa.loc[both, "context_id"].to_numpy())
-    return f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]"
+    """Method `a` minus method `b` under `protocol`, paired (`paired_cell`)."""
+    ok = protocol_ok(model)
+    ok = ok[ok["protocol"] == protocol].set_index("sample_id")
+    return paired_cell(ok[ok["method"] == a], ok[ok["method"] == b])[1]
 
 
 def smol_recency() -> tuple:
@@ -1794,23 +1804,21 @@ def qwen_context_only_recency() -> tuple:
 
 def reuse_later(method: str, model: str) -> tuple:
     """Under first_question: the first question's score (equal to query_aware's, the same
-    compression), then the later questions' score against query_aware's on the same questions,
-    "+d [lo, hi]" over whole contexts, and their count."""
-    part = protocol_frame(model)
-    ok = part[part["ok"] & part["score"].notna() & (part["method"] == method)]
-    by = {p: ok[ok["protocol"] == p].set_index("sample_id") for p in ("first_question", "query_aware")}
-    both = by["first_question"].index.intersection(by["query_aware"].index)
-    fq, qa = by["first_question"].loc[both], by["query_aware"].loc[both]
-    first = fq["question_index"] == 0
-    assert fq.loc[first, "score"].mean() == qa.loc[first, "score"].mean()
-    d = (fq.loc[~first, "score"] - qa.loc[~first, "score"]) * 100
-    lo, hi = protocol_report.paired_bootstrap(d.to_numpy(), fq.loc[~first, "context_id"].to_numpy())
+    compression), then the later questions' score against query_aware's on the same questions
+    (`paired_cell`), and their count."""
+    ok = protocol_ok(model)
+    ok = ok[ok["method"] == method].set_index("sample_id")
+    fq, qa = (ok[ok["protocol"] == p] for p in ("first_question", "query_aware"))
+    fq, qa = fq.loc[fq.index.intersection(qa.index)], qa.loc[qa.index.intersection(fq.index)]
+    first, later = fq[fq["question_index"] == 0], fq[fq["question_index"] != 0]
+    assert first["score"].mean() == qa.loc[first.index, "score"].mean()
+    d, cell = paired_cell(later, qa)
     assert d.mean() < 0, d.mean()  # the later questions lose on average
     return (
-        f"{fq.loc[first, 'score'].mean() * 100:.1f}",
-        f"{fq.loc[~first, 'score'].mean() * 100:.1f}",
-        f"{qa.loc[~first, 'score'].mean() * 100:.1f}",
-        f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]",
+        f"{first['score'].mean() * 100:.1f}",
+        f"{later['score'].mean() * 100:.1f}",
+        f"{qa.loc[later.index, 'score'].mean() * 100:.1f}",
+        cell,
         str(len(d)),
     )
 

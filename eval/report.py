@@ -23,6 +23,10 @@ Writes into `--out` (default: RESULTS_DIR):
 - where rows carry several question indices or protocols: a "Protocols" section and
   `protocols_<task>_<model>.png` (eval/protocol_report.py: score per question, reuse penalty,
   amortised cost).
+- report.md's last section, "Figures", lists the plots this report drew. A rebuild deletes the
+  figures the previous report.md listed and this one no longer draws (a config whose rows left the
+  folder, a comparison grown past its panel limit), so a folder holds only figures of its rows;
+  files the report did not list are never touched.
 
 Nothing here knows a particular task: rows of an unregistered task get the generic score table.
 Rows with status != ok are counted (n_error) but excluded from every mean. Exit code 2 (one line on
@@ -36,6 +40,7 @@ import dataclasses
 import json
 import logging
 import math
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -543,6 +548,35 @@ def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None)
     return written
 
 
+FIGURES_HEADING = "## Figures"
+_FIGURE_LINE = re.compile(r"^- \[([^\]/\\]+\.png)\]\(<\1>\)$", re.M)
+
+
+def listed_figures(report_md: Path) -> list[str]:
+    """The figure file names (in report_md's folder) that report.md lists under FIGURES_HEADING."""
+    if not report_md.is_file():
+        return []
+    _, found, tail = report_md.read_text(encoding="utf-8").partition(f"\n{FIGURES_HEADING}\n")
+    return _FIGURE_LINE.findall(tail) if found else []
+
+
+def figures_section(names: list[str]) -> str:
+    """report.md's last section: one link per figure drawn next to it."""
+    if not names:
+        return ""
+    lines = "\n".join(f"- [{n}](<{n}>)" for n in sorted(names))
+    return f"{FIGURES_HEADING}\n\nDrawn from these rows, next to this file:\n\n{lines}\n"
+
+
+def _replace_figures(out: Path, before: list[str], written: list[Path]) -> list[str]:
+    """Delete the figures listed `before` that were not drawn again; the names now in `out`."""
+    now = [p.name for p in written if p.parent.resolve() == out.resolve()]
+    for name in sorted(set(before) - set(now)):
+        (out / name).unlink(missing_ok=True)
+        logger.info("deleted %s: the report no longer draws it", out / name)
+    return now
+
+
 # ----------------------------------------------------------------------------------------- library
 class NothingToReport(ValueError):
     """The results dir does not exist, holds no result rows, or a results file is malformed."""
@@ -591,9 +625,16 @@ def build_report(
     (pd.concat(flipped) if flipped else pd.DataFrame(columns=paired.FLIP_COLUMNS)).to_csv(
         out / "flips.csv", index=False
     )
+    before = listed_figures(out / "report.md")
+    if plots:
+        written = write_plots(df, out, trained_context=trained_context)
+        names = _replace_figures(out, before, written)
+    else:  # figures left as they are: keep listing those still there
+        written, names = [], [n for n in before if (out / n).is_file()]
     markdown = build_markdown(df, results_dir, pairs)
+    if names:
+        markdown = f"{markdown.rstrip()}\n\n{figures_section(names)}"
     (out / "report.md").write_text(markdown, encoding="utf-8")
-    written = write_plots(df, out, trained_context=trained_context) if plots else []
     return Report(
         markdown, out / "report.md", out / "summary.csv", written, out / "paired.csv", out / "flips.csv"
     )

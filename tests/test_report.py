@@ -395,6 +395,34 @@ def test_needle_compare_is_drawn_only_beside_the_full_cache(tmp_path, monkeypatc
     assert len(drawn) == 1 and drawn[0][0] == "full" and len(drawn[0]) == 3
 
 
+def test_a_rebuild_deletes_the_figures_it_no_longer_draws(tmp_path, capsys):
+    """report.md lists the figures it drew; the next build deletes those it does not draw again (a
+    config whose rows left the folder) and never a file it did not list."""
+    d = tmp_path / "r"
+    other = {**SNAP, "budget": 256}
+    write(
+        d, _needle_rows() + [{**r, "method_params": other, "method_hash": "b" * 16} for r in _needle_rows()]
+    )
+    (d / "mine.png").write_bytes(b"not the report's")
+    assert main([str(d)]) == 0
+    first = report.listed_figures(d / "report.md")
+    # the b=256 heatmaps, and score vs budget, drawn only for a task run at two budgets or more
+    gone = [n for n in first if "b=256" in n or n.startswith("score_vs_budget")]
+    assert gone and len(gone) < len(first) and "mine.png" not in first
+    assert all((d / n).is_file() for n in first)
+    (other_file,) = [f for f in d.rglob("*.jsonl") if "b" * 16 in f.name]
+    other_file.unlink()
+    assert main([str(d), "--no-plots"]) == 0  # without plots nothing is drawn or deleted
+    assert report.listed_figures(d / "report.md") == first and all((d / n).is_file() for n in gone)
+    assert main([str(d)]) == 0
+    now = report.listed_figures(d / "report.md")
+    assert sorted(now) == sorted(set(first) - set(gone))
+    assert not any((d / n).exists() for n in gone) and all((d / n).is_file() for n in now)
+    assert (d / "mine.png").read_bytes() == b"not the report's"
+    text = (d / "report.md").read_text()
+    assert text.rstrip().endswith(f"- [{sorted(now)[-1]}](<{sorted(now)[-1]}>)")
+
+
 def test_trained_context_flag_wins_over_the_rows(tmp_path, monkeypatch, capsys):
     seen = []
 
@@ -464,7 +492,7 @@ def test_committed_results_still_report_the_same_tables(tmp_path, capsys):
             head.split("\n## Paired comparisons", 1)[0].rstrip() + "\n\n"
         )  # added since: tests/test_paired.py
         cost, versions = rest.split("## Code versions", 1)
-        return head, cost, versions
+        return head, cost, versions.split(f"\n{report.FIGURES_HEADING}\n", 1)[0]
 
     # Every table as committed except the cost table (medians + other cores since the noise record)
     # and the code versions, whose rows without a dirty flag now read "unknown" (committed: "—").

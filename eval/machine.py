@@ -14,6 +14,7 @@ count). A measurement above a threshold is flagged, not silently averaged in.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -22,6 +23,10 @@ import psutil
 import torch
 
 THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY")
+# /proc/cpuinfo flags that pick torch's CPU matmul kernels beyond its dispatch level: bfloat16 and
+# float16 run on AMX tiles where present, else on AVX-512 BF16/FP16 or by upcasting, at several-fold
+# different speeds and with different accumulation orders.
+MATMUL_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
 
 def busy_s() -> float:
@@ -75,6 +80,23 @@ class CpuNoise:
             "load_start": self.load_start,
             "load_end": self.load_end,
         }
+
+
+@functools.cache
+def cpu_kernels() -> str:
+    """torch's CPU dispatch level and the MATMUL_FLAGS this CPU has, e.g. "AVX512 avx512_bf16
+    amx_tile amx_bf16": rows run in bfloat16 on machines that differ here differ in speed, and may
+    differ in their last bits."""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:  # not Linux: the dispatch level alone
+        pass
+    return " ".join([torch.backends.cpu.get_cpu_capability(), *(x for x in MATMUL_FLAGS if x in flags)])
 
 
 def thread_settings() -> dict[str, str | int]:

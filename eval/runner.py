@@ -63,7 +63,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from eval import protocols
-from eval.machine import CpuNoise, thread_settings
+from eval.machine import CpuNoise, cpu_kernels, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.report import method_label
 from eval.report import write_report as write_results_report
@@ -231,6 +231,7 @@ def noise_fields(noise: CpuNoise) -> dict[str, Any]:
         "load_1m": noise.load_end,
         "torch_threads": threads["torch_threads"],
         "cpu_count": threads["cpu_count"],
+        "cpu_kernels": cpu_kernels(),
         "omp_num_threads": threads["omp_num_threads"],
         "mkl_num_threads": threads["mkl_num_threads"],
         "omp_wait_policy": threads["omp_wait_policy"],

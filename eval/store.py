@@ -143,6 +143,10 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
     "load_1m": ("float | null", "1-minute load average when the sample finished"),
     "torch_threads": ("int | null", "`torch.get_num_threads()` while the sample ran"),
     "cpu_count": ("int | null", "`os.cpu_count()` of the machine"),
+    "cpu_kernels": (
+        "str | null",
+        "torch's CPU dispatch level and the CPU's AVX-512/AMX bf16 and fp16 flags (`eval.machine.cpu_kernels`, e.g. `\"AVX512 avx512_bf16\"`): the kernels a bfloat16 run took",
+    ),
     "omp_num_threads": ("str | null", 'the OMP_NUM_THREADS environment variable (`""`: unset)'),
     "mkl_num_threads": ("str | null", 'the MKL_NUM_THREADS environment variable (`""`: unset)'),
     "omp_wait_policy": ("str | null", 'the OMP_WAIT_POLICY environment variable (`""`: unset)'),

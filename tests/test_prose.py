@@ -2194,6 +2194,122 @@ RULER_CATALOGUE_CLAIMS = [
 ]
 
 
+# ------------------------------------------- RULER's vt, cwe and fwe for the catalogue (Qwen, fp32)
+RULER_V2 = "**RULER's vt, cwe and fwe for the catalogue**"
+RULER_V2_FOLDER = "ruler_v2"
+RULER_V2_TASKS = RULER_TASKS[8:]
+RULER_V2_METHODS = {label: spec for label, spec in RULER_CATALOGUE_METHODS.items() if label != "h2o"}
+
+
+@functools.cache
+def ruler_v2_all() -> pd.DataFrame:
+    """Every committed row of results/ruler_v2, one frame per catalogue config (`config_label`)."""
+    parts = [
+        config(RULER_V2_FOLDER, QWEN, method, **params).assign(config_label=label, ok=True)
+        for label, (method, params) in RULER_V2_METHODS.items()
+    ]
+    return pd.concat(parts)
+
+
+def ruler_v2_per_task() -> int:
+    """The samples per task every config ran: indices 0..k-1 of each of the three tasks."""
+    df = ruler_v2_all()
+    ran = df.groupby(["config_label", "ruler_task"])["ruler_index"].agg(lambda s: set(s.astype(int)))
+    assert len(ran) == len(RULER_V2_METHODS) * len(RULER_V2_TASKS), "a config lacks a task"
+    k = 0
+    while all(k in indices for indices in ran):
+        k += 1
+    return k
+
+
+@functools.cache
+def ruler_v2() -> pd.DataFrame:
+    """The rows on the samples every config ran (so every comparison is paired)."""
+    df = ruler_v2_all()
+    return df[df["ruler_index"].astype(int) < ruler_v2_per_task()]
+
+
+def ruler_v2_shape() -> tuple:
+    """Samples per task; every row fp32, 4K, today's generator; configs that ran."""
+    df = ruler_v2()
+    assert set(df["dtype"]) == {"float32"} and set(df["ruler_length"].astype(int)) == {4096}
+    assert set(df["ruler_task"]) == set(RULER_V2_TASKS)
+    per = df.groupby(["config_label", "ruler_task"]).size()
+    assert per.nunique() == 1
+    return int(per.iloc[0]), df["sample_id"].nunique(), len(RULER_V2_METHODS)
+
+
+def ruler_v2_means(label: str) -> pd.Series:
+    return label_task_means(ruler_v2(), label, RULER_V2_TASKS)
+
+
+def ruler_v2_vs(label: str, baseline: str = "snapkv") -> str:
+    point, bounds = paired_in(ruler_v2(), label, baseline)
+    return f"{point:+.1f} {bounds}"
+
+
+def ruler_v2_row(label: str) -> list[str]:
+    """label | vt, cwe, fwe | suite average | minus SnapKV [95% CI] | minus the full cache."""
+    means = ruler_v2_means(label)
+    assert means.notna().all()
+    vs = ["—" if label == b else ruler_v2_vs(label, b) for b in ("snapkv", "full")]
+    return [label] + [f"{x:.0f}" for x in means] + [f"**{means.mean():.1f}**"] + vs
+
+
+RULER_V2_ROWS = [
+    Row(GALLERY, RULER_V2, label, functools.partial(ruler_v2_row, label)) for label in RULER_V2_METHODS
+]
+
+
+def ruler_v2_covers_zero(label: str, baselines=("snapkv", "full")) -> bool:
+    lo, hi = zip(*(interval(ruler_v2_vs(label, b)) for b in baselines if b != label))
+    return all(a <= 0 <= b for a, b in zip(lo, hi))
+
+
+def ruler_v2_voted() -> tuple:
+    """The selections a question in the window steers (and KVzip) within noise of SnapKV and the full cache."""
+    peers = ("chunkkv", "criticalkv", "tova", "kvzip")
+    assert all(ruler_v2_covers_zero(label) for label in ("snapkv", *peers))
+    snap = ruler_v2_means("snapkv").mean()
+    spread = max(abs(ruler_v2_means(label).mean() - snap) for label in peers)
+    return snap, ruler_v2_means("full").mean(), ruler_v2_vs("snapkv", "full"), spread
+
+
+def ruler_v2_unvoted() -> tuple:
+    """StreamingLLM and the question-blind scores below SnapKV and the full cache, intervals below zero."""
+    labels = ("streamingllm", "knorm", "expected_attention", "adakv_expected_attention")
+    assert all(interval(ruler_v2_vs(label, b))[1] < 0 for label in labels for b in ("snapkv", "full"))
+    return tuple(x for label in labels for x in (ruler_v2_means(label).mean(), ruler_v2_vs(label)))
+
+
+def ruler_v2_vt() -> tuple:
+    ea, full = ruler_v2_means("expected_attention"), ruler_v2_means("full")
+    return ea["vt"], ruler_v2_per_task(), full["vt"]
+
+
+RULER_V2_CLAIMS = [
+    Claim(
+        GALLERY,
+        "{} samples of each, the same {} generated prompts for all {} configs",
+        ruler_v2_shape,
+    ),
+    Claim(
+        GALLERY,
+        "SnapKV {:.1f} against the full cache's {:.1f} ({}), and ChunkKV, CriticalKV, TOVA and KVzip within {:.1f} "
+        "points of SnapKV's average, every one of their intervals against SnapKV and against the full cache "
+        "including zero",
+        ruler_v2_voted,
+    ),
+    Claim(
+        GALLERY,
+        "StreamingLLM {:.1f} ({}), KNorm {:.1f} ({}), Expected Attention {:.1f} ({}) and Expected Attention with "
+        "Ada-KV's head budgets {:.1f} ({}), each against SnapKV",
+        ruler_v2_unvoted,
+    ),
+    Claim(GALLERY, "Expected Attention scores {:.0f} on vt ({} samples; the full cache {:.0f})", ruler_v2_vt),
+]
+
+
 CATALOGUE_COST_ORDER = (
     "snapkv", "knorm", "tova", "chunkkv", "criticalkv", "expected_attention", "adakv_expected_attention", "kvzip",
 )  # fmt: skip
@@ -2545,6 +2661,8 @@ CHECKS = (
     + CATALOGUE_ROWS
     + RULER_CATALOGUE_ROWS
     + RULER_CATALOGUE_CLAIMS
+    + RULER_V2_ROWS
+    + RULER_V2_CLAIMS
     + PROTOCOL_ROWS
     + PROTOCOL_CLAIMS
     + CATALOGUE_CLAIMS

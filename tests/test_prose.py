@@ -2043,17 +2043,27 @@ def ruler_catalogue_means(label: str) -> pd.Series:
     return label_task_means(ruler_catalogue(), label, RULER_NIAH)
 
 
+def ruler_table_vs(df: pd.DataFrame, label: str, baseline: str = "snapkv") -> str:
+    """ "+1.2 [lo, hi]": the paired suite-average difference `label` - `baseline` over the RULER rows `df`."""
+    point, bounds = paired_in(df, label, baseline)
+    return f"{point:+.1f} {bounds}"
+
+
+def ruler_table_row(df: pd.DataFrame, label: str, tasks) -> list[str]:
+    """label | the `tasks`' means | suite average | minus SnapKV [95% CI] | minus the full cache."""
+    means = label_task_means(df, label, tasks)
+    assert means.notna().all()
+    vs = ["—" if label == b else ruler_table_vs(df, label, b) for b in ("snapkv", "full")]
+    return [label] + [f"{x:.0f}" for x in means] + [f"**{means.mean():.1f}**"] + vs
+
+
 def ruler_catalogue_vs(label: str, baseline: str = "snapkv") -> str:
-    point, interval = paired_in(ruler_catalogue(), label, baseline)
-    return f"{point:+.1f} {interval}"
+    return ruler_table_vs(ruler_catalogue(), label, baseline)
 
 
 def ruler_catalogue_row(label: str) -> list[str]:
     """label | the 8 needle tasks' means | suite average | minus SnapKV [95% CI] | minus the full cache."""
-    means = ruler_catalogue_means(label)
-    assert means.notna().all()
-    vs = ["—" if label == b else ruler_catalogue_vs(label, b) for b in ("snapkv", "full")]
-    return [label] + [f"{x:.0f}" for x in means] + [f"**{means.mean():.1f}**"] + vs
+    return ruler_table_row(ruler_catalogue(), label, RULER_NIAH)
 
 
 def ruler_catalogue_rows() -> list[Row]:
@@ -2244,16 +2254,12 @@ def ruler_v2_means(label: str) -> pd.Series:
 
 
 def ruler_v2_vs(label: str, baseline: str = "snapkv") -> str:
-    point, bounds = paired_in(ruler_v2(), label, baseline)
-    return f"{point:+.1f} {bounds}"
+    return ruler_table_vs(ruler_v2(), label, baseline)
 
 
 def ruler_v2_row(label: str) -> list[str]:
     """label | vt, cwe, fwe | suite average | minus SnapKV [95% CI] | minus the full cache."""
-    means = ruler_v2_means(label)
-    assert means.notna().all()
-    vs = ["—" if label == b else ruler_v2_vs(label, b) for b in ("snapkv", "full")]
-    return [label] + [f"{x:.0f}" for x in means] + [f"**{means.mean():.1f}**"] + vs
+    return ruler_table_row(ruler_v2(), label, RULER_V2_TASKS)
 
 
 RULER_V2_ROWS = [
@@ -2267,7 +2273,7 @@ def ruler_v2_covers_zero(label: str, baselines=("snapkv", "full")) -> bool:
 
 
 def ruler_v2_voted() -> tuple:
-    """The selections a question in the window steers (and KVzip) within noise of SnapKV and the full cache."""
+    """The selections scored by the prompt's own attention within noise of SnapKV and the full cache."""
     peers = ("chunkkv", "criticalkv", "tova", "kvzip")
     assert all(ruler_v2_covers_zero(label) for label in ("snapkv", *peers))
     snap = ruler_v2_means("snapkv").mean()

@@ -1591,22 +1591,24 @@ def catalogue_vs_snapkv() -> dict:
 
 # ------------------------------------------------------------------------ shared-context protocols
 SMOL_MODEL, QWEN_MODEL = "smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"
+# (results folder, model) -> the README table of its protocol rows
 PROTOCOL_ANCHORS = {
-    SMOL_MODEL: "**Compression loss per protocol** (SmolLM2",
-    QWEN_MODEL: "**Compression loss per protocol, Qwen2.5-Coder**",
+    ("protocols", SMOL_MODEL): "**Compression loss per protocol** (SmolLM2",
+    ("protocols", QWEN_MODEL): "**Compression loss per protocol, Qwen2.5-Coder**",
+    ("protocols_fp32", QWEN_MODEL): "**Compression loss per protocol, Qwen2.5-Coder, float32**",
 }
 
 
 @functools.cache
-def protocol_frame(model: str = SMOL_MODEL) -> pd.DataFrame:
-    frame = protocol_report.frame(prepare(all_rows("protocols")))
+def protocol_frame(model: str = SMOL_MODEL, folder: str = "protocols") -> pd.DataFrame:
+    frame = protocol_report.frame(prepare(all_rows(folder)))
     return frame[frame["model"] == model]
 
 
 @functools.cache
-def protocol_ok(model: str = SMOL_MODEL) -> pd.DataFrame:
+def protocol_ok(model: str = SMOL_MODEL, folder: str = "protocols") -> pd.DataFrame:
     """The rows of `protocol_frame` that ran and were scored."""
-    part = protocol_frame(model)
+    part = protocol_frame(model, folder)
     return part[part["ok"] & part["score"].notna()]
 
 
@@ -1617,11 +1619,13 @@ PROTOCOL_METHODS = (
 SHIFTS = ("context_only", "first_question", "multi_turn")
 
 
-def protocol_part(method: str, model: str = SMOL_MODEL) -> tuple[pd.DataFrame, str]:
+def protocol_part(
+    method: str, model: str = SMOL_MODEL, folder: str = "protocols"
+) -> tuple[pd.DataFrame, str]:
     """The ok rows of `method` and of the full cache with `model`, on the questions both answered
     under every protocol (so every cell of a README row rests on the same questions), and the
     method's `method_key`."""
-    ok = protocol_ok(model)
+    ok = protocol_ok(model, folder)
     (key,) = sorted(set(ok.loc[ok["method"] == method, "method_key"]))
     (full,) = sorted(set(ok.loc[ok["method"] == "full", "method_key"]))
     both = ok[ok["method_key"].isin({key, full})]
@@ -1630,16 +1634,16 @@ def protocol_part(method: str, model: str = SMOL_MODEL) -> tuple[pd.DataFrame, s
     return both[both["sample_id"].isin(set.intersection(*per))], key
 
 
-def protocol_row(method: str, model: str = SMOL_MODEL) -> list[str]:
-    return list(_protocol_row(method, model))
+def protocol_row(method: str, model: str = SMOL_MODEL, folder: str = "protocols") -> list[str]:
+    return list(_protocol_row(method, model, folder))
 
 
 @functools.cache
-def _protocol_row(method: str, model: str) -> tuple[str, ...]:
+def _protocol_row(method: str, model: str, folder: str) -> tuple[str, ...]:
     """method | questions | score x100 under each protocol | minus the full cache under query_aware
     [95% CI] | the shift of that loss to context_only, first_question and multi_turn [95% CI], as the
     report computes them (eval/protocol_report.py), on the questions of `protocol_part`."""
-    part, key = protocol_part(method, model)
+    part, key = protocol_part(method, model, folder)
     mine = part[part["method_key"] == key]
     scores = mine.groupby("protocol")["score"].mean().mul(100).reindex(PROTOCOLS)
     cells = [method, str(mine["sample_id"].nunique()), *(f"{x:.1f}" for x in scores)]
@@ -1654,30 +1658,30 @@ def _protocol_row(method: str, model: str) -> tuple[str, ...]:
     return tuple(cells)
 
 
-def protocol_methods(model: str) -> list[str]:
-    """PROTOCOL_METHODS with committed rows under every protocol for `model`, when the full cache has
-    them too (a README row needs both)."""
-    if not (RESULTS / "protocols").is_dir():
+def protocol_methods(model: str, folder: str = "protocols") -> list[str]:
+    """PROTOCOL_METHODS with committed rows under every protocol for `model` in `folder`, when the
+    full cache has them too (a README row needs both)."""
+    if not (RESULTS / folder).is_dir():
         return []
-    ran = rows("protocols").query("model == @model").groupby("method")["protocol"].nunique()
+    ran = rows(folder).query("model == @model").groupby("method")["protocol"].nunique()
     if ran.get("full", 0) != len(PROTOCOLS):
         return []
     return [m for m in PROTOCOL_METHODS if ran.get(m, 0) == len(PROTOCOLS)]
 
 
 def protocol_rows() -> list[Row]:
-    """One README row per method with rows under every protocol, per model."""
+    """One README row per method with rows under every protocol, per results folder and model."""
     return [
-        Row(GALLERY, anchor, f"{model} {m}", functools.partial(protocol_row, m, model))
-        for model, anchor in PROTOCOL_ANCHORS.items()
-        for m in protocol_methods(model)
+        Row(GALLERY, anchor, f"{folder} {model} {m}", functools.partial(protocol_row, m, model, folder))
+        for (folder, model), anchor in PROTOCOL_ANCHORS.items()
+        for m in protocol_methods(model, folder)
     ]
 
 
-def protocol_coverage(model: str = SMOL_MODEL) -> str:
+def protocol_coverage(model: str = SMOL_MODEL, folder: str = "protocols") -> str:
     """Contexts (questions) each method's rows cover, methods grouped by count: "full and snapkv 20
     contexts (80 questions) under each protocol; h2o 8-12 (the counts differ between protocols) ..."."""
-    df = rows("protocols").query("model == @model")
+    df = rows(folder).query("model == @model")
     (k,) = set(df["questions_in_context"].astype(int))  # questions per context
     per = df.groupby(["method", "protocol"])["context_id"].nunique().unstack("protocol")
     per = per.reindex(columns=list(PROTOCOLS)).fillna(0).astype(int)
@@ -1700,18 +1704,18 @@ def protocol_coverage(model: str = SMOL_MODEL) -> str:
     return "; ".join(parts)
 
 
-def protocol_dtype(model: str) -> str:
-    """The one dtype every protocol row of `model` ran in."""
-    (dtype,) = set(rows("protocols").query("model == @model")["dtype"])
+def protocol_dtype(model: str, folder: str = "protocols") -> str:
+    """The one dtype every protocol row of `model` in `folder` ran in."""
+    (dtype,) = set(rows(folder).query("model == @model")["dtype"])
     return dtype
 
 
 PROTOCOL_COLUMNS = ("method", "questions", *PROTOCOLS, "loss", *(f"shift_{p}" for p in SHIFTS))
 
 
-def pcell(method: str, column: str, model: str = SMOL_MODEL) -> str:
+def pcell(method: str, column: str, model: str = SMOL_MODEL, folder: str = "protocols") -> str:
     """One cell of `protocol_row` by its PROTOCOL_COLUMNS name."""
-    return protocol_row(method, model)[PROTOCOL_COLUMNS.index(column)]
+    return protocol_row(method, model, folder)[PROTOCOL_COLUMNS.index(column)]
 
 
 def full_by_protocol() -> tuple:
@@ -1776,9 +1780,11 @@ def paired_cell(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.Series, str]:
     return d, f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
-def protocol_versus(a: str, b: str, protocol: str = "query_aware", model: str = SMOL_MODEL) -> str:
+def protocol_versus(
+    a: str, b: str, protocol: str = "query_aware", model: str = SMOL_MODEL, folder: str = "protocols"
+) -> str:
     """Method `a` minus method `b` under `protocol`, paired (`paired_cell`)."""
-    ok = protocol_ok(model)
+    ok = protocol_ok(model, folder)
     ok = ok[ok["protocol"] == protocol].set_index("sample_id")
     return paired_cell(ok[ok["method"] == a], ok[ok["method"] == b])[1]
 
@@ -1810,11 +1816,11 @@ def qwen_context_only_recency() -> tuple:
     return (diff,)
 
 
-def reuse_later(method: str, model: str) -> tuple:
+def reuse_later(method: str, model: str, folder: str = "protocols") -> tuple:
     """Under first_question: the first question's score (equal to query_aware's, the same
     compression), then the later questions' score against query_aware's on the same questions
     (`paired_cell`), and their count."""
-    ok = protocol_ok(model)
+    ok = protocol_ok(model, folder)
     ok = ok[ok["method"] == method].set_index("sample_id")
     fq, qa = (ok[ok["protocol"] == p] for p in ("first_question", "query_aware"))
     fq, qa = fq.loc[fq.index.intersection(qa.index)], qa.loc[qa.index.intersection(fq.index)]
@@ -1829,6 +1835,81 @@ def reuse_later(method: str, model: str) -> tuple:
         cell,
         str(len(d)),
     )
+
+
+FP32 = "protocols_fp32"  # Qwen's protocol rows in float32, every config of the catalogue
+CATALOGUE_NAMES = {"kvzip": "KVzip", "chunkkv": "ChunkKV", "criticalkv": "CriticalKV", "tova": "TOVA",
+                   "knorm": "KNorm", "expected_attention": "Expected Attention",
+                   "adakv_expected_attention": "Ada-KV Expected Attention"}  # fmt: skip
+
+
+def qwen_dtypes_agree() -> tuple:
+    """Qwen: the answers both the bfloat16 (results/protocols) and float32 (results/protocols_fp32)
+    rows hold (same method, protocol and question), the methods both hold, how many predictions are
+    equal character for character, the methods equal on every answer, and the largest gap between
+    a method's mean score x100 in one dtype and in the other."""
+    key = ["method", "protocol", "sample_id"]
+    bf16, fp32 = (rows(f).query("model == @QWEN_MODEL") for f in ("protocols", FP32))
+    both = bf16[[*key, "prediction", "score"]].merge(fp32[[*key, "prediction", "score"]], on=key)
+    both["same"] = both["prediction_x"] == both["prediction_y"]
+    methods = [m for m in PROTOCOL_METHODS if m in set(both["method"])]
+    equal = both.groupby("method")["same"].all()
+    means = both.groupby("method")[["score_x", "score_y"]].mean().mul(100)
+    gap = (means["score_x"] - means["score_y"]).abs().max()
+    return (
+        str(len(both)),
+        ", ".join(methods),
+        str(int(both["same"].sum())),
+        ", ".join(m for m in methods if equal[m]) or "none",
+        f"{gap:.1f}",
+    )
+
+
+@functools.cache
+def fp32_vs_snapkv(protocol: str) -> dict[str, str]:
+    """Qwen float32: each catalogue method minus SnapKV under `protocol`, paired by question
+    (`paired_cell`), by method; "n" the questions every pair shares (the same for all)."""
+    ok = protocol_ok(QWEN_MODEL, FP32)
+    ok = ok[ok["protocol"] == protocol].set_index("sample_id")
+    got, shared = {}, set()
+    for m in CATALOGUE_NAMES:
+        d, got[m] = paired_cell(ok[ok["method"] == m], ok[ok["method"] == "snapkv"])
+        shared.add(len(d))
+    (got["n"],) = (str(n) for n in shared)
+    return got
+
+
+def fp32_cells(protocol: str) -> tuple:
+    got = fp32_vs_snapkv(protocol)
+    return (got["n"], *(got[m] for m in CATALOGUE_NAMES))
+
+
+def fp32_sides(protocol: str) -> tuple:
+    """The catalogue methods whose interval against SnapKV lies above zero, below it, and spans it."""
+    got = fp32_vs_snapkv(protocol)
+    sides: dict[str, list[str]] = {"above": [], "below": [], "spans": []}
+    for m, name in CATALOGUE_NAMES.items():
+        lo, hi = interval(got[m])
+        sides["above" if lo > 0 else "below" if hi < 0 else "spans"].append(name)
+    return tuple(", ".join(v) or "none" for v in sides.values())
+
+
+WINDOW_METHODS = ("snapkv", "pyramidkv", "adakv", "chunkkv", "criticalkv")
+
+
+def fp32_window_context_only() -> tuple:
+    """Qwen float32 under `context_only`: the methods ranking by the observation window's attention
+    answer exactly the same questions; how many, and that they are every question of some contexts
+    and none of the rest: the contexts answered, and the contexts."""
+    ok = protocol_ok(QWEN_MODEL, FP32)
+    ok = ok[(ok["protocol"] == "context_only") & ok["method"].isin(WINDOW_METHODS)]
+    right = {m: frozenset(g.loc[g["score"] > 0, "sample_id"]) for m, g in ok.groupby("method")}
+    assert set(right) == set(WINDOW_METHODS) and len(set(right.values())) == 1, right
+    (hit,) = set(right.values())
+    per = ok[ok["method"] == "snapkv"].assign(hit=lambda d: d["sample_id"].isin(hit))
+    per = per.groupby("context_id")["hit"].agg(["all", "any"])
+    assert (per["all"] == per["any"]).all()  # a context's questions come back together or not at all
+    return str(len(hit)), str(int(per["all"].sum())), str(len(per))
 
 
 PROTOCOL_CLAIMS = [
@@ -1894,6 +1975,43 @@ PROTOCOL_CLAIMS = [
         "Kept for the later questions (`first_question`), SnapKV's cache answers the first as under "
         "`query_aware` ({}), the later three {} against {} with their own compression ({}, {} questions)",
         lambda: reuse_later("snapkv", QWEN_MODEL),
+    ),
+    Claim(
+        GALLERY,
+        "Qwen2.5-Coder-0.5B at 2K, in {} ([protocols_fp32/](protocols_fp32/report.md)): {}.",
+        lambda: (protocol_dtype(QWEN_MODEL, FP32), protocol_coverage(QWEN_MODEL, FP32)),
+    ),
+    Claim(
+        GALLERY,
+        "Of the {} answers these rows share with the bfloat16 ones above (the same question, protocol and "
+        "method: {}), {} are identical character for character (every answer of {}), and no method's mean "
+        "score moves by more than {} points between the two",
+        qwen_dtypes_agree,
+    ),
+    *(
+        Claim(
+            GALLERY,
+            f"Each catalogue method minus SnapKV under `{protocol}` ({{}} questions, paired): KVzip {{}}, "
+            "ChunkKV {}, CriticalKV {}, TOVA {}, KNorm {}, Expected Attention {}, Ada-KV Expected Attention {}.",
+            functools.partial(fp32_cells, protocol),
+        )
+        for protocol in ("query_aware", "context_only")
+    ),
+    *(
+        Claim(
+            GALLERY,
+            f"Under `{protocol}`, ahead of SnapKV with the interval above zero: {{}}; behind it, the interval "
+            "below zero: {}; the interval containing zero: {}.",
+            functools.partial(fp32_sides, protocol),
+        )
+        for protocol in ("query_aware", "context_only")
+    ),
+    Claim(
+        GALLERY,
+        "Compressed without the question, the five methods that rank by the observation window's attention "
+        "(SnapKV, PyramidKV, Ada-KV, ChunkKV, CriticalKV) answer the same {} questions: every question of {} "
+        "contexts of {}, and none of the others.",
+        fp32_window_context_only,
     ),
 ]
 

@@ -1780,13 +1780,21 @@ def paired_cell(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.Series, str]:
     return d, f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
+def protocol_paired(
+    a: str, b: str, protocol: str = "query_aware", model: str = SMOL_MODEL, folder: str = "protocols"
+) -> tuple[pd.Series, str]:
+    """Method `a` minus method `b` under `protocol`, paired by question: `paired_cell`'s differences
+    and cell."""
+    ok = protocol_ok(model, folder)
+    ok = ok[ok["protocol"] == protocol].set_index("sample_id")
+    return paired_cell(ok[ok["method"] == a], ok[ok["method"] == b])
+
+
 def protocol_versus(
     a: str, b: str, protocol: str = "query_aware", model: str = SMOL_MODEL, folder: str = "protocols"
 ) -> str:
-    """Method `a` minus method `b` under `protocol`, paired (`paired_cell`)."""
-    ok = protocol_ok(model, folder)
-    ok = ok[ok["protocol"] == protocol].set_index("sample_id")
-    return paired_cell(ok[ok["method"] == a], ok[ok["method"] == b])[1]
+    """The cell of `protocol_paired`."""
+    return protocol_paired(a, b, protocol, model, folder)[1]
 
 
 def smol_recency() -> tuple:
@@ -1869,11 +1877,9 @@ def qwen_dtypes_agree() -> tuple:
 def fp32_vs_snapkv(protocol: str) -> dict[str, str]:
     """Qwen float32: each catalogue method minus SnapKV under `protocol`, paired by question
     (`paired_cell`), by method; "n" the questions every pair shares (the same for all)."""
-    ok = protocol_ok(QWEN_MODEL, FP32)
-    ok = ok[ok["protocol"] == protocol].set_index("sample_id")
     got, shared = {}, set()
     for m in CATALOGUE_NAMES:
-        d, got[m] = paired_cell(ok[ok["method"] == m], ok[ok["method"] == "snapkv"])
+        d, got[m] = protocol_paired(m, "snapkv", protocol, QWEN_MODEL, FP32)
         shared.add(len(d))
     (got["n"],) = (str(n) for n in shared)
     return got
@@ -1885,13 +1891,32 @@ def fp32_cells(protocol: str) -> tuple:
 
 
 def fp32_sides(protocol: str) -> tuple:
-    """The catalogue methods whose interval against SnapKV lies above zero, below it, and spans it."""
+    """The catalogue methods whose interval against SnapKV lies above zero, below it, and contains it."""
     got = fp32_vs_snapkv(protocol)
-    sides: dict[str, list[str]] = {"above": [], "below": [], "spans": []}
+    sides: dict[str, list[str]] = {"above": [], "below": [], "contains": []}
     for m, name in CATALOGUE_NAMES.items():
         lo, hi = interval(got[m])
-        sides["above" if lo > 0 else "below" if hi < 0 else "spans"].append(name)
+        sides["above" if lo > 0 else "below" if hi < 0 else "contains"].append(name)
     return tuple(", ".join(v) or "none" for v in sides.values())
+
+
+def fp32_claims(protocol: str) -> list[Claim]:
+    """The README's two sentences on the catalogue against SnapKV under `protocol`: the paired cells,
+    then which side of zero each interval lies."""
+    return [
+        Claim(
+            GALLERY,
+            f"Each catalogue method minus SnapKV under `{protocol}` ({{}} questions, paired): KVzip {{}}, "
+            "ChunkKV {}, CriticalKV {}, TOVA {}, KNorm {}, Expected Attention {}, Ada-KV Expected Attention {}.",
+            functools.partial(fp32_cells, protocol),
+        ),
+        Claim(
+            GALLERY,
+            f"Under `{protocol}`, ahead of SnapKV with the interval above zero: {{}}; behind it, the interval "
+            "below zero: {}; the interval containing zero: {}.",
+            functools.partial(fp32_sides, protocol),
+        ),
+    ]
 
 
 WINDOW_METHODS = ("snapkv", "pyramidkv", "adakv", "chunkkv", "criticalkv")
@@ -1988,24 +2013,7 @@ PROTOCOL_CLAIMS = [
         "score moves by more than {} points between the two",
         qwen_dtypes_agree,
     ),
-    *(
-        Claim(
-            GALLERY,
-            f"Each catalogue method minus SnapKV under `{protocol}` ({{}} questions, paired): KVzip {{}}, "
-            "ChunkKV {}, CriticalKV {}, TOVA {}, KNorm {}, Expected Attention {}, Ada-KV Expected Attention {}.",
-            functools.partial(fp32_cells, protocol),
-        )
-        for protocol in ("query_aware", "context_only")
-    ),
-    *(
-        Claim(
-            GALLERY,
-            f"Under `{protocol}`, ahead of SnapKV with the interval above zero: {{}}; behind it, the interval "
-            "below zero: {}; the interval containing zero: {}.",
-            functools.partial(fp32_sides, protocol),
-        )
-        for protocol in ("query_aware", "context_only")
-    ),
+    *(fp32_claims("query_aware") + fp32_claims("context_only")),
     Claim(
         GALLERY,
         "Compressed without the question, the five methods that rank by the observation window's attention "

@@ -6,7 +6,8 @@
     python run.py -m method=full,snapkv budget=256,512             # a sweep
     python run.py -m hydra/launcher=slurm model=mistral-7b-instruct-v0.2 task=longbench ...
 
-The work is done by `eval.runner.run(cfg)`; this file only turns bad input into one line on stderr
+The work is done by `eval.compare.run_with_compare(cfg)` (the run and its `compare` methods);
+this file only turns bad input into one line on stderr
 (`error: ...`, exit code 2) instead of a traceback, before any model loads: an unknown config
 group option (`method=bogus`) is refused before Hydra composes the config. A run whose samples all
 failed exits 1. In a sweep (`-m`) a bad point is recorded and the sweep goes on; after the last job
@@ -71,10 +72,9 @@ def check_group_options(args: list[str]) -> None:
 
 def _fail(message: str, code: int) -> None:
     """One line on stderr and exit `code`; in a sweep job: recorded, and the sweep goes on."""
-    from eval.callbacks import record_job_error
-    from eval.runner import _in_multirun
+    from eval.callbacks import in_multirun, record_job_error
 
-    if _in_multirun():
+    if in_multirun():
         record_job_error(message)
         logger.error("error: %s (this sweep point is skipped; the sweep goes on)", message)
         return
@@ -82,42 +82,13 @@ def _fail(message: str, code: int) -> None:
     sys.exit(code)
 
 
-def run_with_compare(cfg: DictConfig) -> None:
-    """The run, then its `compare` methods (eval/compare.py), every spec validated before any model
-    loads; one report at the end. In a sweep job: the job alone (a sweep names its methods)."""
-    from eval.compare import compare_configs
-    from eval.runner import AllSamplesFailed, _in_multirun, report_results, run
-    from eval.spec import RunSpec
-
-    if _in_multirun():
-        run(cfg, write_report=False)  # the sweep's callback writes it once, after the last job
-        return
-    specs = [RunSpec.from_config(c) for c in compare_configs(cfg)]
-    if len(specs) == 1:
-        run(specs[0])
-        return
-    logger.info(
-        "compare: %s, then %s on the same grid (compare=[] runs %s alone)",
-        specs[0].method.name, ", ".join(s.method.name for s in specs[1:]), specs[0].method.name,
-    )  # fmt: skip
-    failed: AllSamplesFailed | None = None
-    for spec in specs:
-        try:
-            run(spec, write_report=False)  # the report once, below, over every method's rows
-        except AllSamplesFailed as err:
-            failed = failed or err
-    if specs[0].report:
-        report_results(specs[0].results_dir)
-    if failed is not None:
-        raise failed
-
-
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
-    from eval.callbacks import clear_job_error
-    from eval.runner import AllSamplesFailed, _in_multirun
+    from eval.callbacks import clear_job_error, in_multirun
+    from eval.compare import run_with_compare
+    from eval.runner import AllSamplesFailed
 
-    if _in_multirun():
+    if in_multirun():
         clear_job_error()  # a rerun of the sweep: this point's earlier failure is not this run's
     try:
         run_with_compare(cfg)

@@ -18,11 +18,17 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 logger = logging.getLogger(__name__)
 
 JOB_ERROR_FILE = "error.txt"
+
+
+def in_multirun() -> bool:
+    """True inside a job of `python run.py -m ...`: the report is then written once, by ReportCallback."""
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def record_job_error(message: str) -> Path | None:
@@ -37,8 +43,6 @@ def record_job_error(message: str) -> Path | None:
 
 def clear_job_error() -> None:
     """Remove the current Hydra job's `error.txt` left by an earlier run of the same sweep dir."""
-    from hydra.core.hydra_config import HydraConfig
-
     if HydraConfig.initialized():
         (Path(HydraConfig.get().runtime.output_dir) / JOB_ERROR_FILE).unlink(missing_ok=True)
 

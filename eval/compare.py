@@ -9,6 +9,9 @@ Each compare method is its own job with its own results file (resumed like any r
 there are not recomputed); it takes `conf/method/<name>.yaml` as it is, so method-specific overrides
 on the command line (`method.window=16`) apply to the asked-for method only, and the shared
 `budget` to all. A sweep (`-m`) names its methods itself: there `compare` is ignored.
+
+`run_with_compare(cfg)` is what `python run.py` does: the run, then its compare methods, every spec
+validated before any model loads, one report at the end.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ import logging
 
 from omegaconf import DictConfig, ListConfig, open_dict
 
+from eval.callbacks import in_multirun
 from eval.conf import load_option, options
+from eval.runner import AllSamplesFailed, report_results, run
+from eval.spec import RunSpec
 
 logger = logging.getLogger(__name__)
 
@@ -52,3 +58,29 @@ def compare_configs(cfg: DictConfig) -> list[DictConfig]:
             other.method = load_option("method", name)
         configs.append(other)
     return configs
+
+
+def run_with_compare(cfg: DictConfig) -> None:
+    """The run, then its `compare` methods, every spec validated before any model loads; one report
+    at the end. In a sweep job: the job alone (a sweep names its methods)."""
+    if in_multirun():
+        run(cfg, write_report=False)  # the sweep's callback writes it once, after the last job
+        return
+    specs = [RunSpec.from_config(c) for c in compare_configs(cfg)]
+    if len(specs) == 1:
+        run(specs[0])
+        return
+    logger.info(
+        "compare: %s, then %s on the same grid (compare=[] runs %s alone)",
+        specs[0].method.name, ", ".join(s.method.name for s in specs[1:]), specs[0].method.name,
+    )  # fmt: skip
+    failed: AllSamplesFailed | None = None
+    for spec in specs:
+        try:
+            run(spec, write_report=False)  # the report once, below, over every method's rows
+        except AllSamplesFailed as err:
+            failed = failed or err
+    if specs[0].report:
+        report_results(specs[0].results_dir)
+    if failed is not None:
+        raise failed

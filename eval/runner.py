@@ -21,7 +21,7 @@ through a long prefill.
 
 Noise: each row records what the machine was doing while its sample ran (`eval.machine`):
 `other_cores` (cores other processes kept busy), `load_1m` and the thread settings, measured around
-`generate` (outside its timings). Timings in rows are bookkeeping; see eval/report.py's cost table.
+`generate` (outside its timings). Timings in rows are bookkeeping; see eval/report/build.py's cost table.
 
 Protocols (`protocol`, eval/protocols.py): `query_aware` and `context_only` run each sample on its
 own cache, as above. The shared protocols (`first_question`, `multi_request`, `multi_turn`) run a
@@ -55,17 +55,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from eval import protocols
+from eval.labels import method_label
 from eval.machine import CpuNoise, cpu_kernels, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
-from eval.report import method_label
 from eval.report import write_report as write_results_report
 from eval.spec import RunSpec, sample_seed
 from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, sha256_hex, shard, target_sha
@@ -564,8 +562,3 @@ def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
 def _label(spec: RunSpec) -> str:
     label = method_label(spec.method.name, spec.method.params())
     return label + protocols.label_suffix(spec.protocol)
-
-
-def _in_multirun() -> bool:
-    """True inside a job of `python run.py -m ...`: the report is then written once, by ReportCallback."""
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

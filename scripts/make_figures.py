@@ -35,6 +35,7 @@ from eval.analysis.observation import replot  # noqa: E402
 from eval.bench.report import plot  # noqa: E402
 from eval.plots import score_vs_budget  # noqa: E402
 from eval.store import ResultStore  # noqa: E402
+from eval.tables import column_order, md_table, slug  # noqa: E402
 
 DEFAULTS = dict(results="results", out="results/figures")
 
@@ -65,14 +66,14 @@ def table1(df: pd.DataFrame, out: Path) -> list[Path]:
     for model, part in lb.groupby("model", sort=True):
         per = part.groupby(["dataset", "config_label"])["score"].mean().mul(100).unstack()
         n = part.groupby(["dataset", "config_label"]).size().unstack()
-        order = report._column_order(part)
+        order = column_order(part)
         per, n = per[[c for c in order if c in per]], n[[c for c in order if c in n]]
         per.loc["Average"] = per.mean()
         per = per.round(2)
         counts = ", ".join(f"{c}: {int(v)}" for c, v in n.sum().items())
         sections.append(
             f"## {model}\n\nScores x100 (samples per config: {counts}).\n\n"
-            + report.md_table(
+            + md_table(
                 ["dataset", *per.columns], [[i, *row] for i, row in zip(per.index, per.values.tolist())]
             )
             + "\n"
@@ -81,7 +82,7 @@ def table1(df: pd.DataFrame, out: Path) -> list[Path]:
             per.to_latex(
                 float_format="%.2f",
                 caption=f"LongBench scores (x100), {model}",
-                label=f"tab:longbench-{report.slug(model)}",
+                label=f"tab:longbench-{slug(model)}",
             )
         )
     md = out / "table1_longbench.md"
@@ -143,7 +144,7 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
         if set(full["sample_id"]) == set(m["sample_id"]):  # a reference line only on the same samples
             m = pd.concat([m, full.drop_duplicates("sample_id").assign(line="full")])
         for y, label in (("score", "needle exact"), ("partial", "needle partial credit")):
-            path = out / f"{stem}_{report.slug(model)}{'' if y == 'score' else '_partial'}.png"
+            path = out / f"{stem}_{slug(model)}{'' if y == 'score' else '_partial'}.png"
             score_vs_budget(
                 m,
                 path,

@@ -1,66 +1,96 @@
-"""The layering, read from the source (every import statement, module-level or inside a function):
-`snapkv/` never imports `eval/`, and the harness (runner, report, store, tasks) never reaches the
-speed benchmark or the analyses, directly or through another module of `eval/`."""
+"""The layering, checked by import-linter's contracts (`.importlinter`: grimp reads every import
+statement, function-level ones included): `snapkv/` never imports `eval/`, `eval/` has no import
+cycle, the harness never reaches the speed benchmark or the analyses, the statistics and the labels
+are leaves, and task code never imports a report. And what the contracts cannot see: every module
+of `eval/` imports on its own, in any order, and the task registry loads a task only when asked."""
 
 from __future__ import annotations
 
-import ast
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
+EVAL_MODULES = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for p in (ROOT / "eval").rglob("*.py")
+    if p.name != "__main__.py"
+)
 
 
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _lint(cwd: Path, config: Path) -> subprocess.CompletedProcess:
+    code = (
+        "from importlinter.cli import lint_imports; "
+        f"raise SystemExit(lint_imports(config_filename={str(config)!r}, no_cache=True, no_logo=True))"
+    )
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module an import statement in `path` names (`from a.b import c` gives a.b and a.b.c)."""
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return out
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
-MODULES = {_module_name(p): p for d in ("snapkv", "eval") for p in (ROOT / d).rglob("*.py")}
+def test_the_import_contracts_are_kept():
+    res = _lint(ROOT, ROOT / ".importlinter")
+    assert res.returncode == 0, res.stdout + res.stderr
+    for contract in ("imports nothing from eval/", "No cycles in eval/", "never reaches", "are leaves"):
+        assert contract in res.stdout and "BROKEN" not in res.stdout
 
 
-def _reachable(start: str) -> set[str]:
-    """Project modules `start` imports, transitively (a package's import runs its __init__)."""
-    seen, todo = set(), [start]
-    while todo:
-        name = todo.pop()
-        if name in seen or name not in MODULES:
-            continue
-        seen.add(name)
-        for imported in _imports(MODULES[name]):
-            parts = imported.split(".")
-            todo.extend(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return seen
+def test_the_cycle_contract_sees_a_cycle_through_a_function_level_import(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg import b\n")
+    (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
+    config = tmp_path / ".importlinter"
+    config.write_text(
+        "[importlinter]\nroot_packages =\n    pkg\n\n"
+        "[importlinter:contract:acyclic]\nname = no cycles\ntype = acyclic_siblings\nancestors =\n    pkg\n"
+    )
+    res = _lint(tmp_path, config)
+    assert res.returncode == 1 and "BROKEN" in res.stdout, res.stdout + res.stderr
+    (pkg / "b.py").write_text("def f():\n    return 1\n")
+    assert _lint(tmp_path, config).returncode == 0
 
 
-def test_the_walk_sees_function_level_imports(tmp_path):
-    f = tmp_path / "m.py"
-    f.write_text("def f():\n    from eval.bench import run\n")
-    assert "eval.bench.run" in _imports(f) and "eval.bench" in _imports(f)
+def test_every_eval_module_imports_alone_in_any_order():
+    """Each module imported first into a process holding no other `eval` module (forward, then in
+    reverse order): a cycle held together by import order would fail one of them."""
+    res = _python(
+        f"""
+        import importlib, sys
+        names = {EVAL_MODULES!r}
+        for order in (names, names[::-1]):
+            for name in order:
+                for loaded in [m for m in sys.modules if m == "eval" or m.startswith("eval.")]:
+                    del sys.modules[loaded]
+                importlib.import_module(name)
+        print(len(names))
+        """
+    )
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout) == len(EVAL_MODULES) > 50
 
 
-@pytest.mark.parametrize("name", sorted(n for n in MODULES if n.startswith("snapkv")))
-def test_snapkv_never_imports_eval(name):
-    bad = sorted(m for m in _imports(MODULES[name]) if m == "eval" or m.startswith("eval."))
-    assert not bad, f"{name} imports {bad}"
-
-
-@pytest.mark.parametrize("start", ["eval.runner", "eval.report", "eval.store", "eval.tasks", "eval.spec"])
-def test_the_harness_never_reaches_the_benchmark_or_the_analyses(start):
-    reached = _reachable(start)
-    assert start in reached and "eval.tasks.registry" in _reachable("eval.tasks")
-    bad = sorted(m for m in reached if m.startswith(("eval.bench", "eval.analysis")))
-    assert not bad, f"{start} reaches {bad}"
+def test_the_task_registry_loads_a_task_only_when_asked_and_never_its_report():
+    res = _python(
+        """
+        import sys
+        from eval.tasks import TASKS, REPORTS, task_class, task_report
+        loaded = lambda: sorted(m for m in sys.modules if m.startswith("eval.tasks.") and m.count(".") > 2)
+        assert loaded() == [], loaded()
+        assert task_class("needle").__name__ == "NeedleTask"
+        assert "eval.tasks.needle.task" in sys.modules and "eval.tasks.ruler.task" not in sys.modules
+        reports = [m for m in sys.modules if m.startswith("eval.") and (m.endswith(".report") or ".report." in m)]
+        assert not reports and "matplotlib" not in sys.modules, reports
+        assert task_report("needle").__name__ == "NeedleReport"
+        assert isinstance(TASKS["needle"], type) and isinstance(REPORTS["needle"], type)
+        assert isinstance(TASKS["ruler"], str)
+        print("ok")
+        """
+    )
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr

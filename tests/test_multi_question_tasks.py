@@ -21,6 +21,7 @@ from hydra import compose, initialize_config_dir
 from eval.spec import RunSpec
 from eval.tasks import build_task
 from eval.tasks import haystack as hs
+from eval.tasks.kv_retrieval.report import KVRetrievalReport
 from eval.tasks.kv_retrieval.task import (
     INSTRUCTION,
     KVRetrievalTask,
@@ -465,7 +466,7 @@ def test_question_table():
     assert body[0].startswith("| full | 512 | 100.00 | 100.00 | 100.00 | 100.00 |")
     assert body[1].startswith("| snapkv") and body[1].endswith("| 100.00 | 0.00 | 0.00 | 33.33 |")
     assert question_tables(df.drop(columns=["context_id"]), "context_length") == []
-    assert KVRetrievalTask.report_tables(df) == [table]
+    assert KVRetrievalReport.tables(df) == [table]
 
 
 # ------------------------------------------------------------------------------------- end to end

@@ -1,4 +1,4 @@
-"""Paired comparisons (eval/paired.py): the tests against scipy and a hand computation, and the
+"""Paired comparisons (eval/stats.py, eval/report/paired.py): the tests against scipy and a hand computation, and the
 report's "Paired comparisons" section, paired.csv and flips.csv built from stored rows."""
 
 import math
@@ -9,7 +9,7 @@ import pytest
 from scipy.stats import binomtest, bootstrap
 from test_report import SNAP, base_row, write
 
-from eval import paired
+from eval import stats
 from eval.report import build_report
 from eval.store import sample_keys, sha256_hex, target_sha
 
@@ -17,7 +17,7 @@ from eval.store import sample_keys, sha256_hex, target_sha
 def test_mcnemar_is_scipys_binomial_test_of_the_discordant_pairs():
     baseline = np.array([1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 1, 1])
     config = np.array([1, 0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 1])  # broke 5, fixed 1, 12 pairs
-    c = paired.mcnemar(config, baseline)
+    c = stats.mcnemar(config, baseline)
     ref = binomtest(1, 6, 0.5)
     assert c.n == 12 and c.test == "mcnemar"
     assert c.diff == pytest.approx(100 * (1 - 5) / 12)
@@ -25,17 +25,17 @@ def test_mcnemar_is_scipys_binomial_test_of_the_discordant_pairs():
     ci = ref.proportion_ci(confidence_level=0.95, method="exact")
     assert (c.lo, c.hi) == pytest.approx((100 * (2 * ci.low - 1) * 6 / 12, 100 * (2 * ci.high - 1) * 6 / 12))
     assert c.lo <= c.diff <= c.hi
-    same = paired.mcnemar(baseline, baseline)  # no discordant pair
+    same = stats.mcnemar(baseline, baseline)  # no discordant pair
     assert (same.diff, same.lo, same.hi, same.p) == (0.0, 0.0, 0.0, 1.0)
     with pytest.raises(ValueError, match="n=0"):
-        paired.mcnemar(np.array([]), np.array([]))
+        stats.mcnemar(np.array([]), np.array([]))
 
 
 def test_bootstrap_of_one_stratum_agrees_with_scipys_paired_bootstrap():
     rng = np.random.default_rng(1)
     baseline = rng.uniform(0, 1, 40)
     config = np.clip(baseline - rng.normal(0.1, 0.2, 40), 0, 1)
-    c = paired.stratified_bootstrap(100 * (config - baseline), resamples=20000)
+    c = stats.stratified_bootstrap(100 * (config - baseline), resamples=20000)
     ref = bootstrap(
         (config, baseline),
         lambda a, b, axis: 100 * np.mean(a - b, axis=axis),
@@ -57,33 +57,33 @@ def test_bootstrap_resamples_within_strata_and_weighs_strata_equally():
     # Constant differences inside each stratum: resampling within strata changes nothing.
     diffs = np.array([10.0, 10.0, 0, 0, 0, 0, 0, 0])
     strata = ["a", "a", "b", "b", "b", "b", "b", "b"]
-    c = paired.stratified_bootstrap(diffs, strata)
+    c = stats.stratified_bootstrap(diffs, strata)
     assert c.diff == pytest.approx(5.0)  # mean of the stratum means, not the 2.5 of the samples
     assert c.lo == pytest.approx(5.0) and c.hi == pytest.approx(5.0)
-    unstratified = paired.stratified_bootstrap(diffs)
+    unstratified = stats.stratified_bootstrap(diffs)
     assert unstratified.diff == pytest.approx(2.5) and unstratified.hi - unstratified.lo > 1
     with pytest.raises(ValueError, match="one label per difference"):
-        paired.stratified_bootstrap(diffs, strata[:-1])
+        stats.stratified_bootstrap(diffs, strata[:-1])
 
 
 def test_holm_against_a_hand_computation():
     # m = 4 finite: sorted 0.005, 0.01, 0.03, 0.04 -> x4, x3, x2, x1 = 0.02, 0.03, 0.06, 0.04 ->
     # running max 0.02, 0.03, 0.06, 0.06.
-    got = paired.holm([0.01, 0.04, 0.03, math.nan, 0.005])
+    got = stats.holm([0.01, 0.04, 0.03, math.nan, 0.005])
     np.testing.assert_allclose(got, [0.03, 0.06, 0.06, math.nan, 0.02])
-    np.testing.assert_allclose(paired.holm([0.5, 0.9]), [1.0, 1.0])  # capped at 1
-    assert paired.holm([]).size == 0
+    np.testing.assert_allclose(stats.holm([0.5, 0.9]), [1.0, 1.0])  # capped at 1
+    assert stats.holm([]).size == 0
 
 
 def test_the_interval_is_withheld_below_the_minimum_n():
     base = np.array([1.0, 1, 1, 1, 1, 1])
     conf = np.array([0.0, 0, 0, 1, 1, 1])
-    at = paired.compare(conf[: paired.MIN_N], base[: paired.MIN_N])
-    assert at.n == paired.MIN_N and math.isfinite(at.lo) and math.isfinite(at.p)
-    below = paired.compare(conf[: paired.MIN_N - 1], base[: paired.MIN_N - 1])
-    assert below.n == paired.MIN_N - 1 and math.isnan(below.lo) and math.isnan(below.hi)
+    at = stats.compare(conf[: stats.MIN_N], base[: stats.MIN_N])
+    assert at.n == stats.MIN_N and math.isfinite(at.lo) and math.isfinite(at.p)
+    below = stats.compare(conf[: stats.MIN_N - 1], base[: stats.MIN_N - 1])
+    assert below.n == stats.MIN_N - 1 and math.isnan(below.lo) and math.isnan(below.hi)
     assert math.isnan(below.p) and below.diff == pytest.approx(-75.0)
-    graded = paired.compare(np.array([0.5, 0.2, 0.1, 0.3, 0.4]), np.array([0.6, 0.4, 0.3, 0.3, 0.9]))
+    graded = stats.compare(np.array([0.5, 0.2, 0.1, 0.3, 0.4]), np.array([0.6, 0.4, 0.3, 0.3, 0.9]))
     assert graded.test == "bootstrap" and math.isfinite(graded.lo)
 
 

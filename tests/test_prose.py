@@ -24,11 +24,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from eval import protocol_report
+from eval import stats
 from eval.bench.kvpress import summarise as kvpress_summarise
 from eval.bench.report import decode_step_ratios, default_clock, prefill_ratios, summarise_run
 from eval.protocols import PROTOCOLS
 from eval.report import prepare
+from eval.report import protocols as protocol_report
 from eval.store import ResultStore, canonical_json
 from eval.tasks.ruler.report import paired_differences
 
@@ -1569,7 +1570,7 @@ CATALOGUE_VS_SNAPKV = ("chunkkv", "kvzip", "tova", "adakv_expected_attention", "
 def catalogue_vs_snapkv() -> dict:
     """Each catalogue method minus SnapKV (exact score x100) on Qwen's needle cells both ran, as the
     needle report's paired table computes it (eval/paired.py): `method diff [lo, hi] (n, p)`."""
-    from eval.paired import paired_rows
+    from eval.report.paired import paired_rows
 
     df = prepare(rows("needle_methods"))
     part = df[df["model"] == QWEN]
@@ -1642,7 +1643,7 @@ def protocol_row(method: str, model: str = SMOL_MODEL, folder: str = "protocols"
 def _protocol_row(method: str, model: str, folder: str) -> tuple[str, ...]:
     """method | questions | score x100 under each protocol | minus the full cache under query_aware
     [95% CI] | the shift of that loss to context_only, first_question and multi_turn [95% CI], as the
-    report computes them (eval/protocol_report.py), on the questions of `protocol_part`."""
+    report computes them (eval/report/protocols.py), on the questions of `protocol_part`."""
     part, key = protocol_part(method, model, folder)
     mine = part[part["method_key"] == key]
     scores = mine.groupby("protocol")["score"].mean().mul(100).reindex(PROTOCOLS)
@@ -1776,7 +1777,7 @@ def paired_cell(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.Series, str]:
     and "+d [lo, hi]" with the report's bootstrap over whole contexts."""
     both = a.index.intersection(b.index)
     d = (a.loc[both, "score"] - b.loc[both, "score"]) * 100
-    lo, hi = protocol_report.paired_bootstrap(d.to_numpy(), a.loc[both, "context_id"].to_numpy())
+    lo, hi = stats.paired_bootstrap(d.to_numpy(), a.loc[both, "context_id"].to_numpy())
     return d, f"{d.mean():+.1f} [{lo:+.1f}, {hi:+.1f}]"
 
 
@@ -2079,7 +2080,7 @@ def context_only_at_8k() -> tuple:
 
 def context_only_kvzip_vs_snapkv() -> tuple:
     """KVzip minus SnapKV under `context_only` at 8K, as the needle report's paired table has it."""
-    from eval.paired import paired_rows
+    from eval.report.paired import paired_rows
 
     paired = paired_rows(prepare(rows("needle_context_only")))
     (r,) = paired[
@@ -2628,7 +2629,7 @@ def long_generation() -> dict:
     (eval/tasks/reasoning/report.py, eval/paired.py): pass@1 with its interval, problems, samples,
     output length over the full cache's, format share, and the difference from the full cache on
     the shared samples (all datasets) with its interval."""
-    from eval.paired import ALL, paired_rows
+    from eval.report.paired import ALL, paired_rows
     from eval.tasks.reasoning import report as rreport
 
     df = prepare(rows("long_generation"))

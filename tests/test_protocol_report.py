@@ -10,8 +10,9 @@ import pandas as pd
 import pytest
 from scipy.stats import bootstrap
 
-from eval import protocol_report
+from eval import stats
 from eval.report import build_report, prepare
+from eval.report import protocols as protocol_report
 from eval.store import ROW_FIELDS, ResultStore, config_hash, result_path
 
 MiB = 2**20
@@ -144,7 +145,7 @@ def test_compression_loss_is_paired_against_the_full_cache_under_the_same_protoc
     # multi_request minus full multi_request: 0, -100, -100, 0, 0, -100; query_aware's loss is 0
     assert (mr["n"], mr["loss"], mr["n_shift"], mr["shift"]) == (6, -50.0, 6, -50.0)
     diffs = np.array([0.0, -100.0, -100.0, 0.0, 0.0, -100.0])
-    assert (mr["low"], mr["high"]) == protocol_report.paired_bootstrap(diffs, ["c0"] * 3 + ["c1"] * 3)
+    assert (mr["low"], mr["high"]) == stats.paired_bootstrap(diffs, ["c0"] * 3 + ["c1"] * 3)
     md = protocol_report.compression_table(part, "askmany — m")
     assert (
         "| snapkv b=64 | multi_request | 6 | -50.00 |" in md
@@ -162,11 +163,11 @@ def test_compression_loss_is_paired_against_the_full_cache_under_the_same_protoc
 
 
 def test_paired_bootstrap_edge_cases():
-    assert protocol_report.paired_bootstrap(np.array([-20.0, -20.0, -20.0])) == (-20.0, -20.0)
-    assert all(math.isnan(v) for v in protocol_report.paired_bootstrap(np.array([5.0])))
-    assert all(math.isnan(v) for v in protocol_report.paired_bootstrap(np.array([5.0, 0.0]), ["c", "c"]))
+    assert stats.paired_bootstrap(np.array([-20.0, -20.0, -20.0])) == (-20.0, -20.0)
+    assert all(math.isnan(v) for v in stats.paired_bootstrap(np.array([5.0])))
+    assert all(math.isnan(v) for v in stats.paired_bootstrap(np.array([5.0, 0.0]), ["c", "c"]))
     d = np.array([0.0, -100.0, 0.0, -100.0, 100.0])
-    assert protocol_report.paired_bootstrap(d) == protocol_report.paired_bootstrap(d)  # seeded
+    assert stats.paired_bootstrap(d) == stats.paired_bootstrap(d)  # seeded
 
 
 def test_cluster_bootstrap_resamples_contexts_not_questions():
@@ -177,8 +178,8 @@ def test_cluster_bootstrap_resamples_contexts_not_questions():
         (diffs,), np.mean, n_resamples=9999, confidence_level=0.95, method="percentile",
         rng=np.random.default_rng(0),
     ).confidence_interval  # fmt: skip
-    assert protocol_report.paired_bootstrap(diffs) == pytest.approx((want.low, want.high))
-    clustered = protocol_report.paired_bootstrap(diffs, ["a"] * 4 + ["b"] * 4)
+    assert stats.paired_bootstrap(diffs) == pytest.approx((want.low, want.high))
+    clustered = stats.paired_bootstrap(diffs, ["a"] * 4 + ["b"] * 4)
     assert clustered == pytest.approx((-100.0, 0.0))  # two contexts: nothing narrower is supported
     assert clustered[0] < want.low and want.high < clustered[1]
 

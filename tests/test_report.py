@@ -11,12 +11,14 @@ import pandas as pd
 import pytest
 
 import eval.plots
-from eval import report
+from eval import labels
+from eval.labels import budget_of, method_label, quiet_defaults
 from eval.plots import needle_compare_figure, needle_heatmap, score_vs_budget, trained_context_position
-from eval.report import budget_of, main, method_label, quiet_defaults, slug
+from eval.report import build as report
+from eval.report import main
 from eval.store import ResultStore, config_hash, result_path
-from eval.tables import MIXED_NOTE
-from eval.tasks.needle.task import _score_metric
+from eval.tables import MIXED_NOTE, slug
+from eval.tasks.needle.report import _score_metric
 from snapkv import METHODS, Method, build_method
 from snapkv.methods.adakv import AdaKV
 from snapkv.methods.h2o import H2O
@@ -585,7 +587,7 @@ def test_quiet_defaults_are_the_declared_method_defaults(monkeypatch):
     monkeypatch.setitem(METHODS, "other", Other)
     assert "block_size" not in method_label("other", {"block_size": 64})
     assert "block_size=64" in method_label("h2o", {"block_size": 64})
-    monkeypatch.setattr(report, "QUIET_PARAMS", ("no_such_param",))
+    monkeypatch.setattr(labels, "QUIET_PARAMS", ("no_such_param",))
     with pytest.raises(ValueError, match="'no_such_param'"):
         quiet_defaults("h2o")
 

@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-import eval.report
+import eval.report.build
 import eval.runner as runner
 import run as run_module
 from eval.callbacks import sweep_errors
@@ -464,7 +464,7 @@ def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_pa
         return REAL_LOAD_MODEL(*args, **kwargs)
 
     reports = []
-    real_build = eval.report.build_report
+    real_build = eval.report.build.build_report
 
     def counting_build(results_dir, **kwargs):
         reports.append(results_dir)
@@ -472,7 +472,7 @@ def test_sequential_sweep_loads_the_model_once_and_reports_once(tiny_dir, tmp_pa
 
     monkeypatch.setattr(runner, "load_model", counting_load)
     monkeypatch.setattr(runner, "_LOADED", {})
-    monkeypatch.setattr(eval.report, "build_report", counting_build)
+    monkeypatch.setattr(eval.report.build, "build_report", counting_build)
     results = tmp_path / "results"
     args = [a for a in tiny_overrides(tiny_dir, results) if not a.startswith(("task.lengths", "report"))]
     monkeypatch.setattr(

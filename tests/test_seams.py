@@ -14,7 +14,16 @@ import pytest
 
 import snapkv.models
 from eval import provenance
-from eval.tasks import TASKS, Task, haystack, register_task
+from eval.tasks import (
+    TASKS,
+    Task,
+    TaskReport,
+    haystack,
+    register_report,
+    register_task,
+    task_class,
+    task_report,
+)
 from eval.tasks.longbench import task as longbench
 from eval.tasks.longbench.score import main as score_main
 from snapkv.errors import first_line, one_line
@@ -34,7 +43,7 @@ def test_task_registry_refuses_a_duplicate_name_and_a_non_task():
         match=r"'needle' is already registered by eval\.tasks\.needle\.task\.NeedleTask.*OtherNeedle",
     ):
         register_task(OtherNeedle)
-    assert TASKS["needle"].__name__ == "NeedleTask"
+    assert task_class("needle").__name__ == "NeedleTask"
 
     class NotATask:
         name = "not_a_task"
@@ -42,6 +51,23 @@ def test_task_registry_refuses_a_duplicate_name_and_a_non_task():
     with pytest.raises(ValueError, match="NotATask.*not a subclass of eval.tasks.base.Task"):
         register_task(NotATask)
     assert "not_a_task" not in TASKS
+
+
+def test_task_registry_is_lazy_and_reports_are_registered_apart():
+    class OtherReport(TaskReport):
+        pass
+
+    with pytest.raises(
+        ValueError,
+        match=r"report name 'needle' is already registered by eval\.tasks\.needle\.report\.NeedleReport",
+    ):
+        register_report("needle", OtherReport)
+    assert task_report("needle").__name__ == "NeedleReport"
+    assert task_report("no_such_task") is TaskReport  # rows of an unregistered task: generic tables
+    with pytest.raises(ValueError, match="not a subclass of eval.tasks.base.TaskReport"):
+        register_report("other", Task)
+    with pytest.raises(ValueError, match="unknown task 'bogus'; known tasks: kv_retrieval, longbench"):
+        task_class("bogus")
 
 
 def test_method_registry_refuses_a_duplicate_name_and_a_non_method():

@@ -13,7 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from test_multi_question_tasks import tok  # noqa: F401  (fixture: a tiny offline tokenizer)
 
-from eval.report import build_markdown, prepare
+from eval.report.build import build_markdown, prepare
 from eval.spec import RunSpec
 from eval.stats import seed_variance
 from eval.store import ROW_FIELDS

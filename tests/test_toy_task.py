@@ -1,5 +1,5 @@
-"""A task defined entirely in this file runs, stores, resumes and reports through the generic
-runner, store and report (none of which knows it)."""
+"""A task and its report defined entirely in this file run, store, resume and report through the
+generic runner, store and report (none of which knows them)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from omegaconf import OmegaConf, open_dict
 import eval.runner as runner
 from eval.report import main as report_main
 from eval.store import read_rows
-from eval.tasks import TASKS, ReportOptions, Sample, Task, register_task
+from eval.tasks import REPORTS, TASKS, ReportOptions, Sample, Task, TaskReport, register_report, register_task
 from tests import test_runner
 from tests.test_runner import CountingGenerate, make_cfg, result_files
 
@@ -26,7 +26,6 @@ class ToyTask(Task):
 
     name: ClassVar[str] = "toy"
     selection_keys: ClassVar[tuple[str, ...]] = ("n",)
-    report_section: ClassVar[str] = "Toy"
 
     n: int = 3
     word: str = "apple"
@@ -49,17 +48,23 @@ class ToyTask(Task):
     def score_all(self, sample, prediction):
         return {"length": min(1.0, len(prediction) / 100)}
 
+
+class ToyReport(TaskReport):
+    """The toy task's own section, table and plot."""
+
+    section: ClassVar[str] = "Toy"
+
     @classmethod
     def prepare_rows(cls, df):
         return df.assign(parity=pd.to_numeric(df["parity"], errors="coerce"))
 
     @classmethod
-    def report_tables(cls, df):
+    def tables(cls, df):
         counts = df.groupby("parity")["sample_id"].count()
         return ["### toy parity\n\n" + "\n".join(f"parity {int(k)}: {v} rows" for k, v in counts.items())]
 
     @classmethod
-    def report_plots(cls, df, options: ReportOptions):
+    def plots(cls, df, options: ReportOptions):
         path = options.out / "toy_plot.txt"  # any file: the task decides what its plots are
         path.write_text(f"{len(df)} ok rows\n")
         return [path]
@@ -68,8 +73,10 @@ class ToyTask(Task):
 @pytest.fixture
 def toy_registered():
     register_task(ToyTask)
+    register_report("toy", ToyReport)
     yield
     TASKS.pop("toy")
+    REPORTS.pop("toy")
 
 
 def toy_cfg(tiny_dir, results, n=3):
@@ -109,9 +116,11 @@ def test_rows_of_an_unregistered_task_get_the_generic_score_table(toy_registered
     results = tmp_path / "results"
     runner.run(toy_cfg(tiny_dir, results, n=2))
     TASKS.pop("toy")
+    REPORTS.pop("toy")
     try:
         assert report_main([str(results), "--no-plots"]) == 0
     finally:
         register_task(ToyTask)
+        register_report("toy", ToyReport)
     report = (results / "report.md").read_text()
     assert "## Scores" in report and "### toy — tiny-llama" in report and "| toy |" in report

@@ -1,9 +1,30 @@
-"""Tasks, registered by name (`task.name` in conf/task/*.yaml). Adding one: a file here with a
-`@register_task`ed subclass of `Task` (see eval/tasks/base.py), imported below, and
-`conf/task/<name>.yaml`."""
+"""Tasks, registered by name (`task.name` in conf/task/*.yaml). Adding one: a package here with a
+`Task` subclass (eval/tasks/base.py) in `task.py` and, for tables and plots of its own, a
+`TaskReport` subclass in `report.py`, both named in `eval.tasks.registry`'s tables (or registered at
+run time with `register_task` / `register_report`), and `conf/task/<name>.yaml`. Importing this
+package loads no task: the registry imports a task's module when it is first asked for."""
 
-from eval.tasks import kv_retrieval, longbench, needle, reasoning, ruler  # noqa: E402, F401, I001  (registration)
-from eval.tasks.base import ReportOptions, Sample, Task
-from eval.tasks.registry import TASKS, build_task, register_task, task_class
+from eval.tasks.base import ReportOptions, Sample, Task, TaskReport
+from eval.tasks.registry import (
+    REPORTS,
+    TASKS,
+    build_task,
+    register_report,
+    register_task,
+    task_class,
+    task_report,
+)
 
-__all__ = ["TASKS", "ReportOptions", "Sample", "Task", "build_task", "register_task", "task_class"]
+__all__ = [
+    "REPORTS",
+    "TASKS",
+    "ReportOptions",
+    "Sample",
+    "Task",
+    "TaskReport",
+    "build_task",
+    "register_report",
+    "register_task",
+    "task_class",
+    "task_report",
+]

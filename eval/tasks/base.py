@@ -6,12 +6,13 @@ instruction/question and any answer prefix). The split lets the generator run bo
 query-aware (context + question compressed together, SnapKV/LongBench) and query-agnostic (context
 compressed alone, question fed after compression, kvpress default).
 
-A task owns everything task-specific about its results (lm-eval's `process_results` /
-`aggregation`): the metadata columns of its rows (`row_metadata`), its metrics (`score`,
-`score_all`), the numeric types of its columns (`prepare_rows`), and its report tables and plots
-(`report_tables`, `report_plots`). The runner, the store and the report only call these hooks; the
-defaults below give any new task a per-dataset score table. Register a task with
-`eval.tasks.register_task`.
+A task owns everything task-specific about running and scoring (lm-eval's `process_results`): the
+metadata columns of its rows (`row_metadata`) and its metrics (`score`, `score_all`). What the
+report does with a task's rows (the numeric types of its columns, its tables and plots, its paired
+strata) is the task's `TaskReport`, in its own module (`eval/tasks/<benchmark>/report.py`) that no
+task code imports: running a task never loads the report's plotting. The runner, the store and the
+report only call these hooks; the `TaskReport` defaults give any new task a per-dataset score
+table. Register both with `eval.tasks.register_task` / `register_report`.
 """
 
 from __future__ import annotations
@@ -75,24 +76,13 @@ class Task:
     handling change; part of the results file's hash), `selection_keys` (config keys that only choose
     WHICH samples run, left out of the hash so a grid can grow without recomputing stored samples),
     `hash_defaults` (config keys added after results were stored, each with its default: left out
-    of the hash while they hold it, so the results of every earlier config keep their file),
-    `report_section` (heading of the report section holding `report_tables`), `budget_values`
-    (row columns the report draws against the KV budget, each with its axis name: `score` always;
-    a task adds a graded column, e.g. the needle's partial credit, where the main score is flat),
-    `paired_strata` (row columns within whose values the report's paired bootstrap resamples the
-    shared samples, and whose per-value means its pooled differences weigh equally, as the task's
-    own averages do: eval/paired.py) and `flip_columns` (row columns naming a sample in the flip
-    tables: what compression broke or fixed).
+    of the hash while they hold it, so the results of every earlier config keep their file).
     """
 
     name: ClassVar[str] = ""
     version: ClassVar[int | None] = None
     selection_keys: ClassVar[tuple[str, ...]] = ()
     hash_defaults: ClassVar[dict[str, Any]] = {}
-    report_section: ClassVar[str] = "Scores"
-    budget_values: ClassVar[dict[str, str]] = {"score": "score"}
-    paired_strata: ClassVar[tuple[str, ...]] = ("dataset",)
-    flip_columns: ClassVar[tuple[str, ...]] = ("dataset",)
 
     def hash_params(self, config: dict[str, Any]) -> dict[str, Any]:
         """The task config as it enters the config hash: minus `selection_keys`, and minus each
@@ -131,14 +121,34 @@ class Task:
         except `eval.store.TASK_FIELDS` (a generated sample's `task_seed`), which the task fills."""
         return dict(sample.extra)
 
-    # ---- reporting (class methods: a report is built from stored rows, without the task's config)
+
+class TaskReport:
+    """What the report does with one task's stored rows (class methods: a report is built from rows,
+    without the task's config). Subclass it in `eval/tasks/<benchmark>/report.py` and register it
+    under the task's name (`eval.tasks.register_report`); rows of a task without one get these
+    defaults.
+
+    Class attributes: `section` (heading of the report section holding `tables`), `budget_values`
+    (row columns the report draws against the KV budget, each with its axis name: `score` always;
+    a task adds a graded column, e.g. the needle's partial credit, where the main score is flat),
+    `paired_strata` (row columns within whose values the report's paired bootstrap resamples the
+    shared samples, and whose per-value means its pooled differences weigh equally, as the task's
+    own averages do: eval/report/paired.py) and `flip_columns` (row columns naming a sample in the
+    flip tables: what compression broke or fixed).
+    """
+
+    section: ClassVar[str] = "Scores"
+    budget_values: ClassVar[dict[str, str]] = {"score": "score"}
+    paired_strata: ClassVar[tuple[str, ...]] = ("dataset",)
+    flip_columns: ClassVar[tuple[str, ...]] = ("dataset",)
+
     @classmethod
     def prepare_rows(cls, df: pd.DataFrame) -> pd.DataFrame:
         """Derived / numeric task columns of this task's rows (a `eval.report.prepare`d frame)."""
         return df
 
     @classmethod
-    def report_tables(cls, df: pd.DataFrame) -> list[str]:
+    def tables(cls, df: pd.DataFrame) -> list[str]:
         """Markdown tables for this task's rows (all models); default: one score table per model."""
         return [
             score_table(part, f"{task} — {model}")
@@ -146,6 +156,6 @@ class Task:
         ]
 
     @classmethod
-    def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
+    def plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
         """Plots of this task's ok rows written into `options.out`; default: none."""
         return []

@@ -43,10 +43,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
-import pandas as pd
-
 from eval.tasks.base import Sample, Task
-from eval.tasks.multi_question import question_tables
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.task import fit
 from eval.tasks.seeds import generator_seeds, seed_suffix
@@ -159,10 +156,6 @@ class KVRetrievalTask(Task):
     # Which lengths, how many contexts and which generator seeds run: every context is drawn from
     # (seed, length, index).
     selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "samples", "seeds")
-    budget_values: ClassVar[dict[str, str]] = {"score": "string match", "partial": "partial credit"}
-    report_section: ClassVar[str] = "Key-value retrieval"
-    paired_strata: ClassVar[tuple[str, ...]] = ("context_length",)
-    flip_columns: ClassVar[tuple[str, ...]] = ("context_length", "question_index", "key_depth_percent")
 
     def __init__(
         self,
@@ -295,13 +288,3 @@ class KVRetrievalTask(Task):
 
     def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
         return {m: max((f(prediction, a) for a in sample.answers), default=0.0) for m, f in METRICS.items()}
-
-    # ---- report
-    @classmethod
-    def prepare_rows(cls, df: pd.DataFrame) -> pd.DataFrame:
-        cols = ("context_length", "question_index", "key_depth_percent")
-        return df.assign(**{c: pd.to_numeric(df[c], errors="coerce") for c in cols if c in df})
-
-    @classmethod
-    def report_tables(cls, df: pd.DataFrame) -> list[str]:
-        return question_tables(df, "context_length", title="string match")

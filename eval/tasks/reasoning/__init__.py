@@ -1,5 +1,2 @@
-"""Long-generation reasoning task (`task=reasoning`): eval/tasks/reasoning/task.py."""
-
-from eval.tasks.reasoning.task import ReasoningTask
-
-__all__ = ["ReasoningTask"]
+"""Long-generation reasoning (`task=reasoning`): the task (`task`), answer extraction (`answers`)
+and the report (`report`)."""

@@ -4,7 +4,7 @@ Per (model, decoding) one table, a row per method config (ok rows only):
 
 - pass@1 x100: the mean over problems of each problem's mean correctness over its samples (greedy:
   one sample, plain accuracy), with a 95% bootstrap interval over problems (`scipy.stats.bootstrap`,
-  percentile, seeded: eval/protocol_report.py's `paired_bootstrap` applied to the per-problem means;
+  percentile, seeded: eval/stats.py's `paired_bootstrap` applied to the per-problem means;
   n/a below two problems);
 - format %: outputs with a "Final answer:" line;
 - tokens: mean generated tokens (`new_tokens`), and `vs full`: Σ tokens / Σ the full cache's tokens
@@ -26,11 +26,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 
+from eval.labels import BUDGET_KEYS, method_label
+from eval.plots import reasoning_vs_budget
+from eval.stats import paired_bootstrap
 from eval.tables import cell, column_order, md_table, slug
+from eval.tasks.base import ReportOptions, TaskReport
 
 GREEDY = "greedy"
 NUMERIC = (
@@ -65,8 +70,6 @@ def prepare_rows(df: pd.DataFrame) -> pd.DataFrame:
 def pass_at_1(rows: pd.DataFrame) -> tuple[float, float, float, int]:
     """(pass@1, low, high, problems): mean over problems of the per-problem mean `score`, with its
     95% bootstrap interval over problems."""
-    from eval.protocol_report import paired_bootstrap  # lazy: eval.protocols imports eval.tasks
-
     per_problem = rows.groupby("prompt_key")["score"].mean().to_numpy(dtype=float)
     if len(per_problem) == 0:
         return math.nan, math.nan, math.nan, 0
@@ -165,9 +168,6 @@ def per_problem(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def plots(df: pd.DataFrame, out: Path) -> list[Path]:
-    from eval.plots import reasoning_vs_budget  # lazy: matplotlib
-    from eval.report import BUDGET_KEYS, method_label
-
     if df.empty or df["budget"].dropna().empty:
         return []
     problems = per_problem(df)
@@ -181,3 +181,20 @@ def plots(df: pd.DataFrame, out: Path) -> list[Path]:
         path = out / f"reasoning_vs_budget_{slug(model)}{suffix}.png"
         written.append(reasoning_vs_budget(part, path, title=f"reasoning: {model}, {decoding}"))
     return written
+
+
+class ReasoningReport(TaskReport):
+    section: ClassVar[str] = "Reasoning (long generation)"
+    budget_values: ClassVar[dict[str, str]] = {"score": "accuracy"}
+
+    @classmethod
+    def prepare_rows(cls, df: pd.DataFrame) -> pd.DataFrame:
+        return prepare_rows(df)
+
+    @classmethod
+    def tables(cls, df: pd.DataFrame) -> list[str]:
+        return tables(df)
+
+    @classmethod
+    def plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
+        return plots(df, options.out)

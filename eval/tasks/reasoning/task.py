@@ -41,11 +41,9 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, ClassVar
 
-import pandas as pd
-
-from eval.tasks.base import ReportOptions, Sample, Task
+from eval.tasks.base import Sample, Task
 from eval.tasks.jsonl import numbered_records
-from eval.tasks.reasoning import answers, report
+from eval.tasks.reasoning import answers
 from eval.tasks.registry import register_task
 
 VERSION = "1"
@@ -127,8 +125,6 @@ class ReasoningTask(Task):
     name: ClassVar[str] = "reasoning"
     version: ClassVar[str] = VERSION
     selection_keys: ClassVar[tuple[str, ...]] = ("samples", "limit")
-    report_section: ClassVar[str] = "Reasoning (long generation)"
-    budget_values: ClassVar[dict[str, str]] = {"score": "accuracy"}
 
     def __init__(
         self,
@@ -251,16 +247,3 @@ class ReasoningTask(Task):
         if sample.extra["verifier"] == "reasoning_gym":
             out["rg_reward"] = self._rg_reward(sample, answer)
         return out
-
-    # ---- report
-    @classmethod
-    def prepare_rows(cls, df: pd.DataFrame) -> pd.DataFrame:
-        return report.prepare_rows(df)
-
-    @classmethod
-    def report_tables(cls, df: pd.DataFrame) -> list[str]:
-        return report.tables(df)
-
-    @classmethod
-    def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
-        return report.plots(df, options.out)

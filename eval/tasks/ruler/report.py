@@ -14,21 +14,24 @@ each other, on the samples both ran (the same generated sample ids), suite avera
 other's with a 95% percentile interval from a
 bootstrap that resamples the shared samples within each task (the tasks stay fixed, as the suite
 average weighs them equally); a fixed seed, so the report rebuilds byte-identical. The interval is
-withheld ("n<5 per task") where a task has fewer than `eval.paired.MIN_N` shared samples.
+withheld ("n<5 per task") where a task has fewer than `eval.stats.MIN_N` shared samples.
 """
 
 from __future__ import annotations
 
 import textwrap
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from eval.paired import MIN_N, stratified_bootstrap
 from eval.plots import NEEDLE_CMAP, _save
-from eval.tables import md_table, slug
+from eval.stats import MIN_N, stratified_bootstrap
+from eval.tables import column_order, md_table, slug
+from eval.tasks.base import ReportOptions, TaskReport
+from eval.tasks.multi_question import question_tables
 from eval.tasks.ruler.config import QA_TASKS, TASKS
 
 
@@ -98,7 +101,7 @@ def paired_differences(
 ) -> list[list]:
     """Per (config, baseline) pair and length: [config, baseline, length, shared samples, fewest
     shared samples of a task, suite avg difference config - baseline, "[lo, hi]"] over the ok samples
-    both ran (a stratified bootstrap within task: module doc, `eval.paired.stratified_bootstrap`);
+    both ran (a stratified bootstrap within task: module doc, `eval.stats.stratified_bootstrap`);
     the interval is withheld ("n<5 per task") when a task has fewer than `MIN_N` shared samples, as
     resampling 2 samples within a task gives a degenerate interval. `rows`: one model's RULER rows
     with `sample_id`, `ruler_task`, `ruler_length`, `score`, `ok`, `config_label`."""
@@ -332,3 +335,18 @@ def ruler_compare(df: pd.DataFrame, out: Path, column_order) -> list[Path]:
         fig = ruler_compare_figure(m, labels, f"RULER — {model}: every config beside the full cache")
         written.append(_save(fig, out / f"ruler_compare_{slug(model)}.png"))
     return written
+
+
+class RulerReport(TaskReport):
+    section: ClassVar[str] = "RULER"
+    paired_strata: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
+    flip_columns: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
+
+    @classmethod
+    def tables(cls, df: pd.DataFrame) -> list[str]:
+        tables = ruler_tables(df, column_order)
+        return tables + question_tables(df, "ruler_length", title="separate questions")
+
+    @classmethod
+    def plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
+        return ruler_heatmaps(df, options.out) + ruler_compare(df, options.out, column_order)

@@ -76,13 +76,9 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
-import pandas as pd
-
-from eval.tables import column_order
-from eval.tasks.base import ReportOptions, Sample, Task
+from eval.tasks.base import Sample, Task
 from eval.tasks.haystack import check_haystack_name, load_haystack
 from eval.tasks.jsonl import numbered_records
-from eval.tasks.multi_question import question_tables
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.config import (
     FAMILIES,
@@ -325,9 +321,6 @@ class RulerTask(Task):
     # Which tasks / lengths / how many samples run, and where pre-generated files are read from,
     # choose samples (each sample id carries its record's hash), not one sample's output.
     selection_keys: ClassVar[tuple[str, ...]] = ("lengths", "tasks", "samples", "data_dir", "seeds")
-    report_section: ClassVar[str] = "RULER"
-    paired_strata: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
-    flip_columns: ClassVar[tuple[str, ...]] = ("ruler_task", "ruler_length")
     # Joined questions are RULER's task as it was before the switch existed: same hash and file.
     hash_defaults: ClassVar[dict[str, Any]] = {"separate_questions": False}
 
@@ -801,18 +794,3 @@ class RulerTask(Task):
     def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
         fam = family_of(sample.dataset)
         return {METRIC_NAMES[fam.metric]: self.score(sample, prediction)}
-
-    # ---- reporting (eval.tasks.ruler.report)
-    @classmethod
-    def report_tables(cls, df: pd.DataFrame) -> list[str]:
-        # Lazy: the report module draws with matplotlib, and every run imports this task.
-        from eval.tasks.ruler.report import ruler_tables
-
-        tables = ruler_tables(df, column_order)
-        return tables + question_tables(df, "ruler_length", title="separate questions")
-
-    @classmethod
-    def report_plots(cls, df: pd.DataFrame, options: ReportOptions) -> list[Path]:
-        from eval.tasks.ruler.report import ruler_compare, ruler_heatmaps  # lazy: matplotlib
-
-        return ruler_heatmaps(df, options.out) + ruler_compare(df, options.out, column_order)

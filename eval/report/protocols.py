@@ -32,15 +32,12 @@ import numpy as np
 import pandas as pd
 from matplotlib import colormaps
 from matplotlib.figure import Figure
-from scipy.stats import bootstrap
 
 from eval import protocols
 from eval.plots import DPI, natural_sorted, score_limits
+from eval.stats import CLUSTER_RESAMPLES, SEED, paired_bootstrap
 from eval.tables import cell, md_table, slug
 
-SEED = 0
-N_RESAMPLES = 9999
-CONFIDENCE = 0.95
 INTRO = (
     "`protocol` (eval/protocols.py): query_aware compresses each question with its context, "
     "context_only the context alone for each question; first_question (question 1 inside the "
@@ -142,36 +139,6 @@ def decay_table(part: pd.DataFrame, title: str) -> str:
 
 
 # ------------------------------------------------------------------------------------- reuse penalty
-def paired_bootstrap(diffs: np.ndarray, clusters=None, seed: int = SEED) -> tuple[float, float]:
-    """95% bootstrap interval of the mean of paired differences (percentile, `seed`); NaN for fewer
-    than 2 clusters. `clusters` (one label per difference, e.g. the context): resample whole
-    clusters and take the mean over their differences, as the questions of one context share its
-    haystack and, under the shared protocols, one compressed cache (they are not independent);
-    None: each difference its own cluster."""
-    diffs = np.asarray(diffs, dtype=float)
-    if clusters is None:
-        clusters = np.arange(len(diffs))
-    g = (
-        pd.DataFrame({"d": diffs, "c": np.asarray(clusters)})
-        .groupby("c", sort=True)["d"]
-        .agg(["sum", "size"])
-    )
-    if len(g) < 2:
-        return math.nan, math.nan
-    if np.all(diffs == diffs[0]):  # every resample has the same mean
-        return float(diffs[0]), float(diffs[0])
-    sums, sizes = g["sum"].to_numpy(float), g["size"].to_numpy(float)
-
-    def mean_of_clusters(s, n, axis=-1):
-        return s.sum(axis=axis) / n.sum(axis=axis)
-
-    res = bootstrap(
-        (sums, sizes), mean_of_clusters, paired=True, vectorized=True, n_resamples=N_RESAMPLES,
-        confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(seed),
-    )  # fmt: skip
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
-
-
 def _penalty(d: pd.Series, clusters: pd.Series | None = None) -> dict[str, float]:
     lo, hi = paired_bootstrap(d.to_numpy(), None if clusters is None else clusters.to_numpy())
     return {"n": len(d), "penalty": d.mean() if len(d) else math.nan, "low": lo, "high": hi}
@@ -236,7 +203,7 @@ def penalty_table(part: pd.DataFrame, title: str) -> str | None:
     return (
         f"### Reuse penalty — {title}\n\nScore x100 under the protocol minus under query_aware on the same "
         f"questions (paired by sample_id); 95% paired bootstrap interval resampling whole contexts "
-        f"({N_RESAMPLES} resamples, seed {SEED}: a context's questions are not independent). q≥2: the "
+        f"({CLUSTER_RESAMPLES} resamples, seed {SEED}: a context's questions are not independent). q≥2: the "
         "questions after the first.\n\n" + md_table(headers, rows, text_columns=2)
     )
 
@@ -322,7 +289,7 @@ def compression_table(part: pd.DataFrame, title: str) -> str | None:
         "protocol on the same questions (what compression costs, apart from what the protocol costs "
         "every cache), and the shift of that loss from query_aware to the protocol on the questions "
         f"all four runs share (negative: the cache kept entries for a question it is no longer asked); "
-        f"95% paired bootstrap intervals resampling whole contexts ({N_RESAMPLES} resamples, seed {SEED}).\n\n"
+        f"95% paired bootstrap intervals resampling whole contexts ({CLUSTER_RESAMPLES} resamples, seed {SEED}).\n\n"
         + md_table(headers, rows, text_columns=2)
     )
 

@@ -42,17 +42,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import pandas as pd
-from scipy.stats import binomtest
 
+from eval.stats import MIN_N, RESAMPLES, compare, holm
 from eval.store import has_content_hashes, sample_keys
 from eval.tables import cell, column_order, md_table
 
-MIN_N = 5
-RESAMPLES = 2000
-SEED = 0
-CONFIDENCE = 0.95
 BYTES_TOLERANCE = 0.01
 CORRECT_AT = 0.5
 FLIPS_LISTED = 6  # samples named per config and direction in report.md (all of them in flips.csv)
@@ -87,110 +82,6 @@ FLIP_COLUMNS = [
     "baseline_score",
     "score",
 ]
-
-
-# ---------------------------------------------------------------------------------------------- tests
-@dataclass(frozen=True)
-class Comparison:
-    """One paired comparison: difference x100 with its interval and p (NaN where withheld)."""
-
-    n: int
-    diff: float
-    lo: float
-    hi: float
-    p: float
-    test: str
-
-
-def mcnemar(config: np.ndarray, baseline: np.ndarray, confidence: float = CONFIDENCE) -> Comparison:
-    """Exact McNemar test of paired 0/1 scores `config` [n] and `baseline` [n] (module doc)."""
-    config, baseline = np.asarray(config, float), np.asarray(baseline, float)
-    n = len(config)
-    if n == 0:
-        raise ValueError("mcnemar needs at least one pair, got n=0")
-    fixed = int(((config == 1) & (baseline == 0)).sum())
-    broke = int(((config == 0) & (baseline == 1)).sum())
-    discordant = fixed + broke
-    diff = 100 * (fixed - broke) / n
-    if discordant == 0:
-        return Comparison(n, diff, 0.0, 0.0, 1.0, "mcnemar")
-    res = binomtest(fixed, discordant, 0.5)
-    ci = res.proportion_ci(confidence_level=confidence, method="exact")
-    # fixed / discordant = q  ->  (fixed - broke) / n = (2q - 1) * discordant / n
-    lo, hi = (100 * (2 * q - 1) * discordant / n for q in (ci.low, ci.high))
-    return Comparison(n, diff, lo, hi, float(res.pvalue), "mcnemar")
-
-
-def _stratum_mean(values: np.ndarray, codes: np.ndarray, n_strata: int) -> np.ndarray:
-    """Mean over strata of the per-stratum means of `values` [..., n] (`codes` [n]: 0..n_strata-1)."""
-    return np.mean([values[..., codes == s].mean(axis=-1) for s in range(n_strata)], axis=0)
-
-
-def stratified_bootstrap(
-    diffs: np.ndarray,
-    strata: Sequence | None = None,
-    resamples: int = RESAMPLES,
-    seed: int = SEED,
-    confidence: float = CONFIDENCE,
-) -> Comparison:
-    """Percentile bootstrap of the mean over strata of the per-stratum mean of `diffs` [n] (paired
-    differences, already x100 if wanted), resampling within each stratum (`strata` [n] labels; None:
-    one stratum). Strata are visited in sorted order with one generator seeded `seed`."""
-    diffs = np.asarray(diffs, float)
-    n = len(diffs)
-    if n == 0:
-        raise ValueError("stratified_bootstrap needs at least one difference, got n=0")
-    labels = np.zeros(n, dtype=int) if strata is None else np.asarray(pd.Series(list(strata)).astype(str))
-    if len(labels) != n:
-        raise ValueError(f"strata must have one label per difference, got {len(labels)} for n={n}")
-    _, codes = np.unique(labels, return_inverse=True)
-    k = int(codes.max()) + 1
-    rng = np.random.default_rng(seed)
-    idx = np.empty((resamples, n), dtype=int)
-    for s in range(k):
-        members = np.flatnonzero(codes == s)
-        idx[:, members] = rng.choice(members, size=(resamples, len(members)))
-    stats = _stratum_mean(diffs[idx], codes, k)
-    alpha = 1 - confidence
-    lo, hi = np.percentile(stats, [100 * alpha / 2, 100 * (1 - alpha / 2)])
-    point = float(_stratum_mean(diffs, codes, k))
-    tail = min(int((stats <= 0).sum()), int((stats >= 0).sum()))
-    p = min(1.0, 2 * (tail + 1) / (resamples + 1))
-    return Comparison(n, point, float(lo), float(hi), p, "bootstrap")
-
-
-def holm(pvalues: Sequence[float]) -> np.ndarray:
-    """Holm's step-down adjusted p-values (Holm 1979): sort the m p-values ascending, multiply the
-    i-th smallest (1-based) by m - i + 1, carry the running maximum forward, cap at 1. NaN entries
-    are left out of m and stay NaN."""
-    p = np.asarray(pvalues, float)
-    out = np.full(p.shape, np.nan)
-    finite = np.flatnonzero(~np.isnan(p))
-    m = len(finite)
-    if m == 0:
-        return out
-    order = finite[np.argsort(p[finite], kind="stable")]
-    adjusted = np.maximum.accumulate(np.minimum(1.0, (m - np.arange(m)) * p[order]))
-    out[order] = adjusted
-    return out
-
-
-def is_binary(*scores: np.ndarray) -> bool:
-    """Whether every score is 0 or 1 (then the exact McNemar test applies)."""
-    return all(np.isin(np.asarray(s, float), (0.0, 1.0)).all() for s in scores)
-
-
-def compare(config: np.ndarray, baseline: np.ndarray, strata: Sequence | None = None) -> Comparison:
-    """Config minus baseline x100 on paired scores in [0, 1] (`mcnemar` for 0/1 scores, else the
-    `stratified_bootstrap`), the interval and p withheld (NaN) below `MIN_N` pairs."""
-    config, baseline = np.asarray(config, float), np.asarray(baseline, float)
-    if is_binary(config, baseline):
-        c = mcnemar(config, baseline)
-    else:
-        c = stratified_bootstrap(100 * (config - baseline), strata)
-    if c.n < MIN_N:
-        return Comparison(c.n, c.diff, math.nan, math.nan, math.nan, c.test)
-    return c
 
 
 # ------------------------------------------------------------------------------------------ baselines

@@ -8,20 +8,20 @@ Writes into `--out` (default: RESULTS_DIR):
   (mean `scores["partial"]` x100 where present), and means over ok rows of input_tokens, kv_tokens,
   kv_bytes_full, kv_bytes, compression (kv_bytes / kv_bytes_full per row), prefill_s, ttft_s, tpot_s,
   peak_mem_bytes.
-- `report.md` (the CLI also prints it): each task's own tables (`Task.report_tables`, grouped under
-  the task's `report_section`: e.g. LongBench's score table with category means, the needle
+- `report.md` (the CLI also prints it): each task's own tables (`TaskReport.tables`, grouped under
+  the task's report `section`: e.g. LongBench's score table with category means, the needle
   accuracy per context length), a cost table (means of sizes and memory; MEDIANS of prefill / ttft
   / tpot with the median `other_cores` of the same rows beside them, and a line saying how loaded
   the machine was: those timings are bookkeeping), and the code versions the rows came from (a
   warning when they differ).
-- `paired.csv`, `flips.csv` and report.md's "Paired comparisons" section (eval/paired.py): every
+- `paired.csv`, `flips.csv` and report.md's "Paired comparisons" section (eval/report/paired.py): every
   compressed config minus the full cache and minus SnapKV at its budget on the samples both ran
   (matched by `prompt_sha` / `target_sha`, or by task, dataset and sample_id in rows without them),
   with n, a 95% interval, p and Holm's p; the samples compression broke or fixed.
-- each task's plots (`Task.report_plots`, e.g. `needle_<model>_<label>.png`) and
+- each task's plots (`TaskReport.plots`, e.g. `needle_<model>_<label>.png`) and
   `score_vs_budget_<task>.png` for tasks run at more than one budget.
 - where rows carry several question indices or protocols: a "Protocols" section and
-  `protocols_<task>_<model>.png` (eval/protocol_report.py: score per question, reuse penalty,
+  `protocols_<task>_<model>.png` (eval/report/protocols.py: score per question, reuse penalty,
   amortised cost).
 - report.md's last section, "Figures", lists the plots this report drew. A rebuild deletes the
   figures the previous report.md listed and this one no longer draws (a config whose rows left the
@@ -36,7 +36,6 @@ stderr) when there is nothing to report.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import math
@@ -48,86 +47,17 @@ from typing import Any
 
 import pandas as pd
 
-from eval import paired, protocol_report, protocols
+from eval import protocols
+from eval.labels import BUDGET_KEYS, budget_of, format_value, method_label
+from eval.report import paired
+from eval.report import protocols as protocol_report
 from eval.stats import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell
-from eval.tables import column_order as _column_order  # noqa: F401  (scripts/make_figures.py)
 from eval.tables import md_table, seed_tables, slug
-from eval.tasks import TASKS, ReportOptions, Task
-from snapkv import METHODS
+from eval.tasks import ReportOptions, TaskReport, task_report
 
 logger = logging.getLogger(__name__)
-
-# Parameter name -> short label key, in label order. Several spellings map to one key.
-_ABBREV: dict[str, str] = {
-    "budget": "b",
-    "max_capacity_prompt": "b",
-    "kv_budget": "b",
-    "compression_ratio": "r",
-    "ratio": "r",
-    "window_size": "w",
-    "window": "w",
-    "observation_window": "w",
-    "kernel_size": "k",
-    "sink_size": "s",
-    "n_sink": "s",
-    "num_sink_tokens": "s",
-    "sink_tokens": "s",
-}
-_KEY_ORDER = ("b", "r", "w", "k", "s")
-# Parameters shown by value only ("max" rather than "pooling=max") when the value is one of these.
-_BARE = {"pooling": ("max", "avg", "mean")}
-# Secondary parameters left out of the label at their default. The default is read from the
-# registered method dataclasses (`snapkv.METHODS`) where the parameter is declared, so the label
-# follows a changed default; a subclass that redeclares it with another default (Ada-KV's
-# short_prompt="clip" over PyramidKV's "uniform") shows it. Hiding one fixed value per parameter
-# never gives two different configs the same label.
-QUIET_PARAMS = (
-    "gqa_reduce",
-    "recent_ratio",
-    "evict_during_decode",
-    "normalize",
-    "block_size",
-    "positions",
-    "gqa_order",
-    "schedule",
-    "short_prompt",
-    "allocation",
-    "keep_last",
-    "skip_layers",
-    "prune_after",
-    "chunk_score",
-    "reuse_layers",
-)
-
-
-def _declared_defaults(names: tuple[str, ...], cls: type) -> dict[str, Any]:
-    """The defaults of `names` in method class `cls`, each read where it is first declared in its
-    MRO (the base-most class: Ada-KV's redeclared short_prompt="clip" is not PyramidKV's "uniform",
-    so it stays in Ada-KV's labels)."""
-    out = {}
-    for name in names:
-        owner = next((k for k in reversed(cls.__mro__) if name in vars(k).get("__annotations__", {})), None)
-        if owner is not None:
-            f = owner.__dataclass_fields__[name]
-            out[name] = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-    return out
-
-
-def quiet_defaults(method: str | None) -> dict[str, Any]:
-    """The secondary parameters left out of `method`'s labels, with the value at which they are
-    (`QUIET_PARAMS` at their declared defaults; {} for a method that is not registered). ValueError
-    for a quiet parameter no registered method declares."""
-    unknown = [n for n in QUIET_PARAMS if not any(n in c.__dataclass_fields__ for c in METHODS.values())]
-    if unknown:
-        raise ValueError(f"quiet parameters {unknown} are declared by no registered method")
-    cls = METHODS.get(method) if method else None
-    return _declared_defaults(QUIET_PARAMS, cls) if cls is not None else {}
-
-
-BUDGET_KEYS = ("budget", "max_capacity_prompt", "kv_budget")
-QUERY_AGNOSTIC_SUFFIX = " q-agnostic"
 
 SUMMARY_KEYS = ["task", "dataset", "model", "method", "label", "query_aware"]
 _MEAN_COLUMNS = [
@@ -156,81 +86,7 @@ SUMMARY_COLUMNS = SUMMARY_KEYS + [
 ]
 
 
-# ---------------------------------------------------------------------------------------------- labels
-def _fmt_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, float):
-        return str(int(v)) if v.is_integer() else f"{v:g}"
-    if isinstance(v, (list, tuple)):
-        return ",".join(_fmt_value(x) for x in v)
-    if isinstance(v, dict):
-        return json.dumps(v, sort_keys=True, separators=(",", ":"))
-    return str(v)
-
-
-def method_label(method: str | None, params: dict | None = None, query_aware: bool | None = None) -> str:
-    """Short readable label of a method config, e.g. `snapkv b=512 w=32 k=7 max` or `full`.
-
-    Known parameters get short keys in a fixed order (b=budget, r=ratio, w=window, k=kernel,
-    s=sinks), other parameters follow as `name=value` (sorted), `pooling` is shown by value last
-    (`max`/`avg`; `pooling=none` otherwise), a decode schedule as `decode=64,target=256`. None-valued parameters and secondary parameters at their
-    default (`quiet_defaults`, e.g. gqa_reduce=mean) are omitted. `query_aware=False` appends
-    " q-agnostic" (None/True: nothing).
-    """
-    params = params if isinstance(params, dict) else {}
-    quiet = quiet_defaults(method)
-    known: dict[str, str] = {}
-    other: list[str] = []
-    bare: list[str] = []
-    for name in sorted(params):
-        value = params[name]
-        if value is None or (name in quiet and value == quiet[name]):
-            continue
-        if name == "decode_schedule" and isinstance(value, dict):
-            other.append(_schedule_label(value))
-        elif name in _BARE and value in _BARE[name]:
-            bare.append(_fmt_value(value))
-        elif name in _ABBREV and _ABBREV[name] not in known:
-            known[_ABBREV[name]] = f"{_ABBREV[name]}={_fmt_value(value)}"
-        else:
-            other.append(f"{name}={_fmt_value(value)}")
-    parts = [str(method) if method not in (None, "") else "?"]
-    parts += [known[k] for k in _KEY_ORDER if k in known] + other + bare
-    label = " ".join(parts)
-    if query_aware is False:
-        label += QUERY_AGNOSTIC_SUFFIX
-    return label
-
-
-def _schedule_label(schedule: dict) -> str:
-    """A decode schedule as `decode=<interval>` plus its other set keys, e.g. `decode=64,target=256`
-    (snapkv.methods.base.DecodeSchedule; buffer 0 and null values are its defaults)."""
-    rest = [
-        f"{k}={_fmt_value(v)}"
-        for k, v in sorted(schedule.items())
-        if k != "interval" and v is not None and not (k == "buffer" and v == 0)
-    ]
-    return ",".join([f"decode={_fmt_value(schedule.get('interval'))}"] + rest)
-
-
-def budget_of(params: dict | None) -> float | None:
-    """The token budget in `params` (first of BUDGET_KEYS present), else None."""
-    if not isinstance(params, dict):
-        return None
-    for key in BUDGET_KEYS:
-        v = params.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            return float(v)
-    return None
-
-
 # ---------------------------------------------------------------------------------------- preparation
-def _task_class(task: str) -> type[Task]:
-    """The registered class of a task name; the generic `Task` (default tables) for unknown names."""
-    return TASKS.get(task, Task)
-
-
 # Row fields that change a config's output without being method parameters (they are in the
 # config hash): rows that share a label but differ here are different experiments.
 _RUN_FIELDS = {"dtype": "", "attn_impl": "", "prefill_chunk_size": "chunk="}
@@ -242,7 +98,7 @@ def _run_field_text(field: str, value: Any) -> str:
         value = "none" if field == "prefill_chunk_size" else "?"
     if field == "dtype":
         return _DTYPE_SHORT.get(str(value), str(value))
-    return f"{_RUN_FIELDS[field]}{_fmt_value(value)}"
+    return f"{_RUN_FIELDS[field]}{format_value(value)}"
 
 
 def _disambiguate_labels(df: pd.DataFrame) -> None:
@@ -258,7 +114,9 @@ def _disambiguate_labels(df: pd.DataFrame) -> None:
             continue
         part = df.loc[idx]
         fields = [
-            f for f in _RUN_FIELDS if f in part.columns and part[f].map(lambda v: _fmt_value(v)).nunique() > 1
+            f
+            for f in _RUN_FIELDS
+            if f in part.columns and part[f].map(lambda v: format_value(v)).nunique() > 1
         ]
         if fields:
             suffix = pd.Series(
@@ -276,7 +134,7 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
     ` q-agnostic` for context_only; both extended where two configs would share them,
     `_disambiguate_labels`), params_json, budget,
     ok, partial, compression, numeric versions of the metric columns, and each task's own columns
-    (`Task.prepare_rows`)."""
+    (`TaskReport.prepare_rows`)."""
     df = df.copy()
     for col in ("task", "dataset", "model", "method"):
         df[col] = df[col].map(
@@ -312,7 +170,7 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
             df[col] = pd.to_numeric(df[col], errors="coerce") if col in df.columns else math.nan
     full = df["kv_bytes_full"].where(df["kv_bytes_full"] > 0)
     df["compression"] = df["kv_bytes"] / full
-    parts = [_task_class(task).prepare_rows(part) for task, part in df.groupby("task", sort=False)]
+    parts = [task_report(task).prepare_rows(part) for task, part in df.groupby("task", sort=False)]
     return pd.concat(parts).loc[df.index] if parts else df
 
 
@@ -456,12 +314,12 @@ def code_versions(df: pd.DataFrame) -> tuple[str, bool]:
 
 
 def paired_reports(df: pd.DataFrame) -> list[paired.PairedReport]:
-    """Per (task, model): the paired comparisons and flips of its configs (eval/paired.py), with
+    """Per (task, model): the paired comparisons and flips of its configs (eval/report/paired.py), with
     the task's `paired_strata` and `flip_columns`."""
     out = []
     for (task, _), part in df.groupby(["task", "model"], sort=True):
-        cls = _task_class(task)
-        out.append(paired.task_model_report(part, cls.paired_strata, cls.flip_columns))
+        report = task_report(task)
+        out.append(paired.task_model_report(part, report.paired_strata, report.flip_columns))
     return out
 
 
@@ -475,10 +333,10 @@ def build_markdown(
         f"Results: `{results_dir}` — {len(df)} rows, {int(df['ok'].sum())} ok, {n_bad} not ok "
         "(error/oom rows are counted but excluded from score means).",
     ]
-    sections: dict[str, list[str]] = {Task.report_section: []}  # the generic "Scores" first
+    sections: dict[str, list[str]] = {TaskReport.section: []}  # the generic "Scores" first
     for task, part in df.groupby("task", sort=True):
-        cls = _task_class(task)
-        sections.setdefault(cls.report_section, []).extend(cls.report_tables(part) + seed_tables(part))
+        report = task_report(task)
+        sections.setdefault(report.section, []).extend(report.tables(part) + seed_tables(part))
     for heading, tables in sections.items():
         if tables:
             parts += ["", f"## {heading}", ""] + ["\n\n".join(tables)]
@@ -507,14 +365,14 @@ def build_markdown(
 
 # --------------------------------------------------------------------------------------------- plots
 def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None) -> list[Path]:
-    """Each task's plots (`Task.report_plots`, ok rows) and score-vs-budget per task run at >1 budget."""
+    """Each task's plots (`TaskReport.plots`, ok rows) and score-vs-budget per task run at >1 budget."""
     from eval.plots import score_vs_budget  # lazy: matplotlib; the runner imports this module
 
     written: list[Path] = []
     ok = df[df["ok"]]
     options = ReportOptions(out=out, trained_context=trained_context)
     for task, part in ok.groupby("task", sort=True):
-        written += _task_class(task).report_plots(part, options)
+        written += task_report(task).plots(part, options)
     written += protocol_report.plots(ok, out)
 
     for task, g in ok.groupby("task", sort=True):
@@ -528,7 +386,7 @@ def write_plots(df: pd.DataFrame, out: Path, trained_context: int | None = None)
         ]
         g = g.assign(line=[f"{mo}: {li}" if several_models else li for mo, li in zip(g["model"], line)])
         model = "" if several_models else f" ({g['model'].iloc[0]})"
-        for i, (value, name) in enumerate(_task_class(task).budget_values.items()):
+        for i, (value, name) in enumerate(task_report(task).budget_values.items()):
             if value not in g or g[value].isna().all():
                 continue
             # Macro average: mean per dataset first, then over datasets.

@@ -12,7 +12,7 @@ run-level config key `protocol` (conf/config.yaml) chooses:
 - `first_question`: per context, context + question 1 prefilled and compressed together (question 1
   is answered exactly as `query_aware` answers it), the cache checkpointed right after compression;
   each later question is rolled back to that checkpoint and fed as the next user turn after an empty
-  assistant turn (`snapkv.generation.next_turn_text`), answered, and rolled back again.
+  assistant turn (`snapkv.prompts.next_turn_text`), answered, and rolled back again.
 - `multi_request`: per context, the context compressed once (`compress_context`); each question fed,
   answered and rolled back (`answer`): the same forwards as `context_only`, with one prefill.
 - `multi_turn`: per context, the context compressed once; question 1 fed and answered; each later
@@ -30,7 +30,6 @@ Config hashes: `query_aware` and `context_only` hash as they did before the prot
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,17 +38,10 @@ import torch
 
 from eval.tasks import Sample
 from snapkv.cache import CompressedCache
-from snapkv.generation import (
-    PeakMemory,
-    answer,
-    chat_templated,
-    compress_context,
-    encode_prompt,
-    generate,
-    next_turn_text,
-    stop_token_ids,
-)
+from snapkv.forward import PeakMemory, clock
+from snapkv.generation import answer, compress_context, generate
 from snapkv.methods import Method
+from snapkv.prompts import chat_templated, encode_prompt, next_turn_text, stop_token_ids
 
 PROTOCOLS: tuple[str, ...] = ("query_aware", "context_only", "first_question", "multi_request", "multi_turn")
 # Protocols that compress a context once and ask all of its questions on that cache.
@@ -178,12 +170,6 @@ class Outcome:
     error: BaseException | None = None
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _cache_fields(cache: CompressedCache) -> dict[str, Any]:
     """The cache's size columns (as `GenerationResult` measures them after compression)."""
     kept = cache.kept_tokens()
@@ -229,9 +215,9 @@ class _Shared:
             self.tokenizer, chat_templated(self.tokenizer, self.chat_template)
         )
         with PeakMemory(self.device) as mem:
-            t0 = _clock(self.device)
+            t0 = clock(self.device)
             cache = compress_context(self.model, torch.tensor([ids]), self.method, chunk_size=self.chunk_size)
-            seconds = _clock(self.device) - t0
+            seconds = clock(self.device) - t0
         self.peak = int(mem.peak)
         self.shared.update(
             _cache_fields(cache), context_prefill_s=seconds, prefill_s=seconds, scoring_s=cache.scoring_s

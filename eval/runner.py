@@ -70,9 +70,9 @@ from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, sha256_hex, shard, 
 from eval.tasks import Sample, Task
 from snapkv import ProgressCallback, generate, generate_samples
 from snapkv.errors import first_line, one_line
-from snapkv.generation import render_prompt
 from snapkv.hub import cache_only_kwargs
 from snapkv.models import EMBEDDED, fetch_embedded, load_model
+from snapkv.prompts import render_prompt
 
 logger = logging.getLogger(__name__)
 

@@ -4,23 +4,23 @@ models, plus generation with timing and memory probes."""
 
 import snapkv.compat  # noqa: F401  (first: a transformers outside the supported range fails here)
 from snapkv.cache import CacheMark, CompressedCache, CompressibleLayer
+from snapkv.forward import prefill
 from snapkv.generation import (
     Answer,
     GenerationResult,
     ProgressCallback,
-    Sampling,
     answer,
     compress_context,
     generate,
     generate_ids,
     generate_samples,
-    prefill,
     sample_ids,
-    stop_token_ids,
 )
 from snapkv.headwise import HeadwiseLayer
 from snapkv.hooks import apply, hooks_installed, session
 from snapkv.methods import METHODS, Method, build_method, register
+from snapkv.prompts import stop_token_ids
+from snapkv.sampling import Sampling
 
 __all__ = [
     "METHODS",

@@ -12,7 +12,7 @@ What differs inside the range, and the shim for it:
 - `query_length(arg)`: a cache layer's `get_mask_sizes` receives the query count from 5.4 on and
   `cache_position` (`[q]`) in 5.2-5.3.
 - the forward kwarg that takes the cache (`cache` from 5.24, `past_key_values` before; 5.23 and
-  older silently ignore `cache=`): `snapkv.hooks.cache_kwarg` reads the model's signature.
+  older silently ignore `cache=`): `snapkv.forward.cache_kwarg` reads the model's signature.
 """
 
 from __future__ import annotations

@@ -1,4 +1,6 @@
 """Generation with KV-cache compression, timing and memory probes: greedy, or sampled with a seed.
+The pieces it composes live beside it: the prompt's text and tokens (`snapkv.prompts`), the token
+picker (`snapkv.sampling`), the forward step, prefill, clock and peak memory (`snapkv.forward`).
 
 `generate()` is the one call the harness makes per sample. The prefill runs through the model's own
 attention (sdpa / flash / eager) with `logits_to_keep=1` (never full-sequence logits), optionally
@@ -44,23 +46,18 @@ on the query-aware cache once the first answer is out).
 from __future__ import annotations
 
 import statistics
-import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
-import psutil
 import torch
-from transformers import Cache, LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
 from snapkv import hooks
 from snapkv.cache import CompressedCache
-from snapkv.hooks import Session, cache_kwarg, continuing_forward
+from snapkv.forward import PeakMemory, cache_kwarg, clock, prefill, stepper
 from snapkv.methods import Method, build_method
-
-# Chat end-of-turn tokens of common instruct models; used as stop tokens when in the vocabulary.
-CHAT_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+from snapkv.prompts import chat_templated, encode_prompt, stop_token_ids
+from snapkv.sampling import Sampling, TokenPicker
 
 
 class ProgressCallback(Protocol):
@@ -131,274 +128,6 @@ class GenerationResult:
         return d
 
 
-class PeakMemory:
-    """Peak memory over a block: the CUDA allocator peak on GPU, else the process RSS peak (sampled
-    every `interval` s in a thread; the OS's own ru_maxrss cannot be reset within a process)."""
-
-    def __init__(self, device: torch.device, interval: float = 0.005):
-        self.device, self.interval = device, interval
-        self.peak = 0
-
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            self._proc = psutil.Process()
-            self._stop = threading.Event()
-            self.peak = self._proc.memory_info().rss
-            self._thread = threading.Thread(target=self._sample, daemon=True)
-            self._thread.start()
-        return self
-
-    def _sample(self) -> None:
-        while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
-        else:
-            self._stop.set()
-            self._thread.join()
-            self.peak = max(self.peak, self._proc.memory_info().rss)
-
-
-def stop_token_ids(model, tokenizer) -> set[int]:
-    """The model's EOS id(s) and the chat end-of-turn tokens its tokenizer knows."""
-    ids: set[int] = set()
-    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
-        eos = getattr(src, "eos_token_id", None)
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, list | tuple):
-            ids.update(int(e) for e in eos)
-    vocab = tokenizer.get_vocab()
-    ids.update(vocab[t] for t in CHAT_END_TOKENS if t in vocab)
-    return ids
-
-
-def chat_templated(tokenizer, chat_template: bool) -> bool:
-    """Whether a prompt goes through the chat template: asked for, and the tokenizer has one."""
-    return bool(chat_template and getattr(tokenizer, "chat_template", None))
-
-
-def render_prompt(
-    tokenizer, content: str, chat_template: bool = True, history: Iterable[tuple[str, str]] = ()
-) -> str:
-    """The text the model sees: `content` as the last user turn of the tokenizer's chat template,
-    after the `history` (user, assistant) exchanges, with the generation prompt, when
-    `chat_templated(tokenizer, chat_template)`; else `content` itself (`history` then unused: raw
-    text has no turns)."""
-    if not chat_templated(tokenizer, chat_template):
-        return content
-    messages = []
-    for user, assistant in history:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-    messages.append({"role": "user", "content": content})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def prompt_token_ids(tokenizer, content: str, chat_template: bool = True) -> list[int]:
-    """Token ids of `render_prompt(tokenizer, content, chat_template)`: a templated text already
-    carries its special tokens, so only a raw prompt gets the tokenizer's own (e.g. BOS)."""
-    text = render_prompt(tokenizer, content, chat_template)
-    templated = chat_templated(tokenizer, chat_template)
-    return tokenizer(text, add_special_tokens=not templated, verbose=False)["input_ids"]
-
-
-def encode_prompt(tokenizer, context: str, question: str, chat_template: bool) -> tuple[list[int], list[int]]:
-    """Token ids of (context part, question part) of the prompt, chat template applied if asked.
-
-    The template wraps `context + question` as one user turn (`render_prompt`); the rendered text is
-    split where the context ends, so the question part carries the template's end-of-turn and
-    assistant header.
-    """
-    text = context + question
-    if chat_templated(tokenizer, chat_template):
-        rendered = render_prompt(tokenizer, text)
-        start = rendered.find(text)
-        if start < 0:  # templates that trim the content
-            start = rendered.find(text.strip())
-            context = context.lstrip()
-        if start < 0:
-            raise ValueError("the chat template changed the prompt text; cannot split context/question")
-        split = start + len(context)
-        head, tail = rendered[:split], rendered[split:]
-        ids_head = tokenizer(head, add_special_tokens=False).input_ids
-        ids_tail = tokenizer(tail, add_special_tokens=False).input_ids
-    else:
-        ids_head = tokenizer(context).input_ids  # the tokenizer's own BOS handling
-        ids_tail = tokenizer(question, add_special_tokens=False).input_ids if question else []
-    return ids_head, ids_tail
-
-
-def next_turn_text(
-    tokenizer, history: Sequence[tuple[str, str]], question: str, chat_template: bool = True
-) -> str:
-    """The text that asks `question` as the next user turn of a conversation the cache already holds.
-
-    `history`: the (user, assistant) exchanges so far, the last assistant text being what follows the
-    last generation prompt in the cache (the model's answer, or "" for an empty turn). The cache
-    holds the template's rendering of every exchange but the last, the last user turn with the
-    generation prompt, then that assistant text; this returns what the template renders beyond it
-    for the conversation continued by `question` (with the generation prompt): the assistant's
-    end-of-turn, the user turn, the next assistant header. E.g. ChatML with history
-    [(context + q1, "")] and q2: `<|im_end|>\n<|im_start|>user\nq2<|im_end|>\n<|im_start|>assistant\n`.
-
-    Without a chat template (not asked for, or the tokenizer has none): `"\n\n" + question`.
-    ValueError for an empty history, or a template whose rendering of the conversation does not
-    extend what it rendered for the turns so far (it rewrites earlier turns).
-    """
-    if not history:
-        raise ValueError("next_turn_text needs at least one earlier exchange, got history=[]")
-    if not (chat_template and getattr(tokenizer, "chat_template", None)):
-        return "\n\n" + question
-    messages = []
-    for user, assistant in history:
-        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
-    before = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-    after = tokenizer.apply_chat_template(
-        messages + [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
-    )
-    if not after.startswith(before):
-        raise ValueError(
-            "the chat template renders an earlier turn differently once the conversation goes on; "
-            f"cannot append the next turn (rendered so far: {before[-80:]!r})"
-        )
-    rest, reply = after[len(before) :], history[-1][1]
-    for text in (reply, reply.strip()):  # templates that trim the assistant's content
-        if rest.startswith(text):
-            return rest[len(text) :]
-    raise ValueError(
-        f"the chat template changed the assistant's text {reply[:80]!r}; cannot append the next turn"
-    )
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _chunks(n: int, chunk_size: int | None, min_last: int) -> list[tuple[int, int]]:
-    """[start, end) prefill chunks; the last one holds at least `min_last` tokens (SnapKV's window)."""
-    if not chunk_size or chunk_size >= n:
-        return [(0, n)]
-    if chunk_size <= 0:
-        raise ValueError(f"chunk_size must be positive, got chunk_size={chunk_size}")
-    bounds = list(range(0, n, chunk_size)) + [n]
-    spans = list(zip(bounds[:-1], bounds[1:]))
-    while len(spans) > 1 and spans[-1][1] - spans[-1][0] < min_last:
-        spans[-2:] = [(spans[-2][0], spans[-1][1])]
-    return spans
-
-
-def prefill(
-    model,
-    ids: torch.Tensor,
-    cache: Cache,
-    *,
-    session: Session | None = None,
-    chunk_size: int | None = None,
-    on_chunk: Callable[[int, int, Any], None] | None = None,
-    **model_kwargs: Any,
-) -> Any:
-    """Forward the prompt `ids` `[batch, n]` into `cache`, in chunks of `chunk_size` tokens (None:
-    one forward), with explicit `position_ids` continuing from `cache.get_seq_length()`,
-    `use_cache=True` and `logits_to_keep=1`; `model_kwargs` go to every forward (e.g.
-    `output_attentions=True`). Runs under the caller's grad mode.
-
-    session: the open compression `Session`; its phase is "prefill" for every chunk but the last
-    and "final" for the last (compression right after it), and the last chunk holds at least
-    `session.method.min_last_chunk` tokens (a shorter one merges into the one before); after the
-    last chunk the method's `after_prefill` runs on `ids` (`Session.after_prefill`; its wall time
-    in `cache.scoring_s`).
-    on_chunk(start, end, output): called after each chunk's forward (offsets into `ids`).
-    Returns the last chunk's model output (logits `[batch, 1, vocab]`).
-    """
-    batch, n = ids.shape
-    offset = cache.get_seq_length()
-    spans = _chunks(n, chunk_size, session.method.min_last_chunk if session is not None else 1)
-    kw = cache_kwarg(model)
-    for i, (a, b) in enumerate(spans):
-        if session is not None:
-            session.phase = "final" if i == len(spans) - 1 else "prefill"
-        pos = torch.arange(offset + a, offset + b, device=ids.device).unsqueeze(0).expand(batch, -1)
-        out = model(
-            input_ids=ids[:, a:b],
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **model_kwargs,
-            **{kw: cache},
-        )
-        if on_chunk is not None:
-            on_chunk(a, b, out)
-    if session is not None:
-        session.after_prefill(ids)
-    return out
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Random sampling instead of greedy decoding: the logits `[batch, vocab]` (fp32) go through
-    transformers' `TemperatureLogitsWarper(temperature)` then `TopPLogitsWarper(top_p)` (nucleus
-    sampling, Holtzman et al. 2020, https://arxiv.org/abs/1904.09751; the tokens kept are those
-    `model.generate(do_sample=True, temperature=..., top_p=...)` keeps), and one token per row is
-    drawn by `torch.multinomial` from the sample's own `torch.Generator`.
-
-    temperature: > 0 (1.0: the model's distribution); top_p: in (0, 1] (1.0: no nucleus cut).
-    """
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        t, p = self.temperature, self.top_p
-        if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
-            raise ValueError(f"temperature must be a number > 0, got temperature={t!r}")
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1], got top_p={p!r}")
-
-    def processors(self) -> LogitsProcessorList:
-        """The warpers in transformers' order (temperature first); neutral values are left out, as
-        `model.generate` leaves them out."""
-        procs = LogitsProcessorList()
-        if self.temperature != 1.0:
-            procs.append(TemperatureLogitsWarper(float(self.temperature)))
-        if self.top_p < 1.0:
-            procs.append(TopPLogitsWarper(float(self.top_p)))
-        return procs
-
-
-class TokenPicker:
-    """Picks the next token from last-position logits `[batch, vocab]` -> `[batch]`: argmax without
-    `sampling`; else the `Sampling` warpers and a draw from a `torch.Generator` on `device` seeded
-    with `seed` (every sample its own generator: the global RNG is never touched, so other code
-    drawing random numbers cannot shift a sample's tokens)."""
-
-    def __init__(self, sampling: Sampling | None, seed: int | None, device: torch.device):
-        if sampling is not None and seed is None:
-            raise ValueError("sampling needs a seed per sample, got seed=None")
-        self.sampling = sampling
-        self.processors = sampling.processors() if sampling is not None else None
-        self.generator = None
-        if sampling is not None:
-            self.generator = torch.Generator(device=device)
-            self.generator.manual_seed(int(seed))
-
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.sampling is None:
-            return logits.argmax(-1)
-        # The warpers ignore input_ids (temperature and top-p read only the scores).
-        no_ids = torch.empty((logits.shape[0], 0), dtype=torch.long, device=logits.device)
-        scores = self.processors(no_ids, logits.float())
-        probs = torch.softmax(scores, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
-
-
 @dataclass
 class Decoded:
     """What one decode loop produced (`_decode`): the tokens `[batch]` in order, each step's seconds
@@ -437,10 +166,10 @@ def _decode(
         finished |= torch.isin(token, stop)
         if bool(finished.all()):
             break
-        t = _now(device)
+        t = clock(device)
         out = forward(token[:, None])
         token = pick(out.logits[:, -1])
-        steps.append(_now(device) - t)
+        steps.append(clock(device) - t)
         generated.append(token)
         if logits is not None:
             logits.append(out.logits[:, -1].float().cpu())
@@ -558,16 +287,16 @@ def _generate(
 
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
-    forward = continuing_forward(model, cache, context_ids.shape[0])
+    forward = stepper(model, cache)
 
     def notify(stage: str, done: int, total: int) -> float:
         """Run the callback; return the seconds it took (device synchronized on both sides), which
         the caller takes off the clock when it ran between two timed forwards."""
         if on_progress is None:
             return 0.0
-        t = _now(device)
+        t = clock(device)
         on_progress(stage, done, total)
-        return _now(device) - t
+        return clock(device) - t
 
     context_len = context_ids.shape[1]
     paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
@@ -580,30 +309,30 @@ def _generate(
     decoded: list[tuple[Decoded, float, list[float], list[float]]] = []
     with hooks.session(model, method, cache) as s, PeakMemory(device) as mem:
         notify("prefill", 0, input_tokens)
-        t0 = _now(device)
+        t0 = clock(device)
         out = prefill(model, context_ids, cache, session=s, chunk_size=chunk_size, on_chunk=between_chunks)
-        prefill_s = _now(device) - t0 - paused
+        prefill_s = clock(device) - t0 - paused
         kept = cache.kept_tokens()
         kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
         kv_bytes_logical = cache.kv_bytes_logical()
         compressed = any(layer.compressed for _, layer in cache.compressible_layers())
         if on_compressed is not None:
-            t = _now(device)
+            t = clock(device)
             on_compressed(cache)
-            paused += _now(device) - t
+            paused += clock(device) - t
         s.phase = "decode"
         if question_ids is not None:
             paused += notify("prefill", context_len, input_tokens)
             out = forward(question_ids)
         first_logits = out.logits[:, -1]
-        prompt_s = _now(device) - t0 - paused  # the prompt's forwards, up to its last logits
+        prompt_s = clock(device) - t0 - paused  # the prompt's forwards, up to its last logits
         mark = cache.checkpoint() if len(pickers) > 1 else None  # off the clock: between samples
         for i, pick in enumerate(pickers):
             if i > 0:
                 cache.rollback(mark)
-            t = _now(device)
+            t = clock(device)
             token = pick(first_logits)
-            ttft_s = prompt_s + _now(device) - t
+            ttft_s = prompt_s + clock(device) - t
             if i == 0:
                 notify("prefill", input_tokens, input_tokens)
             notify("decode", 1, max_new_tokens)
@@ -750,37 +479,23 @@ def answer(
         raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={max_new_tokens}")
     device = model.device
     question_ids = question_ids.to(device)
-    batch = question_ids.shape[0]
     if question_ids.dim() != 2 or question_ids.shape[1] == 0:
         raise ValueError(f"question_ids must be [batch, q>=1], got shape {tuple(question_ids.shape)}")
     prompt_pads = next(
         (layer.prompt_pads for _, layer in cache.compressible_layers() if layer.prompt_pads is not None), None
     )
-    kw = cache_kwarg(model)
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
     pick = TokenPicker(sampling, seed, device)
     mark = cache.checkpoint() if rollback else None
     with hooks.session(model, method, cache) as s:
         s.phase = "decode"
-
-        def forward(ids: torch.Tensor):
-            start, q = cache.get_seq_length(), ids.shape[1]
-            pos = torch.arange(start, start + q, device=device).unsqueeze(0).expand(batch, -1)
-            extra = {}
-            if prompt_pads is not None:  # a padded row's real positions; its pads stay masked
-                pads = prompt_pads.to(device)
-                pos = pos - pads[:, None]
-                mask = (torch.arange(start + q, device=device)[None, :] >= pads[:, None]).long()
-                s.padding = extra["attention_mask"] = mask
-            return model(
-                input_ids=ids, position_ids=pos, use_cache=True, logits_to_keep=1, **extra, **{kw: cache}
-            )
+        forward = stepper(model, cache, prompt_pads=prompt_pads, session=s)
 
         try:
-            t0 = _now(device)
+            t0 = clock(device)
             out = forward(question_ids)
             token = pick(out.logits[:, -1])
-            ttft_s = _now(device) - t0
+            ttft_s = clock(device) - t0
             logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
             d = _decode(
                 forward, token, pick, max_new_tokens=max_new_tokens, stop=stop, device=device, logits=logits

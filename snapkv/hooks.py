@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -37,6 +35,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from snapkv import padding
 from snapkv.cache import CompressedCache, CompressibleLayer
+from snapkv.forward import cache_kwarg, clock, stepper
 from snapkv.methods.base import Method
 
 _ACTIVE: ContextVar[Session | None] = ContextVar("snapkv_session", default=None)
@@ -111,14 +110,14 @@ class Session:
         """Run `method.after_prefill` on the prefilled prompt `ids` `[batch, n]` (phase "score"
         meanwhile) and record its wall time (device synchronized) as `cache.scoring_s`."""
         model, cache = self.model, self.cache
-        forward = continuing_forward(model, cache, ids.shape[0])
+        forward = stepper(model, cache)
         phase, self.phase = self.phase, "score"
-        t0 = _clock(model.device)
+        t0 = clock(model.device)
         try:
             self.method.after_prefill(ids, cache, forward)
         finally:
             self.phase = phase
-        cache.scoring_s = _clock(model.device) - t0
+        cache.scoring_s = clock(model.device) - t0
 
     def scheduled_step(self, module, layer: CompressibleLayer, fed: int) -> None:
         """Count the `fed` tokens of a forward after the prefill; every `interval` tokens, run the
@@ -163,12 +162,6 @@ class Session:
             return None
         layer = cache.layers[idx]
         return layer if isinstance(layer, CompressibleLayer) else None
-
-
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def _fix_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, impl: str):
@@ -342,28 +335,6 @@ def suspended() -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
-
-
-def continuing_forward(model, cache, batch: int):
-    """`forward(ids)`: feed `ids` `[batch, q]` (moved to the model's device) on `cache`, positions
-    continuing from `cache.get_seq_length()`, logits of the last position only."""
-    kw, device = cache_kwarg(model), model.device
-
-    def forward(ids: torch.Tensor):
-        start = cache.get_seq_length()
-        pos = torch.arange(start, start + ids.shape[1], device=device).unsqueeze(0).expand(batch, -1)
-        return model(
-            input_ids=ids.to(device), position_ids=pos, use_cache=True, logits_to_keep=1, **{kw: cache}
-        )
-
-    return forward
-
-
-def cache_kwarg(model) -> str:
-    """The forward kwarg that takes the cache: `cache` from transformers 5.24, `past_key_values`
-    before (5.23 silently ignores `cache=` and builds its own: the one compatibility seam)."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 @contextlib.contextmanager

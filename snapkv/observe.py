@@ -57,8 +57,7 @@ from transformers import DynamicCache
 
 from snapkv.cache import full_attention_layers
 from snapkv.compat import layer_types
-from snapkv.generation import prefill
-from snapkv.hooks import cache_kwarg
+from snapkv.forward import cache_kwarg, prefill, step
 from snapkv.methods.base import pool
 
 
@@ -175,10 +174,8 @@ def record(
     original = model.config._attn_implementation
     t0 = time.perf_counter()
 
-    def decode(token: torch.Tensor, position: int):
-        pos = torch.arange(position, position + 1, device=device)[None]
-        return model(input_ids=token[None], position_ids=pos, use_cache=True, logits_to_keep=1,
-                     output_attentions=True, **{kw: cache})  # fmt: skip
+    def decode(token: torch.Tensor):  # positions continue from the cache: length + t at step t
+        return step(model, cache, token[None], output_attentions=True, cache_arg=kw)
 
     def pick(next_logits: torch.Tensor) -> torch.Tensor:
         logits = next_logits.float().clone()
@@ -217,7 +214,7 @@ def record(
             nxt = pick(out.logits[0, -1])
             for t in range(new_tokens):
                 gen[t] = nxt
-                out = decode(nxt.view(1), length + t)
+                out = decode(nxt.view(1))
                 for li, i in enumerate(layers):
                     gen_att[li, :, t] = out.attentions[i][0, :, 0, :prefix]
                 nxt = pick(out.logits[0, -1])

@@ -16,6 +16,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+import snapkv.forward as forward
 import snapkv.hooks as hooks
 
 
@@ -98,7 +99,7 @@ def masked_reference_logits(model, prompt_chunks: list[torch.Tensor], fed: list[
                     visible.update(records[i])
                 p = torch.arange(pos, pos + ids.shape[1], device=ids.device).unsqueeze(0)
                 out = model(
-                    input_ids=ids, position_ids=p, use_cache=True, **{hooks.cache_kwarg(model): cache}
+                    input_ids=ids, position_ids=p, use_cache=True, **{forward.cache_kwarg(model): cache}
                 )
                 pos += ids.shape[1]
                 outs.append(out.logits[:, -1].float())

@@ -29,8 +29,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 import snapkv
 import snapkv.methods.snapkv
 from snapkv import CompressedCache, build_method, generate_ids, prefill
+from snapkv.forward import cache_kwarg
 from snapkv.headwise import LAYOUTS
-from snapkv.hooks import cache_kwarg, session
+from snapkv.hooks import session
 from snapkv.methods import METHODS, Method, base, register
 from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
 from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS

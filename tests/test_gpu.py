@@ -33,7 +33,7 @@ from reference import masked_reference_logits, record_visible
 
 import snapkv
 from snapkv import METHODS, CompressedCache, build_method, generate_ids, prefill
-from snapkv.generation import PeakMemory
+from snapkv.forward import PeakMemory
 from snapkv.hooks import session
 
 HAS_CUDA = torch.cuda.is_available()

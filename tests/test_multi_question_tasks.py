@@ -36,7 +36,7 @@ from eval.tasks.needle.task import NEEDLES, NeedleTask
 from eval.tasks.ruler.config import FAMILIES
 from eval.tasks.ruler.task import RulerTask
 from eval.tasks.ruler.task import prompt_tokens as ruler_prompt_tokens
-from snapkv.generation import prompt_token_ids
+from snapkv.prompts import prompt_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (

@@ -28,7 +28,7 @@ from eval.tasks.needle.task import (
     word_recall,
 )
 from snapkv import pypi
-from snapkv.generation import prompt_token_ids, render_prompt
+from snapkv.prompts import prompt_token_ids, render_prompt
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -28,7 +28,8 @@ from transformers import DynamicCache
 
 import snapkv
 from snapkv import CompressedCache, build_method, generate_ids, prefill
-from snapkv.hooks import cache_kwarg, session
+from snapkv.forward import cache_kwarg
+from snapkv.hooks import session
 from snapkv.methods.adakv import head_budgets
 from snapkv.methods.chunkkv import ChunkKV
 

@@ -9,7 +9,7 @@ from conftest import random_ids, tiny_model
 
 import snapkv
 from snapkv import build_method
-from snapkv.hooks import cache_kwarg
+from snapkv.forward import cache_kwarg
 from snapkv.padding import left_pads
 
 NEW = 8

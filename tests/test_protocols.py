@@ -22,7 +22,7 @@ from eval.store import read_rows
 from eval.tasks import TASKS, Sample, Task, register_task
 from eval.tasks import haystack as hs
 from snapkv import build_method, generate
-from snapkv.generation import encode_prompt, next_turn_text, render_prompt
+from snapkv.prompts import encode_prompt, next_turn_text, render_prompt
 from tests import test_runner
 from tests.test_runner import _no_model_load, make_cfg, result_files, run_cli_in_process
 

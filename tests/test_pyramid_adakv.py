@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM, Gemma3TextConfig
 
 import snapkv.headwise as headwise
 from snapkv import CompressedCache, build_method, generate_ids, prefill
+from snapkv.forward import cache_kwarg
 from snapkv.headwise import HeadwiseLayer, segment_attention
-from snapkv.hooks import cache_kwarg, session
+from snapkv.hooks import session
 from snapkv.methods.adakv import head_budgets
 from snapkv.methods.pyramidkv import pyramid_budgets
 

@@ -18,7 +18,8 @@ from test_padding import left_padded
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from snapkv import CompressibleLayer, answer, build_method, compress_context, generate_ids
-from snapkv.hooks import cache_kwarg, session
+from snapkv.forward import cache_kwarg
+from snapkv.hooks import session
 
 PROMPT = 96  # the catalogue's budgets (40) evict from it
 NEW = 4

@@ -52,7 +52,7 @@ from eval.tasks.ruler.task import (
     render,
     split_input,
 )
-from snapkv.generation import encode_prompt
+from snapkv.prompts import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 CHATML = (

@@ -39,7 +39,7 @@ from eval.spec import RunSpec
 from eval.store import ResultStore, fields_missing, read_rows, result_path
 from eval.tasks import haystack as hs
 from eval.tasks.needle.task import NEEDLES, NeedleTask
-from snapkv.generation import render_prompt
+from snapkv.prompts import render_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

@@ -34,9 +34,10 @@ from omegaconf import OmegaConf
 
 from eval.tasks.needle.task import NeedleTask
 from snapkv import CompressedCache, build_method
-from snapkv.generation import encode_prompt, prefill
+from snapkv.forward import prefill
 from snapkv.hooks import session
 from snapkv.models import load_model
+from snapkv.prompts import encode_prompt
 
 log = logging.getLogger(__name__)
 

@@ -482,7 +482,7 @@ def needle_ids(tokenizer, length: int, haystack: str):
     import torch
 
     from eval.tasks.needle.task import NeedleTask
-    from snapkv.generation import prompt_token_ids
+    from snapkv.prompts import prompt_token_ids
 
     sample = next(iter(NeedleTask(haystack=haystack, lengths=[length], depths=[50.0]).samples(tokenizer)))
     return torch.tensor([prompt_token_ids(tokenizer, sample.prompt, sample.chat_template)])

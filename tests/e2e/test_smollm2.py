@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from snapkv import CompressedCache, build_method, generate, prefill
-from snapkv.generation import encode_prompt
 from snapkv.hooks import session
 from snapkv.models import fetch_embedded, load_model
+from snapkv.prompts import encode_prompt
 
 pytestmark = pytest.mark.slow
 

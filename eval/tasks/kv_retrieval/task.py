@@ -19,7 +19,7 @@ object).
 
 Sizing (RULER's, `eval.tasks.ruler.task.fit`): n is the largest count of filler pairs whose
 prompt, for every one of the K questions, fits the requested length L, measured as the generator
-encodes it (`snapkv.generation.encode_prompt`: chat template, BOS); the filler stream only grows
+encodes it (`snapkv.prompts.encode_prompt`: chat template, BOS); the filler stream only grows
 with n, so a longer prompt extends a shorter one. Every sample records its own prompt length
 (`actual_tokens`, <= L, within about one pair of it) and the object's size (`num_pairs`).
 
@@ -47,7 +47,7 @@ from eval.tasks.base import Sample, Task
 from eval.tasks.registry import register_task
 from eval.tasks.ruler.task import fit
 from eval.tasks.seeds import generator_seeds, seed_suffix
-from snapkv.generation import encode_prompt
+from snapkv.prompts import encode_prompt
 
 INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below.\n\n"
 QUESTION = '\n\nKey: "{key}"\nThe value associated with the specified key is:'

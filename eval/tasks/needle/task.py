@@ -8,7 +8,7 @@ Sizing: the haystack is tokenized once per `samples()` call (with character offs
 takes a token budget of it, and the budget is corrected (a few short re-tokenizations of the final
 prompt) until the full prompt measures the requested length; the measured length goes to
 ``extra["actual_tokens"]``. Prompts are counted as the model sees them
-(`snapkv.generation.prompt_token_ids`): through the chat template (user turn, generation prompt)
+(`snapkv.prompts.prompt_token_ids`): through the chat template (user turn, generation prompt)
 without extra special tokens when the sample uses it, else the raw text with the tokenizer's own.
 
 Insertion (gkamradt convention): at token ``int(n * depth / 100)`` of the n haystack tokens, moved back
@@ -37,7 +37,7 @@ from eval.tasks.haystack import check_haystack_name, load_haystack, repeat_text
 from eval.tasks.needle import multi
 from eval.tasks.registry import register_task
 from eval.tasks.seeds import generator_seeds, seed_suffix
-from snapkv.generation import chat_templated, prompt_token_ids
+from snapkv.prompts import chat_templated, prompt_token_ids
 
 # --------------------------------------------------------------------------------------------------
 # Needles

@@ -109,7 +109,7 @@ from eval.tasks.ruler.generate import (
     wonder_words,
 )
 from eval.tasks.seeds import generator_seeds, seed_suffix
-from snapkv.generation import chat_templated, encode_prompt, render_prompt
+from snapkv.prompts import chat_templated, encode_prompt, render_prompt
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def render(tokenizer: Any, prompt: Prompt, templated: bool) -> tuple[str, str]:
 
 
 def prompt_tokens(tokenizer: Any, context: str, question: str) -> int:
-    """Prompt length exactly as the generator encodes it (`snapkv.generation.encode_prompt`)."""
+    """Prompt length exactly as the generator encodes it (`snapkv.prompts.encode_prompt`)."""
     head, tail = encode_prompt(tokenizer, context, question, chat_template=False)
     return len(head) + len(tail)
 

@@ -1,7 +1,10 @@
 """`make install`: torch unless it is there, then this package (editable) with extras; never silent
 for long. Standard library only (it runs before anything is installed).
 
-    python scripts/install.py [--torch 2.13.0] [--extras dev,cluster] [--quiet-s 10] [--dry-run]
+    python scripts/install.py [--torch 2.13.0] [--extras bench,dev,cluster] [--quiet-s 10] [--dry-run]
+
+The `bench` extra is the harness (Hydra, pandas, scipy, plots, the task generators); without it only
+the library `snapkv/` is usable, so the default installs it.
 
 Why: pip shows download bars and spinners, but nothing while it unpacks and byte-compiles the
 wheels ("Installing collected packages: ..."; pip < 25.1 has no progress bar there, later ones
@@ -153,7 +156,9 @@ def plan(torch_version: str, extras: str) -> list[tuple[str, list[str]]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="scripts/install.py", description=__doc__.split("\n")[0])
     ap.add_argument("--torch", default="2.13.0", help="torch version installed when torch is missing")
-    ap.add_argument("--extras", default="dev,cluster", help="the package's optional extras (comma-separated)")
+    ap.add_argument(
+        "--extras", default="bench,dev,cluster", help="the package's optional extras (comma-separated)"
+    )
     ap.add_argument("--quiet-s", type=float, default=10.0, help="say pip is still working after this silence")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and commands, run nothing")
     args = ap.parse_args(argv)

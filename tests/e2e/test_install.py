@@ -72,14 +72,14 @@ def test_dry_run_announces_each_step_and_keeps_an_installed_torch():
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("make install: torch is installed")  # the test interpreter has torch
     assert lines[1].startswith("make install: step 1/1: installing this package (editable)")
-    assert lines[2].endswith("-m pip install --progress-bar on -e .[dev,cluster]")
+    assert lines[2].endswith("-m pip install --progress-bar on -e .[bench,dev,cluster]")
 
 
 def test_the_makefile_installs_through_the_script():
     proc = subprocess.run(["make", "-n", "install"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
         pytest.skip(f"make is not available: {proc.stderr.strip()}")
-    assert "scripts/install.py --torch 2.13.0 --extras dev,cluster" in proc.stdout
+    assert "scripts/install.py --torch 2.13.0 --extras bench,dev,cluster" in proc.stdout
 
 
 def test_the_line_names_what_pip_is_doing(install):

@@ -1,0 +1,181 @@
+"""The library / harness split of pyproject.toml: `snapkv/` needs only `[project] dependencies`, and
+the harness' packages live in the `bench` extra.
+
+A plain `pip install .` must give a working library, so the library is run here with the harness'
+packages hidden (as if not installed), and the declared dependencies are checked against what the
+source imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = {"snapkv", "eval", "hydra_plugins", "run"}
+
+# Import name -> distribution, where they differ.
+DISTRIBUTION = {
+    "hydra": "hydra-core",
+    "omegaconf": "hydra-core",  # hydra-core's own dependency, imported by the harness directly
+    "yaml": "pyyaml",
+    "flash_attn": "flash-attn",
+    "submitit": "hydra-submitit-launcher",
+    "reasoning_gym": "reasoning-gym",
+    "math_verify": "math-verify",
+}
+# What transformers needs at run time for the library's own paths, never imported by snapkv/ itself:
+# the embedded models are GGUF files (transformers reads them with gguf, and refuses without accelerate).
+RUNTIME_ONLY = {"gguf", "accelerate"}
+# Installed by hand next to a pinned transformers for the comparison (docs/benchmarking.md).
+BY_HAND = {"kvpress"}
+HARNESS = {"hydra-core", "pandas", "scipy", "matplotlib", "nltk", "rouge", "wonderwords", "filelock", "tqdm"}
+# Hidden while the library runs: the harness' packages that the library's dependencies do not
+# import themselves (huggingface_hub imports filelock and torch imports tqdm, so any install has
+# those two; test_library_dependencies_are_what_snapkv_imports keeps snapkv/ from importing them).
+HIDDEN = ["hydra", "omegaconf", "matplotlib", "scipy", "pandas", "nltk", "rouge", "wonderwords", "eval"]
+
+
+def project() -> dict:
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def names(requirements: list[str]) -> set[str]:
+    return {canonicalize_name(Requirement(r).name) for r in requirements}
+
+
+def imported(*paths: str) -> set[str]:
+    """Distributions of the third-party top-level imports in `paths` (lazy ones inside functions
+    included): the standard library, the project's own packages and tests/ helpers left out."""
+    found = set()
+    for path in paths:
+        p = ROOT / path
+        for f in [p] if p.is_file() else sorted(p.rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text(), str(f))):
+                if isinstance(node, ast.Import):
+                    tops = [a.name.split(".")[0] for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    tops = [node.module.split(".")[0]]
+                else:
+                    continue
+                for top in tops:
+                    if (
+                        top in sys.stdlib_module_names
+                        or top in LOCAL
+                        or (ROOT / "tests" / f"{top}.py").exists()
+                    ):
+                        continue
+                    found.add(canonicalize_name(DISTRIBUTION.get(top, top)))
+    return found
+
+
+def test_library_dependencies_are_what_snapkv_imports():
+    meta = project()
+    lib, extras = names(meta["dependencies"]), meta["optional-dependencies"]
+    uses = imported("snapkv")
+    assert uses - lib <= names(extras["flash"]), "snapkv/ imports a package that is not a dependency"
+    assert lib - uses == RUNTIME_ONLY
+    assert not lib & HARNESS
+
+
+def test_bench_extra_is_what_the_harness_imports_beyond_the_library():
+    meta = project()
+    lib, extras = names(meta["dependencies"]), meta["optional-dependencies"]
+    bench = names(extras["bench"])
+    others = set().union(*(names(reqs) for extra, reqs in extras.items() if extra not in ("bench", "dev")))
+    harness = imported("eval", "run.py", "scripts", "hydra_plugins") - lib - others - BY_HAND
+    assert bench == harness
+    assert HARNESS <= bench
+    assert canonicalize_name("import-linter") in names(extras["dev"])
+
+
+LIBRARY_RUN = r"""
+import importlib, importlib.util, json, pkgutil, sys
+
+HIDDEN = set(sys.argv[1].split(","))
+
+
+class Hidden:
+    '''Wraps a finder: the hidden packages look uninstalled (find_spec finds nothing, so
+    importlib.util.find_spec reports them missing and an import raises ModuleNotFoundError).'''
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in HIDDEN:
+            return None
+        find = getattr(self.inner, "find_spec", None)
+        return find(name, path, target) if find else None
+
+    def __getattr__(self, name):  # find_distributions (importlib.metadata), invalidate_caches, ...
+        return getattr(self.inner, name)
+
+
+sys.meta_path[:] = [Hidden(f) for f in sys.meta_path]
+assert importlib.util.find_spec("scipy") is None
+try:
+    import pandas  # noqa: F401
+except ModuleNotFoundError:
+    pass
+else:
+    raise AssertionError("pandas is not hidden")
+
+import snapkv
+from conftest import tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+modules = [m.name for m in pkgutil.walk_packages(snapkv.__path__, "snapkv.")]
+for name in modules:
+    importlib.import_module(name)
+
+words = "the cat sat on a mat and a dog ran to the park what did do".split()
+vocab = {w: i for i, w in enumerate(dict.fromkeys(["<unk>", "</s>", *words]))}
+tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
+method = snapkv.build_method("snapkv", budget=24, window=8, kernel_size=3)
+res = snapkv.generate(
+    tiny_model("llama"), tokenizer, context=" ".join(words * 8), question=" what did the cat do",
+    method=method, chat_template=False, max_new_tokens=6, ignore_eos=True,
+)
+print(json.dumps({
+    "file": snapkv.__file__, "modules": len(modules), "output_ids": res.output_ids,
+    "compressed": res.compressed, "kv_tokens": res.kv_tokens, "input_tokens": res.input_tokens,
+    "hidden_loaded": sorted(m for m in sys.modules if m.partition(".")[0] in HIDDEN),
+}))
+"""
+
+
+def test_library_generates_with_the_harness_packages_hidden():
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", LIBRARY_RUN, ",".join(HIDDEN)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert Path(out["file"]).resolve().parent == ROOT / "snapkv"  # this checkout, not an installed copy
+    assert out["modules"] > 10
+    assert len(out["output_ids"]) == 6
+    assert out["compressed"] and out["kv_tokens"] <= 24 < out["input_tokens"]
+    assert out["hidden_loaded"] == []

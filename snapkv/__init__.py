@@ -7,6 +7,7 @@ from snapkv.cache import CacheMark, CompressedCache, CompressibleLayer
 from snapkv.forward import prefill
 from snapkv.generation import (
     Answer,
+    GenerationConfig,
     GenerationResult,
     ProgressCallback,
     answer,
@@ -28,6 +29,7 @@ __all__ = [
     "CacheMark",
     "CompressedCache",
     "CompressibleLayer",
+    "GenerationConfig",
     "GenerationResult",
     "HeadwiseLayer",
     "Method",

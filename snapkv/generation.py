@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -179,6 +179,59 @@ def _decode(
     return Decoded(generated, steps, logits, bool(finished.all()))
 
 
+@dataclass(frozen=True)
+class GenerationConfig:
+    """How a prompt is generated, in one object: every entry point (`generate`, `generate_samples`,
+    `generate_ids`, `sample_ids`) takes it as `config=` and its fields as keywords, which override
+    it (as transformers' `generate(generation_config, **kwargs)` does).
+
+    query_aware: True, context + question are prefilled (and compressed) together; False, the
+    context is prefilled and compressed alone, then the question is fed on the compressed cache.
+    max_new_tokens (>= 1); stop_ids: tokens that end a row (None: the model's EOS and the chat
+    end-of-turn tokens for the text entry points, none for the id entry points); chunk_size: prefill
+    chunk (None: one forward); sampling: a `Sampling` (None: greedy; a seed per sample then);
+    keep_logits: keep each step's last-position logits `[batch, vocab]` in `result.logits`;
+    chat_template / ignore_eos (text entry points only): render through the tokenizer's chat template
+    / no stop tokens (speed runs); on_progress(stage, done, total): told where generation is (module
+    doc), never inside a timing; on_compressed(cache): runs once, right after the prefill's
+    compression (before any question or decode token is fed), also off the clock.
+    """
+
+    query_aware: bool = True
+    max_new_tokens: int = 32
+    stop_ids: set[int] | None = None
+    chunk_size: int | None = None
+    sampling: Sampling | None = None
+    keep_logits: bool = False
+    chat_template: bool = True
+    ignore_eos: bool = False
+    on_progress: ProgressCallback | None = None
+    on_compressed: Callable[[CompressedCache], None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={self.max_new_tokens}")
+
+    @classmethod
+    def of(cls, config: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
+        """`config` (default: `GenerationConfig()`) with the keyword `options` set (TypeError naming
+        an option that is not a field, as for any unexpected keyword)."""
+        if config is not None and not isinstance(config, GenerationConfig):
+            raise ValueError(f"config must be a GenerationConfig, got {type(config).__name__}")
+        config = config if config is not None else cls()
+        return replace(config, **options) if options else config
+
+
+def _ids_config(config: GenerationConfig | None, options: dict[str, Any], entry: str) -> GenerationConfig:
+    cfg = GenerationConfig.of(config, options)
+    if not cfg.chat_template or cfg.ignore_eos:
+        raise ValueError(
+            f"{entry} takes token ids: chat_template and ignore_eos apply to text prompts (generate); "
+            "pass stop_ids instead"
+        )
+    return cfg
+
+
 @torch.inference_mode()
 def generate_ids(
     model,
@@ -186,33 +239,19 @@ def generate_ids(
     question_ids: torch.Tensor | None = None,
     method: Method | None = None,
     *,
-    query_aware: bool = True,
-    max_new_tokens: int = 32,
-    stop_ids: set[int] | None = None,
-    chunk_size: int | None = None,
-    keep_logits: bool = False,
-    sampling: Sampling | None = None,
     seed: int | None = None,
-    on_progress: ProgressCallback | None = None,
-    on_compressed: Callable[[CompressedCache], None] | None = None,
+    config: GenerationConfig | None = None,
+    **options: Any,
 ) -> tuple[torch.Tensor, GenerationResult]:
     """Generation from token ids `[batch, len]` (equal lengths, no padding; left-padded
     batches: `with snapkv.apply(model, method): model.generate(ids, attention_mask=mask)`): greedy,
-    or sampled with `sampling` and `seed` (`Sampling`, `TokenPicker`).
+    or sampled with `sampling` and `seed` (`Sampling`, `TokenPicker`); the options are
+    `GenerationConfig`'s fields.
 
-    query_aware=True: context + question are prefilled (and compressed) together; False: the context
-    is prefilled and compressed alone, then the question is fed on the compressed cache.
-    Returns the generated ids `[batch, new]` and the measurements (text left empty);
-    `keep_logits` keeps each step's last-position logits `[batch, vocab]` in `result.logits`;
-    `on_progress` is told the stage (module doc), outside the timed regions; `on_compressed(cache)`
-    runs once, right after the prefill's compression (before any question or decode token is fed),
-    also off the clock.
+    Returns the generated ids `[batch, new]` and the measurements (text left empty).
     """
-    ((ids, result),) = _generate(
-        model, context_ids, question_ids, method, [seed], query_aware=query_aware,
-        max_new_tokens=max_new_tokens, stop_ids=stop_ids, chunk_size=chunk_size, keep_logits=keep_logits,
-        sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
-    )  # fmt: skip
+    cfg = _ids_config(config, options, "generate_ids")
+    ((ids, result),) = _generate(model, context_ids, question_ids, method, [seed], cfg)
     return ids, result
 
 
@@ -225,13 +264,8 @@ def sample_ids(
     *,
     sampling: Sampling,
     seeds: Sequence[int],
-    query_aware: bool = True,
-    max_new_tokens: int = 32,
-    stop_ids: set[int] | None = None,
-    chunk_size: int | None = None,
-    keep_logits: bool = False,
-    on_progress: ProgressCallback | None = None,
-    on_compressed: Callable[[CompressedCache], None] | None = None,
+    config: GenerationConfig | None = None,
+    **options: Any,
 ) -> list[tuple[torch.Tensor, GenerationResult]]:
     """`len(seeds)` samples of one prompt, one per seed, with one prefill + compression: each sample
     decodes from a checkpoint of the cache taken once the prompt is in it (module doc). Sample i's
@@ -243,11 +277,8 @@ def sample_ids(
         raise ValueError("sample_ids needs a Sampling; greedy decoding is generate_ids")
     if not seeds:
         raise ValueError(f"sample_ids needs at least one seed, got seeds={list(seeds)!r}")
-    return _generate(
-        model, context_ids, question_ids, method, list(seeds), query_aware=query_aware,
-        max_new_tokens=max_new_tokens, stop_ids=stop_ids, chunk_size=chunk_size, keep_logits=keep_logits,
-        sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
-    )  # fmt: skip
+    cfg = _ids_config(config, {**options, "sampling": sampling}, "sample_ids")
+    return _generate(model, context_ids, question_ids, method, list(seeds), cfg)
 
 
 # Every entry point reaches the model through here: without inference mode (model weights require
@@ -260,33 +291,24 @@ def _generate(
     question_ids: torch.Tensor | None,
     method: Method | None,
     seeds: list[int | None],
-    *,
-    query_aware: bool,
-    max_new_tokens: int,
-    stop_ids: set[int] | None,
-    chunk_size: int | None,
-    keep_logits: bool,
-    sampling: Sampling | None,
-    on_progress: ProgressCallback | None,
-    on_compressed: Callable[[CompressedCache], None] | None,
+    cfg: GenerationConfig,
 ) -> list[tuple[torch.Tensor, GenerationResult]]:
     """One prefill + compression, then one decode per seed (`generate_ids`: one seed, None when
     greedy; `sample_ids`: several, from a checkpoint)."""
     method = method if method is not None else build_method("full")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={max_new_tokens}")
+    max_new_tokens, on_progress, on_compressed = cfg.max_new_tokens, cfg.on_progress, cfg.on_compressed
     device = model.device
     context_ids = context_ids.to(device)
     question_ids = question_ids.to(device) if question_ids is not None and question_ids.numel() else None
-    if query_aware and question_ids is not None:
+    if cfg.query_aware and question_ids is not None:
         context_ids, question_ids = torch.cat([context_ids, question_ids], dim=1), None
     if context_ids.shape[1] == 0:
         raise ValueError("empty prompt: the context has 0 tokens")
     input_tokens = context_ids.shape[1] + (question_ids.shape[1] if question_ids is not None else 0)
-    pickers = [TokenPicker(sampling, seed, device) for seed in seeds]  # checks the seeds first
+    pickers = [TokenPicker(cfg.sampling, seed, device) for seed in seeds]  # checks the seeds first
 
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
+    stop = torch.tensor(sorted(cfg.stop_ids or ()), dtype=torch.long, device=device)
     forward = stepper(model, cache)
 
     def notify(stage: str, done: int, total: int) -> float:
@@ -310,7 +332,9 @@ def _generate(
     with hooks.session(model, method, cache) as s, PeakMemory(device) as mem:
         notify("prefill", 0, input_tokens)
         t0 = clock(device)
-        out = prefill(model, context_ids, cache, session=s, chunk_size=chunk_size, on_chunk=between_chunks)
+        out = prefill(
+            model, context_ids, cache, session=s, chunk_size=cfg.chunk_size, on_chunk=between_chunks
+        )
         prefill_s = clock(device) - t0 - paused
         kept = cache.kept_tokens()
         kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
@@ -336,7 +360,7 @@ def _generate(
             if i == 0:
                 notify("prefill", input_tokens, input_tokens)
             notify("decode", 1, max_new_tokens)
-            logits = [first_logits.float().cpu()] if keep_logits else None
+            logits = [first_logits.float().cpu()] if cfg.keep_logits else None
             d = _decode(
                 forward, token, pick, max_new_tokens=max_new_tokens, stop=stop, device=device,
                 logits=logits, on_token=lambda n: notify("decode", n, max_new_tokens),
@@ -514,29 +538,17 @@ def generate(
     context: str | None = None,
     question: str = "",
     method: Method | str | None = None,
-    query_aware: bool = True,
-    chat_template: bool = True,
-    max_new_tokens: int = 32,
-    stop_ids: set[int] | None = None,
-    ignore_eos: bool = False,
-    chunk_size: int | None = None,
-    sampling: Sampling | None = None,
     seed: int | None = None,
-    on_progress: ProgressCallback | None = None,
-    on_compressed: Callable[[CompressedCache], None] | None = None,
+    config: GenerationConfig | None = None,
+    **options: Any,
 ) -> GenerationResult:
     """Generate from `prompt` (or `context` + `question`) with `method` compressing the KV cache:
-    greedily, or sampled with `sampling` and `seed`.
+    greedily, or sampled with `sampling` and `seed`; the options are `GenerationConfig`'s fields.
 
     Stop tokens: the model's EOS and the chat end-of-turn tokens (`ignore_eos=True` for speed runs).
-    `on_progress(stage, done, total)`: told where generation is (module doc), never inside a timing;
-    `on_compressed(cache)`: see `generate_ids`.
     """
-    (result,) = _generate_text(
-        model, tokenizer, prompt, context, question, method, [seed], query_aware=query_aware,
-        chat_template=chat_template, max_new_tokens=max_new_tokens, stop_ids=stop_ids, ignore_eos=ignore_eos,
-        chunk_size=chunk_size, sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
-    )  # fmt: skip
+    cfg = GenerationConfig.of(config, options)
+    (result,) = _generate_text(model, tokenizer, prompt, context, question, method, [seed], cfg)
     return result
 
 
@@ -550,14 +562,8 @@ def generate_samples(
     context: str | None = None,
     question: str = "",
     method: Method | str | None = None,
-    query_aware: bool = True,
-    chat_template: bool = True,
-    max_new_tokens: int = 32,
-    stop_ids: set[int] | None = None,
-    ignore_eos: bool = False,
-    chunk_size: int | None = None,
-    on_progress: ProgressCallback | None = None,
-    on_compressed: Callable[[CompressedCache], None] | None = None,
+    config: GenerationConfig | None = None,
+    **options: Any,
 ) -> list[GenerationResult]:
     """`len(seeds)` sampled generations of one prompt with one prefill + compression (`sample_ids`);
     result i equals `generate(..., sampling=sampling, seed=seeds[i])`'s tokens and text."""
@@ -565,11 +571,8 @@ def generate_samples(
         raise ValueError("generate_samples needs a Sampling; greedy decoding is generate")
     if not seeds:
         raise ValueError(f"generate_samples needs at least one seed, got seeds={list(seeds)!r}")
-    return _generate_text(
-        model, tokenizer, prompt, context, question, method, list(seeds), query_aware=query_aware,
-        chat_template=chat_template, max_new_tokens=max_new_tokens, stop_ids=stop_ids, ignore_eos=ignore_eos,
-        chunk_size=chunk_size, sampling=sampling, on_progress=on_progress, on_compressed=on_compressed,
-    )  # fmt: skip
+    cfg = GenerationConfig.of(config, {**options, "sampling": sampling})
+    return _generate_text(model, tokenizer, prompt, context, question, method, list(seeds), cfg)
 
 
 def _generate_text(
@@ -580,16 +583,7 @@ def _generate_text(
     question: str,
     method: Method | str | None,
     seeds: list[int | None],
-    *,
-    query_aware: bool,
-    chat_template: bool,
-    max_new_tokens: int,
-    stop_ids: set[int] | None,
-    ignore_eos: bool,
-    chunk_size: int | None,
-    sampling: Sampling | None,
-    on_progress: ProgressCallback | None,
-    on_compressed: Callable[[CompressedCache], None] | None,
+    cfg: GenerationConfig,
 ) -> list[GenerationResult]:
     if prompt is not None and context is not None:
         raise ValueError("pass either prompt or context/question, not both")
@@ -599,23 +593,16 @@ def _generate_text(
     if isinstance(method, str):
         method = build_method(method)
     method = method if method is not None else build_method("full")
-    head, tail = encode_prompt(tokenizer, context, question, chat_template)
-    method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, chat_template))
-    stops = set() if ignore_eos else (stop_ids if stop_ids is not None else stop_token_ids(model, tokenizer))
+    head, tail = encode_prompt(tokenizer, context, question, cfg.chat_template)
+    method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, cfg.chat_template))
+    stops = (
+        set()
+        if cfg.ignore_eos
+        else (cfg.stop_ids if cfg.stop_ids is not None else stop_token_ids(model, tokenizer))
+    )
+    ids_cfg = replace(cfg, stop_ids=stops)
     outputs = _generate(
-        model,
-        torch.tensor([head]),
-        torch.tensor([tail]) if tail else None,
-        method,
-        seeds,
-        query_aware=query_aware,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stops,
-        chunk_size=chunk_size,
-        keep_logits=False,
-        sampling=sampling,
-        on_progress=on_progress,
-        on_compressed=on_compressed,
+        model, torch.tensor([head]), torch.tensor([tail]) if tail else None, method, seeds, ids_cfg
     )
     results = []
     for ids, result in outputs:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 from conftest import random_ids, tiny_model
 
-from snapkv import build_method, generate_ids
+from snapkv import GenerationConfig, build_method, generate_ids
 
 
 class Recorder:
@@ -93,3 +94,28 @@ def test_no_callback_no_change():
         model, ids, None, method, max_new_tokens=5, stop_ids=set(), chunk_size=24, on_progress=Recorder()
     )
     assert a.tolist() == b.tolist() and ra.kv_tokens_per_layer == rb.kv_tokens_per_layer
+
+
+def test_one_generation_config_object_or_its_fields_as_keywords():
+    """`config=GenerationConfig(...)` and the same fields as keywords generate the same tokens; a
+    keyword overrides the config's field; an unknown option, a bad value or a text-only option on an
+    id entry point is refused naming it."""
+    model = tiny_model()
+    ids = random_ids(40)
+    method = build_method("snapkv", budget=16, window=4, kernel_size=3)
+    cfg = GenerationConfig(max_new_tokens=5, stop_ids=set(), query_aware=False)
+    a, ra = generate_ids(model, ids[:, :32], ids[:, 32:], method, config=cfg)
+    b, rb = generate_ids(
+        model, ids[:, :32], ids[:, 32:], method, max_new_tokens=5, stop_ids=set(), query_aware=False
+    )
+    assert a.shape == (1, 5) and torch.equal(a, b) and ra.input_tokens == rb.input_tokens == 40
+    c, _ = generate_ids(model, ids[:, :32], ids[:, 32:], method, config=cfg, max_new_tokens=3)
+    assert torch.equal(c, a[:, :3]) and cfg.max_new_tokens == 5  # the config itself is left as it was
+    with pytest.raises(TypeError, match="no_such_option"):
+        generate_ids(model, ids, None, method, no_such_option=1)
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got max_new_tokens=0"):
+        generate_ids(model, ids, None, method, config=cfg, max_new_tokens=0)
+    with pytest.raises(ValueError, match="chat_template and ignore_eos apply to text prompts"):
+        generate_ids(model, ids, None, method, ignore_eos=True)
+    with pytest.raises(ValueError, match="config must be a GenerationConfig, got dict"):
+        generate_ids(model, ids, None, method, config={"max_new_tokens": 3})

@@ -49,8 +49,6 @@ SHARED: tuple[str, ...] = ("first_question", "multi_request", "multi_turn")
 DEFAULT = "query_aware"
 # Protocols whose compression sees a question (the rows' `query_aware`).
 QUESTION_IN_WINDOW = ("query_aware", "first_question")
-# GenerationResult fields that are not row columns (`text` is the row's `prediction`).
-_NOT_MEASURED = ("text", "output_ids", "decode_s")
 
 
 def resolve(protocol: Any, query_aware: Any) -> tuple[str, bool]:
@@ -354,7 +352,7 @@ class _Shared:
             if q1_error is not None:
                 yield Outcome(first, fields=dict(self.shared), error=q1_error)
             else:
-                measured = {k: v for k, v in result.to_dict().items() if k not in _NOT_MEASURED}
+                measured = result.measurements()
                 fields = {**measured, **self.shared, "rollback_bytes": rolled_back}
                 fields["peak_mem_bytes"] = result.peak_mem_bytes
                 yield Outcome(first, result.text, fields)

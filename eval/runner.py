@@ -76,9 +76,6 @@ from snapkv.prompts import render_prompt
 
 logger = logging.getLogger(__name__)
 
-# GenerationResult fields that are not measurements copied into the row (`text` is `prediction`).
-NOT_MEASURED = ("text", "output_ids")
-
 
 class AllSamplesFailed(RuntimeError):
     """Every sample a run computed failed (rows with status error/oom were written)."""
@@ -280,7 +277,7 @@ def run_sample(
         row["prompt_sha"] = prompt_sha(tokenizer, sample, chat_template)
         with noise:
             result = generate(model, tokenizer, **_generation_args(sample, spec, chat_template, on_progress))
-        row.update({k: v for k, v in result.to_dict().items() if k not in NOT_MEASURED})
+        row.update(result.measurements())
         row["context_prefill_s"] = result.prefill_s  # its own context, prefilled for it alone
         _score(row, sample, task, result.text)
     except Exception as err:  # noqa: BLE001 - a failing sample is recorded, the run goes on
@@ -334,7 +331,7 @@ def run_samples(
                 **_generation_args(sample, spec, chat_template, on_progress),
             )
         for row, result in zip(rows, results):
-            row.update({k: v for k, v in result.to_dict().items() if k not in NOT_MEASURED})
+            row.update(result.measurements())
             row["context_prefill_s"] = result.prefill_s
             try:
                 _score(row, sample, task, result.text)

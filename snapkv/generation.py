@@ -127,6 +127,11 @@ class GenerationResult:
             d.pop("decode_s")
         return d
 
+    def measurements(self) -> dict[str, Any]:
+        """The measured fields, as a results row stores them: everything but the output itself
+        (`text`, `output_ids`), the per-step timings and the logits."""
+        return {k: v for k, v in self.to_dict().items() if k not in ("text", "output_ids")}
+
 
 @dataclass
 class Decoded:

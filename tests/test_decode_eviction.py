@@ -10,7 +10,6 @@ import torch
 from conftest import random_ids, tiny_model
 from test_rollback import feed
 
-import eval.runner as runner
 import snapkv.hooks
 from eval.store import ROW_FIELDS
 from snapkv import build_method, compress_context, generate_ids
@@ -38,8 +37,9 @@ def test_short_prompt_rows_report_decode_eviction_and_final_entries(name, params
     assert res.evicted_during_decode and res.decode_evicted == evicted
     assert res.kv_tokens_end == BUDGET and res.kv_tokens_end_per_layer == [BUDGET] * 3
     # The runner copies every measured GenerationResult field into the row (eval.runner).
-    assert set(DECODE_FIELDS) <= set(ROW_FIELDS) and not set(DECODE_FIELDS) & set(runner.NOT_MEASURED)
-    row = {k: v for k, v in res.to_dict().items() if k not in runner.NOT_MEASURED}
+    row = res.measurements()
+    assert set(DECODE_FIELDS) <= set(ROW_FIELDS) and set(DECODE_FIELDS) <= set(row)
+    assert not {"text", "output_ids", "decode_s", "logits"} & set(row)
     assert row["evicted_during_decode"] is True and row["decode_evicted"] == evicted
     assert row["kv_tokens_end"] == BUDGET and row["kv_tokens_end_per_layer"] == [BUDGET] * 3
 

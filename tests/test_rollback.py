@@ -8,6 +8,7 @@ method of the catalogue, on a GQA model and a hybrid one (Gemma 3: sliding layer
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -66,16 +67,25 @@ def assert_same_value(x, y, where: str) -> None:
         assert x == y, f"{where}: {x!r} != {y!r}"
 
 
+def layer_attrs(layer) -> dict:
+    """A layer's attributes, a compressible layer's bookkeeping (`st`, a `LayerState`) field by field."""
+    attrs = dict(vars(layer))
+    st = attrs.pop("st", None)
+    if st is not None:
+        attrs.update((f.name, getattr(st, f.name)) for f in dataclasses.fields(st))
+    return attrs
+
+
 def assert_same_state(cache, ref):
     """Every layer holds what `ref`'s does: equal tensors (values, shapes), equal bookkeeping (the
     layers' shared dict included: ChunkKV's layer-wise index reuse keeps its choice there)."""
     assert cache.get_seq_length() == ref.get_seq_length()
     for i, (a, b) in enumerate(zip(cache.layers, ref.layers)):
         assert type(a) is type(b)
-        names = set(vars(a)) | set(vars(b))
-        for name in sorted(names - {"_mark", "method_state"}):
-            assert_same_value(getattr(a, name, None), getattr(b, name, None), f"layer {i}.{name}")
-        assert getattr(a, "method_state", None) == getattr(b, "method_state", None)
+        attrs_a, attrs_b = layer_attrs(a), layer_attrs(b)
+        for name in sorted((set(attrs_a) | set(attrs_b)) - {"_mark", "method_state"}):
+            assert_same_value(attrs_a.get(name), attrs_b.get(name), f"layer {i}.{name}")
+        assert attrs_a.get("method_state") == attrs_b.get("method_state")
 
 
 def feed(m, cache, method, tokens: torch.Tensor) -> None:

@@ -16,6 +16,8 @@ only what decode-time eviction or a rolling window changes is kept (see `checkpo
 from __future__ import annotations
 
 import copy
+import dataclasses
+import operator
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
@@ -26,45 +28,90 @@ from snapkv import compat
 APPEND_ROOM = 64
 
 
+@dataclasses.dataclass(slots=True, eq=False)  # eq: tensors do not compare to one bool
+class LayerState:
+    """A compressible layer's per-request bookkeeping: everything besides its stored entries that a
+    checkpoint restores and `reset()` clears (`CompressibleLayer` documents the fields and exposes
+    each under its own name). One object so that the checkpoint copies, the rollback restores and
+    the reset replaces it whole: a field added here cannot be left out of any of them. Tensors are
+    shared, never copied: none is modified in place (each change assigns a new one)."""
+
+    seen: int = 0
+    # "empty" -> "prefilling" (chunked prefill under way) -> "ready" (prefill done; decoding)
+    state: str = "empty"
+    compressed: bool = False
+    compacted: bool = False
+    pads: torch.Tensor | None = None  # [batch] leading slots without a real entry
+    prompt_pads: torch.Tensor | None = None  # [batch] pads of the prompt
+    last_kept: torch.Tensor | None = None  # indices of the last keep() (for re-rotation)
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+    decode_evicted: float = 0.0
+    # Decode schedules (`Method.decode_schedule`): the latest queries `[batch, heads, window,
+    # head_dim]` (prompt and generated tokens), tokens fed since the prefill or the last
+    # scheduled step, and `seen` at each scheduled compression that pruned this layer.
+    window_queries: torch.Tensor | None = None
+    since_schedule: int = 0
+    decode_compressions: list[int] = dataclasses.field(default_factory=list)
+    # Entries per KV head each forward after the prefill attended to (`entries_now`).
+    decode_entries: list[float | torch.Tensor] = dataclasses.field(default_factory=list)
+    # Per-layer state a method keeps beside its scores (an object of the method's own type,
+    # e.g. H2O's `H2OLayerState`); None until the method sets it.
+    method_state: object | None = None
+
+    def snapshot(self) -> LayerState:
+        """A copy that later changes of this state cannot reach: the lists copied (the hooks append
+        to them), the method's state deep-copied (methods update it in place), tensors shared."""
+        return dataclasses.replace(
+            self,
+            decode_compressions=list(self.decode_compressions),
+            decode_entries=list(self.decode_entries),
+            method_state=copy.deepcopy(self.method_state),
+        )
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors among the fields (what a mark of this state keeps alive)."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return [v for v in values if isinstance(v, torch.Tensor)]
+
+
 class LayerMark:
     """A compressible layer's state at a checkpoint (`CompressibleLayer.checkpoint`).
 
-    `stored` / `seen`: the layer's stored entries and original length at the mark. `scores`: a
-    reference to the accumulated scores `[batch, kv_heads, stored]` (only for layers whose method
-    rescores while decoding, H2O; else the rollback crops them). `kv`: (keys, values, positions) of
-    the marked entries, copied by the first decode-time eviction after the mark (copy-on-write;
-    None while the layer only appended, when a crop restores it).
+    `stored`: the layer's stored entries at the mark; `st`: a snapshot of its bookkeeping
+    (`LayerState`) at the mark, `seen` the original length in it. `scores`: a reference to the
+    accumulated scores `[batch, kv_heads, stored]` (only for layers whose method rescores while
+    decoding, H2O; else the rollback crops them). `kv`: (keys, values, positions) of the marked
+    entries, copied by the first decode-time eviction after the mark (copy-on-write; None while the
+    layer only appended, when a crop restores it).
     """
 
     def __init__(self, layer: CompressibleLayer):
         self.owner = layer  # row views of padded batches (shallow copies) share the mark, never own it
-        self.stored, self.seen = layer.stored, layer.seen
-        # Bookkeeping restored as is (references: none of these tensors is modified in place).
-        self.attrs = dict(
-            seen=layer.seen,
-            state=layer.state,
-            compressed=layer.compressed,
-            compacted=layer.compacted,
-            decode_evicted=layer.decode_evicted,
-            pads=layer.pads,
-            prompt_pads=layer.prompt_pads,
-            last_kept=layer.last_kept,
-            softcap=layer.softcap,
-            sinks=layer.sinks,
-            window_queries=layer.window_queries,
-            since_schedule=layer.since_schedule,
-            decode_compressions=tuple(layer.decode_compressions),
-            decode_entries=tuple(layer.decode_entries),
-        )
-        self.method_state = copy.deepcopy(layer.method_state)
+        self.stored = layer.stored
+        self.st = layer.st.snapshot()
         self.has_scores = layer.scores is not None
         self.scores = layer.scores if layer.decode_eviction else None
         self.kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def seen(self) -> int:
+        return self.st.seen
+
     def held(self) -> list[torch.Tensor]:
         """The tensors this mark keeps alive."""
-        tensors = [self.scores, *(self.kv or ()), *self.attrs.values()]
-        return [t for t in tensors if isinstance(t, torch.Tensor)]
+        tensors = [self.scores, *(self.kv or ())]
+        return [t for t in tensors if isinstance(t, torch.Tensor)] + self.st.tensors()
+
+
+def _state_field(name: str) -> property:
+    """`layer.<name>` for the field `name` of `layer.st`, read and written (the getter is a C-level
+    `attrgetter`: the hooks read these on every layer of every decode step)."""
+
+    def set_field(layer: CompressibleLayer, value) -> None:
+        setattr(layer.st, name, value)
+
+    return property(operator.attrgetter(f"st.{name}"), set_field, doc=f"`st.{name}` (`LayerState`)")
 
 
 class CompressibleLayer(DynamicLayer):
@@ -90,6 +137,10 @@ class CompressibleLayer(DynamicLayer):
     `[heads]` (gpt-oss `s_aux`) the model's attention applies in this layer, recorded by the hooks
     so that scores honour them. `decode_evicted`: entries per KV head evicted while decoding (mean
     over batch rows).
+
+    These and the rest of the per-request bookkeeping live in `st` (a `LayerState`, which lists
+    them), so that a checkpoint, a rollback and a reset each handle all of it at once; the layer
+    exposes every field under its own name (`layer.seen`, `layer.pads = ...`).
     """
 
     is_compileable = False
@@ -110,34 +161,13 @@ class CompressibleLayer(DynamicLayer):
         # per-layer schedules count only these (hybrid models: the full-attention layers).
         self.rank, self.num_compressible = index, num_layers
         self.dims: tuple[int, int, int] | None = None  # (batch, kv_heads, head_dim), set on first update
-        self.seen = 0
+        self.st = LayerState()
         self.positions: torch.Tensor | None = None
         self.scores: torch.Tensor | None = None
-        # "empty" -> "prefilling" (chunked prefill under way) -> "ready" (prefill done; decoding)
-        self.state = "empty"
-        self.compressed = False
-        self.compacted = False
-        # Per-layer state a method keeps beside its scores (an object of the method's own type,
-        # e.g. H2O's `H2OLayerState`); None until the method sets it, cleared by reset().
-        self.method_state: object | None = None
         # State a method shares across the compressible layers of one cache (ChunkKV's layer-wise
         # index reuse: the first layer of a group leaves its selection for the next ones). One dict
         # per CompressedCache; a padded batch's row view gets that row's own dict inside it.
         self.shared: dict = {}
-        self.last_kept: torch.Tensor | None = None  # indices of the last keep() (for re-rotation)
-        self.pads: torch.Tensor | None = None  # [batch] leading slots without a real entry
-        self.prompt_pads: torch.Tensor | None = None  # [batch] pads of the prompt
-        self.softcap: float | None = None
-        self.sinks: torch.Tensor | None = None
-        self.decode_evicted = 0.0
-        # Decode schedules (`Method.decode_schedule`): the latest queries `[batch, heads, window,
-        # head_dim]` (prompt and generated tokens), tokens fed since the prefill or the last
-        # scheduled step, and `seen` at each scheduled compression that pruned this layer.
-        self.window_queries: torch.Tensor | None = None
-        self.since_schedule = 0
-        self.decode_compressions: list[int] = []
-        # Entries per KV head each forward after the prefill attended to (`entries_now`).
-        self.decode_entries: list[float | torch.Tensor] = []
         # After the prefill, keys / values / positions are views `[:, :, :stored]` of buffers
         # with room for `APPEND_ROOM` more entries: a decode step writes its token into them (and
         # `evict_in_place` frees a slot) instead of copying the layer into a new tensor.
@@ -381,15 +411,7 @@ class CompressibleLayer(DynamicLayer):
             self.scores = self.scores[..., : mark.stored]
         else:
             self.scores = None
-        a = mark.attrs
-        self.seen, self.state, self.decode_evicted = a["seen"], a["state"], a["decode_evicted"]
-        self.compressed, self.compacted = a["compressed"], a["compacted"]
-        self.pads, self.prompt_pads, self.last_kept = a["pads"], a["prompt_pads"], a["last_kept"]
-        self.softcap, self.sinks = a["softcap"], a["sinks"]
-        self.window_queries, self.since_schedule = a["window_queries"], a["since_schedule"]
-        self.decode_compressions = list(a["decode_compressions"])
-        self.decode_entries = list(a["decode_entries"])
-        self.method_state = copy.deepcopy(mark.method_state)
+        self.st = mark.st.snapshot()  # a copy again: the mark serves further rollbacks
 
     def _crop_to(self, mark: LayerMark) -> None:
         """Drop the entries appended since `mark` (nothing was evicted since)."""
@@ -400,22 +422,16 @@ class CompressibleLayer(DynamicLayer):
     def mark_bytes(self) -> int:
         """Bytes the current mark keeps alive that the layer itself no longer holds (0 for a layer
         that only appended since)."""
-        return 0 if self._mark is None else _held_bytes(self._mark.held(), self)
+        if self._mark is None:
+            return 0
+        return _held_bytes(self._mark.held(), [*vars(self).values(), *self.st.tensors()])
 
     def reset(self) -> None:
         super().reset()
         self._mark = None
         self._kv_buf = self._kv_views = None
-        self.seen = 0
         self.positions = self.scores = None
-        self.state = "empty"
-        self.compressed = self.compacted = False
-        self.pads = self.prompt_pads = None
-        self.decode_evicted = 0.0
-        self.window_queries = None
-        self.since_schedule = 0
-        self.decode_compressions, self.decode_entries = [], []
-        self.method_state = None
+        self.st = LayerState()
         self.shared.clear()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -442,9 +458,16 @@ class CompressibleLayer(DynamicLayer):
         super().batch_select_indices(indices)
 
 
-def _held_bytes(held: list[torch.Tensor], layer) -> int:
-    """Bytes of the storages in `held` that `layer`'s own tensors do not share (each counted once)."""
-    live = {t.untyped_storage().data_ptr() for t in vars(layer).values() if isinstance(t, torch.Tensor)}
+# Every bookkeeping field under its own name on the layer (one loop: a new field is exposed too).
+for _field in dataclasses.fields(LayerState):
+    setattr(CompressibleLayer, _field.name, _state_field(_field.name))
+del _field
+
+
+def _held_bytes(held: list[torch.Tensor], own) -> int:
+    """Bytes of the storages in `held` that the layer's own values `own` (tensors among them) do not
+    share (each counted once)."""
+    live = {t.untyped_storage().data_ptr() for t in own if isinstance(t, torch.Tensor)}
     seen, total = set(), 0
     for t in held:
         storage = t.untyped_storage()
@@ -489,7 +512,9 @@ class _PlainMark:
                 setattr(layer, k, copy.deepcopy(v))
 
     def held_bytes(self, layer) -> int:
-        return _held_bytes([v for v in self.attrs.values() if isinstance(v, torch.Tensor)], layer)
+        return _held_bytes(
+            [v for v in self.attrs.values() if isinstance(v, torch.Tensor)], vars(layer).values()
+        )
 
 
 class CacheMark:

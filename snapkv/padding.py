@@ -74,6 +74,9 @@ def row_view(layer: CompressibleLayer, row: int) -> CompressibleLayer:
     the method's hooks may replace, never modify, its tensors)."""
     pad, off = int(layer.pads[row]), int(layer.prompt_pads[row])
     view = copy.copy(layer)
+    # Its own bookkeeping object (the shallow copy would share the layer's): what the method sets on
+    # the view must not reach the batched layer.
+    view.st = copy.copy(layer.st)
     view.keys = layer.keys[row : row + 1, :, pad:]
     view.values = layer.values[row : row + 1, :, pad:]
     view.positions = layer.positions[row : row + 1, :, pad:] - off

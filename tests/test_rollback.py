@@ -8,6 +8,7 @@ method of the catalogue, on a GQA model and a hybrid one (Gemma 3: sliding layer
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 
 import pytest
@@ -18,6 +19,7 @@ from test_padding import left_padded
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from snapkv import CompressibleLayer, answer, build_method, compress_context, generate_ids
+from snapkv.cache import LayerState
 from snapkv.forward import cache_kwarg
 from snapkv.hooks import session
 
@@ -67,16 +69,25 @@ def assert_same_value(x, y, where: str) -> None:
         assert x == y, f"{where}: {x!r} != {y!r}"
 
 
+def layer_attrs(layer) -> dict:
+    """A layer's attributes, a compressible layer's bookkeeping (`st`, a `LayerState`) field by field."""
+    attrs = dict(vars(layer))
+    st = attrs.pop("st", None)
+    if st is not None:
+        attrs.update((f.name, getattr(st, f.name)) for f in dataclasses.fields(st))
+    return attrs
+
+
 def assert_same_state(cache, ref):
     """Every layer holds what `ref`'s does: equal tensors (values, shapes), equal bookkeeping (the
     layers' shared dict included: ChunkKV's layer-wise index reuse keeps its choice there)."""
     assert cache.get_seq_length() == ref.get_seq_length()
     for i, (a, b) in enumerate(zip(cache.layers, ref.layers)):
         assert type(a) is type(b)
-        names = set(vars(a)) | set(vars(b))
-        for name in sorted(names - {"_mark", "method_state"}):
-            assert_same_value(getattr(a, name, None), getattr(b, name, None), f"layer {i}.{name}")
-        assert getattr(a, "method_state", None) == getattr(b, "method_state", None)
+        attrs_a, attrs_b = layer_attrs(a), layer_attrs(b)
+        for name in sorted((set(attrs_a) | set(attrs_b)) - {"_mark", "method_state"}):
+            assert_same_value(attrs_a.get(name), attrs_b.get(name), f"layer {i}.{name}")
+        assert attrs_a.get("method_state") == attrs_b.get("method_state")
 
 
 def feed(m, cache, method, tokens: torch.Tensor) -> None:
@@ -173,6 +184,72 @@ def test_one_mark_serves_many_rollbacks():
         assert cache.get_seq_length() == PROMPT + question.shape[1] + 1
         cache.rollback(mark)
         assert_same_state(cache, fresh)
+
+
+def tag_state(layer, tag: str) -> dict:
+    """Set every field of `layer.st` to a value tagged `tag` that no default and no other tag equals
+    and return them: a list for a list field, a dict for the method's state (both changeable in
+    place), a string elsewhere; `seen` and `state` stay of a kind the checkpoint and the rollback
+    check (ints that grow with every call, a lifecycle state)."""
+    values = {}
+    for f in dataclasses.fields(LayerState):
+        old = getattr(layer.st, f.name)
+        if f.name == "seen":
+            new = old + 1
+        elif f.name == "state":
+            new = "ready" if tag == "marked" else f"{tag} state"
+        elif f.name == "method_state":
+            new = {tag: [f.name]}
+        elif isinstance(old, list):
+            new = [f"{tag} {f.name}"]
+        else:
+            new = f"{tag} {f.name}"
+        setattr(layer.st, f.name, new)
+        values[f.name] = copy.deepcopy(new)
+    return values
+
+
+def assert_state_is(layer, values: dict, where: str) -> None:
+    for name, value in values.items():
+        assert_same_value(getattr(layer.st, name), value, f"{where}: layer {layer.index}.{name}")
+
+
+def test_rollback_restores_every_state_field():
+    """Whatever the bookkeeping holds (`LayerState`, field by field, enumerated here), a rollback
+    returns it to the marked value, also after the restored lists and method state were changed in
+    place; and each field reads the same under its own name on the layer."""
+    m, method = model("llama"), build_method("h2o", budget=40, evict_during_decode=True)
+    cache = compress_context(m, context(), method)
+    feed(m, cache, method, Q1)  # real decode bookkeeping beneath the tags
+    layers = [layer for _, layer in cache.compressible_layers()]
+    marked = [tag_state(layer, "marked") for layer in layers]
+    mark = cache.checkpoint()
+    for layer in layers:
+        tag_state(layer, "changed")
+    cache.rollback(mark)
+    for layer, values in zip(layers, marked):
+        assert_state_is(layer, values, "after a rollback")
+        for name in values:
+            assert getattr(layer, name) is getattr(layer.st, name), name
+        layer.decode_compressions.append(-1)
+        layer.decode_entries.append(-1.0)
+        layer.method_state["marked"].append("changed in place")
+    cache.rollback(mark)
+    for layer, values in zip(layers, marked):
+        assert_state_is(layer, values, "after a second rollback")
+
+
+def test_reset_state_equals_a_fresh_layers():
+    """`reset()` leaves no field of the bookkeeping as it was: each is what a new layer has."""
+    m, method = model("llama"), build_method("h2o", budget=40, evict_during_decode=True)
+    cache = compress_context(m, context(), method)
+    feed(m, cache, method, Q1)
+    for _, layer in cache.compressible_layers():
+        tag_state(layer, "used")
+        with torch.inference_mode():
+            layer.reset()
+        fresh = type(layer)(index=layer.index, num_layers=layer.num_layers).st
+        assert_state_is(layer, {f.name: getattr(fresh, f.name) for f in dataclasses.fields(fresh)}, "reset")
 
 
 def test_rollback_without_checkpoint_or_with_a_stale_mark_raises():

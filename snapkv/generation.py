@@ -227,6 +227,9 @@ class GenerationConfig:
         return replace(config, **options) if options else config
 
 
+_DEFAULTS = GenerationConfig()
+
+
 def _ids_config(config: GenerationConfig | None, options: dict[str, Any], entry: str) -> GenerationConfig:
     cfg = GenerationConfig.of(config, options)
     if not cfg.chat_template or cfg.ignore_eos:
@@ -485,27 +488,37 @@ def answer(
     question_ids: torch.Tensor,
     method: Method | None = None,
     *,
-    max_new_tokens: int = 32,
-    stop_ids: set[int] | None = None,
-    keep_logits: bool = False,
-    rollback: bool = True,
-    sampling: Sampling | None = None,
     seed: int | None = None,
+    rollback: bool = True,
+    config: GenerationConfig | None = None,
+    **options: Any,
 ) -> Answer:
     """Answer one question on a compressed context and leave the cache as it was.
 
     `cache` comes from `compress_context` (with the same `method`); `question_ids` `[batch, q]`
     (q >= 1; a padded batch's rows need no extra padding, each continues at its own position).
     Takes `cache.checkpoint()` (replacing an earlier mark), feeds the question, decodes (greedily, or
-    sampled with `sampling` and `seed`) like `generate_ids(..., query_aware=False)` (the method may evict while decoding), then
-    `cache.rollback()`s, also when a forward raises.
+    sampled with `sampling` and `seed`) like `generate_ids(..., query_aware=False)` (the method may
+    evict while decoding), then `cache.rollback()`s, also when a forward raises. The options are
+    `GenerationConfig`'s fields that apply once the context is compressed: max_new_tokens,
+    stop_ids, keep_logits, sampling (the others are refused, naming them).
 
     rollback=False: no checkpoint and no rollback; the question and every generated token but the
     last (never fed: decoding stops once it is out) stay in the cache, for a conversation's next turn.
     """
+    cfg = GenerationConfig.of(config, options)
+    unused = [
+        f for f in ("query_aware", "chunk_size", "chat_template", "ignore_eos", "on_progress", "on_compressed")
+        if getattr(cfg, f) != getattr(_DEFAULTS, f)
+    ]  # fmt: skip
+    if unused:
+        raise ValueError(
+            f"answer() feeds a question on a compressed context: {', '.join(unused)} do not apply"
+        )
     method = method if method is not None else build_method("full")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={max_new_tokens}")
+    max_new_tokens, stop_ids, keep_logits, sampling = (
+        cfg.max_new_tokens, cfg.stop_ids, cfg.keep_logits, cfg.sampling
+    )  # fmt: skip
     device = model.device
     question_ids = question_ids.to(device)
     if question_ids.dim() != 2 or question_ids.shape[1] == 0:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 
-from snapkv import GenerationConfig, build_method, generate_ids
+from snapkv import GenerationConfig, answer, build_method, compress_context, generate_ids
 
 
 class Recorder:
@@ -119,3 +119,15 @@ def test_one_generation_config_object_or_its_fields_as_keywords():
         generate_ids(model, ids, None, method, ignore_eos=True)
     with pytest.raises(ValueError, match="config must be a GenerationConfig, got dict"):
         generate_ids(model, ids, None, method, config={"max_new_tokens": 3})
+
+
+def test_answer_takes_the_generation_config_and_refuses_what_does_not_apply():
+    model = tiny_model()
+    ids = random_ids(40)
+    method = build_method("snapkv", budget=16, window=4, kernel_size=3)
+    cache = compress_context(model, ids[:, :32], method)
+    a = answer(model, cache, ids[:, 32:], method, config=GenerationConfig(max_new_tokens=4, stop_ids=set()))
+    b = answer(model, cache, ids[:, 32:], method, max_new_tokens=4, stop_ids=set())
+    assert a.ids.shape == (1, 4) and torch.equal(a.ids, b.ids)
+    with pytest.raises(ValueError, match="answer.*chunk_size, on_progress do not apply"):
+        answer(model, cache, ids[:, 32:], method, chunk_size=8, on_progress=print)

@@ -1,5 +1,6 @@
-"""Tiny random models (Llama / Qwen2 / Mistral with GQA / Gemma 3 hybrid), built in code: offline,
-milliseconds per forward. `SHARED` is ../shared beside the checkout (tests may read it)."""
+"""Tiny random models (Llama / Qwen2 / Mistral with GQA / Gemma 3 hybrid) and tiny byte-level BPE
+tokenizers, built in code: offline, milliseconds per forward. `SHARED` is ../shared beside the
+checkout (tests may read it)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,51 @@ def arch(request):
 def random_ids(n: int, batch: int = 1, seed: int = 1, vocab: int = 128) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, n), generator=g)
+
+
+# ChatML (Qwen's and SmolLM2's turn format), with no system prompt of its own.
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_level_bpe(
+    corpus: list[str],
+    vocab_size: int,
+    special_tokens: list[str],
+    *,
+    bos: str | None = None,
+    eos: str = "<|im_end|>",
+    add_bos: bool = False,
+    chat_template: str | None = None,
+):
+    """A tiny byte-level BPE tokenizer (GPT-2 style, like SmolLM2's) trained on `corpus`: offline,
+    milliseconds. `bos` / `eos` name the special tokens transformers knows; `add_bos` prepends `bos`
+    to every encoding (Llama-style); `chat_template` None leaves it without one (a base model's)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
+    # No bos_token argument without a BOS: a saved tokenizer_config.json then has no "bos_token": null.
+    out = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eos, **({} if bos is None else {"bos_token": bos})
+    )
+    if chat_template is not None:
+        out.chat_template = chat_template
+    return out
 
 
 # ---- the two tiers -----------------------------------------------------------------------------

@@ -5,7 +5,9 @@ plain eager attention that hides, per layer and KV head, every key the compresse
 at that step. If compression (gather, positions, masks, GQA layout) is right, the logits agree.
 
 `naive_snapkv_selection` / `naive_column_sums`: method scores from eager attention weights with
-Python loops (no shared code with snapkv.methods).
+Python loops (no shared code with snapkv.methods). `naive_pooled_votes` / `naive_adakv_counts`:
+AdaKV's window votes and per-head counts (FFY0/AdaKV's `snapkv_utils.py`), which tests/methods/
+compares with Ada-KV and with CriticalKV's AdaKV base.
 """
 
 from __future__ import annotations
@@ -180,3 +182,37 @@ def naive_column_sums(attn: torch.Tensor, kv_heads: int) -> torch.Tensor:
     g = h // kv_heads
     sums = attn[0].sum(dim=1)  # [heads, L]
     return sums.view(kv_heads, g, length).mean(1)
+
+
+def _round_half_even(x: float) -> int:
+    return round(x)  # Python's round is half to even, as torch.round
+
+
+def naive_pooled_votes(attn: torch.Tensor, kv_heads: int, window: int, kernel: int) -> list[list[float]]:
+    """AdaKV's `calcul_attn_sore` with gqa_support, one layer `[1, heads, L, L]` -> per KV head:
+    mean over the window queries, mean over the group, max-pool (stride 1, padding kernel // 2)."""
+    _, h, length, _ = attn.shape
+    g, prefix = h // kv_heads, length - window
+    out = []
+    for kvh in range(kv_heads):
+        votes = [
+            sum(float(attn[0, qh, length - window :, j].mean()) for qh in range(kvh * g, (kvh + 1) * g)) / g
+            for j in range(prefix)
+        ]
+        half = kernel // 2
+        out.append([max(votes[max(0, j - half) : j + half + 1]) for j in range(prefix)])
+    return out
+
+
+def naive_adakv_counts(scores: list[list[float]], per_head: int, alpha: float, normalize: bool) -> list[int]:
+    """AdaKV's per-head selected counts for one batch row (`update_kv_gqa`)."""
+    h = len(scores)
+    flat = []
+    for head, row in enumerate(scores):
+        ranked = sorted(row, reverse=True)
+        ratio = sum(ranked[:per_head]) / sum(ranked) if normalize else 1.0
+        flat += [(v * ratio, head) for v in ranked]
+    top = sorted(flat, key=lambda t: -t[0])[: h * per_head]
+    counts = [sum(1 for _, head in top if head == i) for i in range(h)]
+    floor = int(per_head * alpha)
+    return [_round_half_even(c * (1 - alpha) + floor) for c in counts]

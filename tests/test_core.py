@@ -358,27 +358,6 @@ def test_streamingllm_compacted_generation_uses_slot_positions():
             pass
 
 
-@pytest.mark.parametrize(
-    "name,params,bad",
-    [
-        ("snapkv", dict(budget=16, window=16), "window"),
-        ("snapkv", dict(budget=16, window=0), "window=0"),
-        ("snapkv", dict(budget=64, pooling="median"), "median"),
-        ("snapkv", dict(budget=64, kernel_size=0), "kernel_size=0"),
-        ("snapkv", dict(budget=64, gqa_reduce="min"), "min"),
-        ("snapkv", dict(budget=-3), "budget=-3"),
-        ("h2o", dict(budget=8, recent=8), "recent=8"),
-        ("streamingllm", dict(budget=4, n_sink=4), "n_sink=4"),
-        ("streamingllm", dict(budget=64, positions="shifted"), "shifted"),
-        ("snapkv", dict(budget=64, windw=4), "windw"),
-        ("pyramid", dict(), "pyramid"),
-    ],
-)
-def test_bad_configuration_raises_value_error_naming_it(name, params, bad):
-    with pytest.raises(ValueError, match=bad):
-        build_method(name, **params)
-
-
 def test_empty_prompt_is_an_error():
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="empty"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import random_ids, tiny_model
 from hydra import compose, initialize_config_dir
-from method_catalogue import NOT_SCHEDULABLE, SCHEDULED, ids
+from method_catalogue import SCHEDULED, ids
 from omegaconf import OmegaConf
 
 import snapkv.hooks as hooks
@@ -181,30 +181,6 @@ def test_rollback_restores_the_schedule_state():
         assert torch.equal(a, b)
     for _, layer in cache.compressible_layers():
         assert layer.stored == BUDGET and layer.decode_compressions == [] and layer.decode_entries == []
-
-
-@pytest.mark.parametrize(
-    "name,params,bad",
-    [
-        ("snapkv", dict(decode_schedule=dict(interval=-1)), "interval=-1"),
-        ("snapkv", dict(decode_schedule=dict(interval=2.5)), "interval=2.5"),
-        ("snapkv", dict(decode_schedule=dict(interval=4, buffer=-2)), "buffer=-2"),
-        ("snapkv", dict(decode_schedule=dict(interval=4, target=0)), "target=0"),
-        ("snapkv", dict(decode_schedule=dict(interval=4, target=1.0)), "target=1.0"),
-        ("snapkv", dict(decode_schedule=dict(interval=4, target=32)), "target=32"),  # <= the window
-        ("snapkv", dict(decode_schedule=dict(interval=4, window=0)), "window=0"),
-        ("snapkv", dict(decode_schedule=dict(interval=4, window=16)), "window=16"),  # < window=32
-        ("snapkv", dict(decode_schedule=dict(intervall=4)), "intervall"),
-        ("snapkv", dict(decode_schedule=64), "decode_schedule=64"),
-        ("tova", dict(decode_schedule=dict(interval=4)), "evict_during_decode"),
-        ("knorm", dict(evict_during_decode=True, decode_schedule=dict(interval=4)), "evict_during_decode"),
-    ]
-    + [(name, dict(decode_schedule=dict(interval=4)), "interval=4") for name in sorted(NOT_SCHEDULABLE)],
-)
-def test_bad_decode_schedule_raises_value_error_naming_it(name, params, bad):
-    params = params if name == "full" else {"budget": 64, **params}
-    with pytest.raises(ValueError, match=bad):
-        build_method(name, **params)
 
 
 def test_schedule_from_the_command_line():

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import PreTrainedTokenizerFast
+from conftest import byte_level_bpe
 
 from eval.tasks.base import Sample
 from eval.tasks.longbench import prompts as cfg
@@ -37,12 +36,6 @@ MULTI_NEWS_SUFFIX = "\n\nNow, write a one-page summary of all the news.\n\nSumma
 @pytest.fixture(scope="module")
 def tokenizer():
     """A tiny byte-level BPE (GPT-2 style, like SmolLM2's) that adds a BOS token, as Llama's does."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
     corpus = [
         "You are given several news passages. Write a one-page summary of all news.",
         "Now, write a one-page summary of all the news. Summary:",
@@ -50,11 +43,7 @@ def tokenizer():
         "Question: What is the capital of France? Type: Location",
         "The police said the protesters would stay in the park until the evening.",
     ]
-    tok.train_from_iterator(corpus, trainer)
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    return byte_level_bpe(corpus, 400, ["<s>", "</s>"], bos="<s>", eos="</s>", add_bos=True)
 
 
 class FakeHub:

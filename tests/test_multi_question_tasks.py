@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from conftest import CHATML, byte_level_bpe
 from hydra import compose, initialize_config_dir
 
 from eval.spec import RunSpec
@@ -39,10 +40,6 @@ from eval.tasks.ruler.task import prompt_tokens as ruler_prompt_tokens
 from snapkv.prompts import prompt_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 PROSE = " ".join(
     f"Essay line {w} talks about {x} and ideas. It is short. People like {x} when it rains."
     for w in ("one", "two", "three", "four", "five", "six")
@@ -53,25 +50,11 @@ UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a
 
 @pytest.fixture(scope="module")
 def tok():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=1000,
-        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     corpus = [hs.NOISE_TEXT] * 10 + [PROSE, INSTRUCTION, multi.INSTRUCTION, multi.NEEDLE, multi.QUESTION]
     corpus += [s.instruction + s.needle + s.question for s in NEEDLES.values()]
     corpus += [f.template + f.answer_prefix for f in FAMILIES.values()]
     corpus += ["0123456789abcdef-" * 20]
-    bpe.train_from_iterator(corpus, trainer)
-    out = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>")
-    out.chat_template = CHATML
-    return out
+    return byte_level_bpe(corpus, 1000, ["<s>", "<|im_start|>", "<|im_end|>"], chat_template=CHATML)
 
 
 @pytest.fixture(scope="module")

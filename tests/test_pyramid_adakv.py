@@ -286,27 +286,6 @@ def test_flash_varlen_packing(monkeypatch):
 # ---- errors ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "name,params,bad",
-    [
-        ("pyramidkv", dict(budget=30, window=16), "budget too small"),
-        ("pyramidkv", dict(budget=30, window=16, beta=20), "budget=30"),
-        ("pyramidkv", dict(budget=64, beta=0.5), "beta=0.5"),
-        ("pyramidkv", dict(budget=None), "budget=None"),
-        ("pyramidkv", dict(budget=16, window=16), "window"),
-        ("adakv", dict(budget=64, alpha=1.5), "alpha=1.5"),
-        ("adakv", dict(budget=64, layout="ragged"), "ragged"),
-        ("adakv", dict(budget=64, base="h2o"), "base='h2o'"),
-        ("adakv", dict(budget=64, normalize="yes"), "normalize"),
-        ("adakv", dict(budget=20, window=8, base="pyramidkv"), "budget too small"),
-        ("adakv", dict(budget=64, floor=0.2), "floor"),
-    ],
-)
-def test_bad_configuration_raises_value_error_naming_it(name, params, bad):
-    with pytest.raises(ValueError, match=bad):
-        build_method(name, **params)
-
-
 def test_adakv_snapkv_base_needs_no_pyramid_headroom_and_plain_cache_is_refused():
     method = build_method("adakv", budget=20, window=8)  # base=snapkv: no beta constraint
     model = tiny_model("llama")

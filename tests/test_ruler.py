@@ -18,9 +18,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import CHATML, byte_level_bpe
 from hydra import compose, initialize_config_dir
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import eval.runner as runner
 from eval.report import build_report, prepare
@@ -55,10 +55,6 @@ from eval.tasks.ruler.task import (
 from snapkv.prompts import encode_prompt
 
 ROOT = Path(__file__).resolve().parents[1]
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 SYNTHETIC = [t for t in TASKS if not t.startswith("qa")]
 LENGTH = 1024
 PROSE = " ".join(
@@ -70,26 +66,16 @@ PROSE = " ".join(
 
 # ------------------------------------------------------------------------------------------ fixtures
 def _train_tokenizer(bos: bool):
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=2000,
-        special_tokens=["<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     corpus = [hs.NOISE_TEXT] * 10 + [PROSE] + [f.template + f.answer_prefix for f in FAMILIES.values()]
     corpus += [" ".join(cwe_words(0))]  # real tokenizers hold most of these words in one or two tokens
-    tok.train_from_iterator(corpus, trainer)
-    if bos:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
-        )
-    out = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>" if bos else None, eos_token="<|im_end|>"
+    return byte_level_bpe(
+        corpus,
+        2000,
+        ["<s>", "<|im_start|>", "<|im_end|>"],
+        bos="<s>" if bos else None,
+        add_bos=bos,
+        chat_template=("<s>" if bos else "") + CHATML,
     )
-    out.chat_template = ("<s>" if bos else "") + CHATML
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -23,11 +23,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import CHATML, byte_level_bpe
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig
 
 import eval.report.build
 import eval.runner as runner
@@ -44,10 +44,6 @@ from snapkv.prompts import render_prompt
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 SHARED_MULTI_NEWS = ROOT.parent / "shared" / "data" / "longbench" / "multi_news.jsonl"
-CHATML = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 LENGTHS, DEPTHS = [150, 250], [0, 50, 100]
 REAL_GENERATE = runner.generate  # before any test replaces it
 REAL_LOAD_MODEL = runner.load_model
@@ -58,18 +54,8 @@ N_CELLS = len(LENGTHS) * len(DEPTHS)
 def save_tiny_model(out: Path) -> str:
     """Save a tiny model directory at `out`: random 2-layer Llama (GQA 4/2) + byte-level BPE with a
     ChatML chat template, trained on the noise haystack and the needles (the runner tests' model)."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=600,
-        special_tokens=["<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
     corpus = [hs.NOISE_TEXT] * 10 + [s.instruction + s.needle + s.question for s in NEEDLES.values()]
-    tok.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    tokenizer.chat_template = CHATML
+    tokenizer = byte_level_bpe(corpus, 600, ["<|im_start|>", "<|im_end|>"], chat_template=CHATML)
     tokenizer.save_pretrained(out)
     torch.manual_seed(0)
     config = LlamaConfig(

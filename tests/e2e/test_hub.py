@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CHATML, byte_level_bpe
 from hub_server import HubServer, Repo
 from huggingface_hub import constants, hf_hub_download
 from huggingface_hub.utils import _http
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL_ID = "tiny-org/tiny-llama"
@@ -43,21 +43,12 @@ FAST_S = 10.0
 def model_repo(tmp_path_factory) -> Repo:
     """A tiny random Llama saved as transformers saves it: config, generation config, a byte-level
     BPE tokenizer with a ChatML chat template, model.safetensors."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(["There are some paragraphs below sourced from Wikipedia. Paragraph 1"], trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>"
-    )
-    tokenizer.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    tokenizer = byte_level_bpe(
+        ["There are some paragraphs below sourced from Wikipedia. Paragraph 1"],
+        300,
+        ["<|im_start|>", "<|im_end|>"],
+        bos="<|im_start|>",
+        chat_template=CHATML,
     )
     config = LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -1,0 +1,132 @@
+"""K-norm against a naive transcription of the authors' `l2_compress` (and kvpress' KnormPress)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_ids, tiny_model
+from transformers import DynamicCache
+
+from methods._common import (
+    LENGTHS_AROUND_BUDGET,
+    B,
+    check_batches,
+    decode_with_history,
+    naive_evicting_decode,
+    tiny_llama,
+)
+from snapkv import build_method, generate_ids
+from snapkv.forward import cache_kwarg
+
+# Transcribed from alessiodevoto/l2compress @ f93d6ca2702d85a2db97d2ef350b44d955609761 (`cache.py`,
+# `l2_compress`): per layer not in `skip_layers` whose cache holds >= `prune_after` entries, per batch
+# row and KV head, the keys sorted by L2 norm (ascending), the first `tokens_to_keep` kept; its
+# language-modelling loop calls it after every token. kvpress' `KnormPress` (NVIDIA/kvpress @
+# 8bb29b9c3078452a86d692f29123fa6c793e2b05): score -||k||, every layer, once.
+
+
+def naive_knorm_kept(keys: torch.Tensor, size: int) -> list[list[int]]:
+    """`l2_compress` on one layer and batch row: keys `[kv_heads, n, d]` -> kept positions per head.
+    The norms are the original's `torch.norm(keys, p=2, dim=-1)` in the cache's dtype (fp32 here):
+    random keys have norms equal to ~1e-7, and a norm summed in another precision breaks such ties
+    differently."""
+    kept = []
+    for h in range(keys.shape[0]):
+        norms = torch.norm(keys[h].float(), p=2, dim=-1).tolist()
+        kept.append(sorted(sorted(range(len(norms)), key=lambda j: norms[j])[:size]))
+    return kept
+
+
+def knorm_choose(budget: int, skip_layers=(), prune_after: int = 0, during_decode: bool = False):
+    def choose(layer, cand, probs, keys, prefill):
+        n = len(cand[0])
+        if layer in skip_layers or n < prune_after or n <= budget or not (prefill or during_decode):
+            return cand
+        kept = []
+        for h, positions in enumerate(cand):
+            top = naive_knorm_kept(keys[h : h + 1, positions], budget)[0]
+            kept.append([positions[j] for j in top])
+        return kept
+
+    return choose
+
+
+KNORM_VARIANTS = [
+    dict(),  # kvpress: every layer, once
+    dict(skip_layers=[0]),  # the authors' needle / passkey scripts
+    dict(skip_layers=[0, 1], prune_after=B + 1),  # eval_lm_quick's layers, a length threshold
+]
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", LENGTHS_AROUND_BUDGET)
+@pytest.mark.parametrize("params", KNORM_VARIANTS, ids=str)
+def test_knorm_prefill_selection_is_the_original(kv_heads, length, params):
+    model = tiny_llama(kv_heads)
+    method = build_method("knorm", budget=B, **params)
+    choose = knorm_choose(B, **params)
+
+    def naive(ids):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
+        out = {}
+        for i, layer in enumerate(cache.layers):
+            n = layer.keys.shape[2]
+            out[i] = choose(i, [list(range(n))] * kv_heads, None, layer.keys[0], True)
+        return out
+
+    check_batches(model, method, naive, length)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("length", [B - 3, 2 * B])
+@pytest.mark.parametrize(
+    "params",
+    [dict(evict_during_decode=True), dict(evict_during_decode=True, skip_layers=[1], prune_after=B + 4)],
+    ids=str,
+)
+def test_knorm_reprune_every_step_equals_the_authors_loop(kv_heads, length, params):
+    """evict_during_decode=True: `l2_compress` after every forward (the authors' LM loop), step by
+    step against the naive masked full-cache loop; with prune_after = B + 4 the cache grows to
+    B + 4 entries between prunes back to B."""
+    model = tiny_llama(kv_heads)
+    ids = random_ids(length, seed=8)
+    new = 12
+    method = build_method("knorm", budget=B, **params)
+    tokens, history, res = decode_with_history(model, ids, method, new)
+    skip = params.get("skip_layers", ())
+    want_tokens, want_history = naive_evicting_decode(
+        model, ids, new, knorm_choose(B, skip, params.get("prune_after", 0), during_decode=True)
+    )
+    assert tokens == want_tokens
+    for step, (got, want) in enumerate(zip(history, want_history)):
+        assert got == want, f"step {step}"
+    assert res.evicted_during_decode and res.decode_evicted > 0
+
+
+def test_knorm_is_attention_free(monkeypatch):
+    """No attention weight is computed for K-norm: the scoring helpers are never called, and it runs
+    beside eager and sdpa attention alike (the model's own attention output is used unchanged)."""
+    from snapkv.methods import base
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("K-norm computed attention scores")
+
+    for helper in ("window_attention", "blockwise_attention", "causal_column_sums", "softmax_scores"):
+        monkeypatch.setattr(base, helper, refuse)
+    ids = random_ids(2 * B, seed=9)
+    outs = []
+    for attn in ("sdpa", "eager"):
+        model = tiny_model("llama", attn=attn)
+        method = build_method("knorm", budget=B, evict_during_decode=True)
+        out, res = generate_ids(model, ids, None, method, max_new_tokens=6)
+        assert res.compressed and res.kv_tokens == B and res.attn_impl == attn
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_knorm_skip_layers_beyond_the_model_is_an_error():
+    model = tiny_model("llama")  # 3 layers
+    with pytest.raises(ValueError, match=r"\[5\]"):
+        generate_ids(model, random_ids(60), None, build_method("knorm", budget=B, skip_layers=[0, 5]))

@@ -1,0 +1,205 @@
+"""R-KV and SnapKV-D against a naive transcription of the authors' R1KV."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import random_ids
+
+from methods._common import tiny_llama
+from snapkv import build_method, generate_ids
+
+# Transcribed from Zefan-Cai/R-KV @ d15c9767e67c2bd9807128fecc35223fa2484a69: `rkv/utils.py`
+# (`compute_attention_scores`: q.k / sqrt(d), max over the GQA group; `cal_similarity`: cosine of
+# normalised keys, diagonal 0, each row's last entry above the threshold set to 0 (index 0 when
+# none), mean over rows, softmax) and `rkv/compression/r1_kv.py` (`R1KV.update_kv`: softmax of the
+# window rows over the prefix columns, mean over the window, max-pool, lambda * attention -
+# (1 - lambda) * similarity, top budget - window of the prefix, then the window). Per batch row
+# here (the original: row 0's similarity for every row). SnapKV-D is the same with lambda = 1.
+
+
+def naive_rkv_importance(q: torch.Tensor, k: torch.Tensor, window: int, kernel: int, scaling: float) -> list:
+    """One batch row: q `[heads, >=window, d]`, k `[kv_heads, L, d]` -> [kv_heads][L - window]."""
+    heads, kv, n = q.shape[0], k.shape[0], k.shape[1]
+    g, prefix = heads // kv, n - window
+    out = []
+    for h in range(kv):
+        mean = [0.0] * prefix
+        for i in range(q.shape[1] - window, q.shape[1]):
+            logits = [
+                max(float(q[h * g + m, i].double() @ k[h, j].double()) * scaling for m in range(g))
+                for j in range(prefix)
+            ]
+            top = max(logits)
+            z = sum(math.exp(x - top) for x in logits)
+            for j in range(prefix):
+                mean[j] += math.exp(logits[j] - top) / z / window
+        half = kernel // 2
+        out.append(
+            [max(mean[t] for t in range(j - half, j + half + 1) if 0 <= t < prefix) for j in range(prefix)]
+        )
+    return out
+
+
+def naive_rkv_redundancy(k: torch.Tensor, threshold: float) -> list:
+    """One batch row: k `[kv_heads, L, d]` -> [kv_heads][L]."""
+    out = []
+    for h in range(k.shape[0]):
+        keys = [v.double() / (float(v.double().norm()) + 1e-8) for v in k[h]]
+        n = len(keys)
+        cos = [[0.0 if i == j else float(keys[i] @ keys[j]) for j in range(n)] for i in range(n)]
+        for i in range(n):
+            near = [j for j in range(n) if cos[i][j] > threshold]
+            cos[i][max(near) if near else 0] = 0.0
+        col = [sum(cos[i][j] for i in range(n)) / n for j in range(n)]
+        top = max(col)
+        z = sum(math.exp(c - top) for c in col)
+        out.append([math.exp(c - top) / z for c in col])
+    return out
+
+
+def naive_rkv_kept(importance, redundancy, n: int, window: int, budget: int, lam: float) -> list:
+    """Kept slots per KV head: top budget - window prefix slots by the final score (ties: earlier
+    slot), then the window."""
+    kept = []
+    for imp, red in zip(importance, redundancy):
+        final = [lam * imp[j] - (1 - lam) * red[j] for j in range(n - window)]
+        best = sorted(range(n - window), key=lambda j: (-final[j], j))[: budget - window]
+        kept.append(sorted(best) + list(range(n - window, n)))
+    return kept
+
+
+def _near_duplicate_keys(batch: int, kv: int, n: int, d: int, seed: int) -> torch.Tensor:
+    """Random keys where every third one repeats an earlier one with a little noise (cosine well
+    above 0.5), so the threshold rule has rows with and without near-duplicates."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(batch, kv, n, d, generator=g)
+    for j in range(3, n, 3):
+        k[:, :, j] = k[:, :, j - 3] + 0.1 * torch.randn(batch, kv, d, generator=g)
+    return k
+
+
+class _Module:
+    scaling = 0.125
+
+
+class _Layer:
+    softcap = None
+
+
+@pytest.mark.parametrize("kv,group", [(2, 2), (1, 4)])
+@pytest.mark.parametrize("threshold", [0.5, 0.95])
+def test_rkv_scores_and_selection_are_the_original_formula(kv, group, threshold):
+    from snapkv.methods.rkv import key_redundancy
+    from snapkv.methods.snapkv_d import window_importance
+
+    n, d, w, kernel, budget, lam = 30, 16, 4, 5, 14, 0.07
+    keys = _near_duplicate_keys(2, kv, n, d, seed=kv + group)
+    query = torch.randn(2, kv * group, 6, d, generator=torch.Generator().manual_seed(5))
+    method = build_method(
+        "rkv", budget=budget, window=w, kernel_size=kernel, mix_lambda=lam, threshold=threshold
+    )
+    imp = window_importance(query, keys, w, kernel, _Module.scaling)
+    red = key_redundancy(keys, threshold, block=7)  # blocks that do not divide L
+    scores = method.score(_Layer(), query, keys, _Module())
+    kept = method.select(scores, budget)
+    for row in range(2):  # each row on its own keys
+        want_imp = naive_rkv_importance(query[row], keys[row], w, kernel, _Module.scaling)
+        want_red = naive_rkv_redundancy(keys[row], threshold)
+        torch.testing.assert_close(
+            imp[row].double(), torch.tensor(want_imp, dtype=torch.float64), rtol=1e-5, atol=1e-7
+        )
+        torch.testing.assert_close(
+            red[row].double(), torch.tensor(want_red, dtype=torch.float64), rtol=1e-5, atol=1e-7
+        )
+        final = (
+            lam * torch.tensor(want_imp, dtype=torch.float64)
+            - (1 - lam) * torch.tensor(want_red, dtype=torch.float64)[:, :-w]
+        )
+        torch.testing.assert_close(scores[row, :, :-w].double(), final, rtol=1e-5, atol=1e-7)
+        assert kept[row].tolist() == naive_rkv_kept(want_imp, want_red, n, w, budget, lam)
+    # The rows differ, so row 0's redundancy (the original's) would be wrong for row 1.
+    assert not torch.allclose(red[0], red[1])
+
+
+def test_rkv_threshold_zeroes_the_most_recent_near_duplicate():
+    from snapkv.methods.rkv import key_redundancy
+
+    # Keys 0 and 2 are the same direction, 1 is orthogonal: row 2's most recent near-duplicate is 0,
+    # row 0's is 2; row 1 has none, so its column 0 is zeroed (0 there anyway).
+    k = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0]])[None, None]
+    col = torch.tensor([0.0, 0.0, 0.0])  # every off-diagonal similarity above 0.5 is zeroed
+    torch.testing.assert_close(key_redundancy(k, 0.5)[0, 0], col.softmax(-1))
+    # Threshold 1: nothing is a near-duplicate; each row zeroes its column 0 instead.
+    col = torch.tensor([0.0, 0.0, 1.0]) / 3  # only C[0, 2] = 1 survives (row 0 zeroes column 0)
+    torch.testing.assert_close(key_redundancy(k, 1.0)[0, 0], col.softmax(-1))
+
+
+def _scheduled_steps(model, ids, method, new_tokens: int):
+    """The method's own generation, recording layer 0's window queries, keys, target and kept
+    positions around every compression (prefill and scheduled steps)."""
+    steps = []
+    prefill, scheduled = type(method).compress_prefill, type(method).compress_decode
+
+    def record(layer, query, key, module, target, run):
+        before = dict(query=query.clone(), keys=key.clone(), positions=layer.positions.clone(), target=target)
+        done = run()
+        if layer.index == 0 and layer.positions.shape[-1] != before["positions"].shape[-1]:
+            steps.append({**before, "scaling": module.scaling, "kept": layer.positions.clone()})
+        return done
+
+    def spy_prefill(self, layer, query, key, module):
+        return record(
+            layer,
+            query,
+            key,
+            module,
+            self.layer_budget(layer),
+            lambda: prefill(self, layer, query, key, module),
+        )
+
+    def spy_decode(self, layer, query, module):
+        return record(
+            layer,
+            query,
+            layer.keys,
+            module,
+            self.decode_target(layer),
+            lambda: scheduled(self, layer, query, module),
+        )
+
+    cls = type(method)
+    cls.compress_prefill, cls.compress_decode = spy_prefill, spy_decode
+    try:
+        generate_ids(model, ids, None, method, max_new_tokens=new_tokens)
+    finally:
+        cls.compress_prefill, cls.compress_decode = prefill, scheduled
+    return steps
+
+
+@pytest.mark.parametrize("name", ["rkv", "snapkv_d"])
+def test_rkv_and_snapkv_d_compress_the_prompt_then_every_interval_as_the_original(name):
+    model = tiny_llama(2)  # GQA groups of 2
+    w, budget, interval = 4, 24, 5
+    params = dict(budget=budget, window=w, decode_schedule=dict(interval=interval))
+    if name == "rkv":
+        params["threshold"] = 0.2  # random keys: a few near-duplicates
+    method = build_method(name, **params)
+    lam = method.mix_lambda if name == "rkv" else 1.0
+    steps = _scheduled_steps(model, random_ids(40, seed=3), method, new_tokens=16)
+    # The prompt (40 > 24), then forwards 5, 10, 15 (24 + 5 > 24 each time).
+    assert [s["keys"].shape[2] for s in steps] == [
+        40,
+        budget + interval,
+        budget + interval,
+        budget + interval,
+    ]
+    for n, step in enumerate(steps):
+        keys, query = step["keys"][0], step["query"][0]
+        imp = naive_rkv_importance(query, keys, w, 7, step["scaling"])
+        red = naive_rkv_redundancy(keys, 0.2) if name == "rkv" else [[0.0] * keys.shape[1]] * keys.shape[0]
+        kept = naive_rkv_kept(imp, red, keys.shape[1], w, budget, lam)
+        want = torch.stack([step["positions"][0, h, slots] for h, slots in enumerate(kept)])
+        assert torch.equal(step["kept"][0], want), f"compression {n}"

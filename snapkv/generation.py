@@ -234,8 +234,8 @@ def _ids_config(config: GenerationConfig | None, options: dict[str, Any], entry:
     cfg = GenerationConfig.of(config, options)
     if not cfg.chat_template or cfg.ignore_eos:
         raise ValueError(
-            f"{entry} takes token ids: chat_template and ignore_eos apply to text prompts (generate); "
-            "pass stop_ids instead"
+            f"{entry} takes token ids: chat_template and ignore_eos apply to text prompts (generate, "
+            "generate_samples); the ids are fed as given and stop at stop_ids (none by default)"
         )
     return cfg
 

@@ -217,7 +217,8 @@ def test_generation_peak_memory_is_at_least_the_kv_cache(device):
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = dict(MODEL="random:llama-tiny", DTYPE="float32", DEVICE="cpu", LENGTHS="[64,128]", BATCHES="[1,2]",
-           BUDGET="48", WINDOW="8", CAP_LENGTHS="[256,320]", CAP_BUDGET="64", CAP_WINDOW="8", DECODE="3")  # fmt: skip
+           BUDGET="48", WINDOW="8", CAP_LENGTHS="[256,320]", CAP_BUDGET="64", CAP_WINDOW="8", DECODE="3",
+           EXACT_LENGTH="160", EXACT_BUDGET="48", EXACT_WINDOW="8", EXACT_THREADS="1")  # fmt: skip
 
 
 def _gpu_check_module():
@@ -239,7 +240,7 @@ def test_out_of_memory_becomes_an_oom_row_and_the_run_goes_on(tmp_path, monkeypa
     monkeypatch.setattr(snapkv, "generate_ids", fake)
     args = ["--out", str(tmp_path), "--model", "random:llama-tiny", "--dtype", "float32", "--device", "cpu",
             "--lengths", "64", "--batches", "1", "--decode", "2", "--cap-lengths", "256,320",
-            "--cap-budget", "64", "--cap-window", "8", "--warmup", "0"]  # fmt: skip
+            "--cap-budget", "64", "--cap-window", "8", "--warmup", "0", "--parts", "tpot,capacity"]  # fmt: skip
     assert gpu_check.main(args) == 0
     cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
     assert [(r["method"], r["input_tokens"], r["status"]) for r in cap] == [
@@ -252,13 +253,41 @@ def test_capacity_runs_stop_at_the_deadline(tmp_path):
     gpu_check = _gpu_check_module()
     args = ["--out", str(tmp_path), "--model", "random:llama-tiny", "--dtype", "float32", "--device", "cpu",
             "--lengths", "64", "--batches", "1", "--decode", "2", "--cap-lengths", "256,320",
-            "--warmup", "0", "--deadline-s", "0"]  # fmt: skip
+            "--warmup", "0", "--deadline-s", "0", "--parts", "tpot,capacity"]  # fmt: skip
     assert gpu_check.main(args) == 0  # the first capacity run always starts; nothing after it
     cap = list(csv.DictReader((tmp_path / "gpu_capacity.csv").open()))
     assert [(r["method"], r["input_tokens"]) for r in cap] == [("snapkv", "256")]
 
 
-@pytest.mark.parametrize("bad,value", [(["--lengths", "4k"], "4k"), (["--model", "random:nope"], "nope")])
+def test_exactness_part_compares_every_method_on_two_devices(tmp_path):
+    gpu_check = _gpu_check_module()
+    args = ["--out", str(tmp_path), "--device", "cpu", "--parts", "exact", "--exact-length", "160",
+            "--exact-budget", "48", "--exact-window", "8", "--exact-threads", "1"]  # fmt: skip
+    assert gpu_check.main(args) == 0
+    rows = list(csv.DictReader((tmp_path / "gpu_exactness.csv").open()))
+    assert [r["method"] for r in rows] == sorted(set(METHODS) - {"full"})
+    for r in rows:  # CPU against CPU: the same selection; every method really evicted (48 of 160)
+        assert (r["exact"], float(r["agree"]), r["layers"]) == ("True", 1.0, "2"), r
+        assert 0 < int(r["kept_per_head"]) < 160, r
+        assert '"budget": 48' in r["params"]
+    assert not (tmp_path / "gpu_tpot.csv").exists()  # part C alone loads no 7B-shape model
+
+
+def test_agreement_sees_one_moved_position_and_ignores_head_padding():
+    agreement = _gpu_check_module().agreement
+    a = torch.tensor([[[0, 3, 5, 9], [1, 2, 4, -1]]])
+    assert agreement([a], [a.clone()]) == (True, 1.0)
+    b = a.clone()
+    b[0, 0, 2] = 6  # one of seven kept positions differs
+    assert agreement([a], [b]) == (False, 6 / 7)
+    assert agreement([a, a], [a]) == (False, 1.0)  # a missing layer is not exact
+
+
+@pytest.mark.parametrize(
+    "bad,value",
+    [(["--lengths", "4k"], "4k"), (["--model", "random:nope"], "nope"), (["--parts", "tpot,speed"], "speed"),
+     (["--exact-length", "0"], "0")],
+)  # fmt: skip
 def test_gpu_check_bad_input_is_one_line_exit_2(tmp_path, bad, value):
     proc = subprocess.run([sys.executable, "scripts/gpu_check.py", "--out", str(tmp_path), "--device", "cpu", *bad],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip

@@ -30,6 +30,9 @@ def test_gpu_check_script_leaves_csvs_plot_and_log(tmp_path):
         ("snapkv", "256", "ok"), ("full", "256", "ok"), ("snapkv", "320", "ok")
     ]  # fmt: skip
     assert (cap[0]["budget"], cap[0]["window"], cap[0]["kernel_size"]) == ("64", "8", "5")
+    exact = list(csv.DictReader((tmp_path / "gpu_exactness.csv").open()))
+    assert len(exact) >= 14 and all(r["exact"] == "True" for r in exact)  # CPU against CPU
     assert (tmp_path / "gpu_check.png").read_bytes()[:4] == b"\x89PNG"
     log = (tmp_path / "gpu_check.log").read_text()
     assert "gpu_tpot.csv" in log and "gpu_capacity.csv" in log and "TPOT full / TPOT snapkv" in log
+    assert "gpu_exactness.csv" in log and "kept positions at 160 tokens" in log

@@ -4,8 +4,8 @@
 
 A. TPOT vs input length, full vs snapkv (budget 2048, window 32: the paper's decode-speed setting),
    batch 1 and 2, with prefill time (prefill + compression) and the CUDA allocator peak.
-B. Capacity: snapkv(budget 1024, window 16, kernel 5: the paper's 380K needle setting) vs full at
-   393,216 tokens (384K, beyond the paper's 380K), then longer inputs while the time budget allows.
+B. Capacity: full, then snapkv(budget 1024, window 16, kernel 5: the paper's 380K needle setting), at
+   393,216 tokens (384K, beyond the paper's 380K), then snapkv at longer inputs while the deadline allows.
 C. Exactness at length: every registered method (budget 1024, window 32 where it has one) prefills
    one 32K-token input on a small random fp32 Llama on the device and on this machine's CPU; the
    kept positions of every layer and head are compared (exact, and the fraction that agree).
@@ -221,8 +221,9 @@ def agreement(want: list[torch.Tensor], got: list[torch.Tensor]) -> tuple[bool, 
     return exact, same / max(total, 1)
 
 
-def exactness(args) -> list[dict]:
-    """Part C: every registered method's kept positions at `--exact-length` on the device vs on CPU."""
+def exactness(args, write=lambda row: None) -> list[dict]:
+    """Part C: every registered method's kept positions at `--exact-length` on the device vs on CPU
+    (`write` gets each row as it is measured)."""
     if args.exact_threads:
         torch.set_num_threads(args.exact_threads)
     cpu_model = small_llama(args.exact_length)
@@ -254,6 +255,7 @@ def exactness(args) -> list[dict]:
         print(f"   exact {name:>24}: {'exact' if exact else 'DIFFERS'}  agree {agree:.4%}  "
               f"cpu {cpu_s:6.1f} s  {dev_model.device.type} {dev_s:5.1f} s", flush=True)  # fmt: skip
         rows.append(row)
+        write(row)
     del dev_model
     gc.collect()
     if args.device.startswith("cuda"):
@@ -371,10 +373,11 @@ def summary(out: Path) -> str:
     cap = pd.read_csv(out / "gpu_capacity.csv")
     lines += ["", "| method | budget | input tokens | status | prefill (s) | TPOT (ms) | peak (GiB) | paper |",
               "|---|---:|---:|---|---:|---:|---:|---|"]  # fmt: skip
+    first_snapkv = cap.index[cap.method == "snapkv"].min()
     for _, r in cap.iterrows():
         ok = r["status"] == "ok"
         budget = "-" if pd.isna(r["budget"]) else f"{int(r['budget'])}"
-        paper = f"{PAPER['capacity']:,} on one A100-80GB" if r["method"] == "snapkv" and r.name == 0 else ""
+        paper = f"{PAPER['capacity']:,} on one A100-80GB" if r.name == first_snapkv else ""
         lines.append(f"| {r['method']} | {budget} | {int(r['input_tokens']):,} | {r['status']} | "
                      f"{f'{r.prefill_s:.1f}' if ok else '-'} | {f'{r.tpot_s * 1e3:.1f}' if ok else '-'} | "
                      f"{gib(r['peak_mem_bytes'])} | {paper} |")  # fmt: skip
@@ -390,13 +393,6 @@ def summary(out: Path) -> str:
                 f"| {r['method']} | `{r['params']}` | {'yes' if r['exact'] else 'no'} | {r['agree']:.2%} |"
             )
     return "\n".join(lines) + "\n"
-
-
-def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
 
 
 def main(argv: list[str]) -> int:
@@ -421,8 +417,10 @@ def main(argv: list[str]) -> int:
             f"== C: kept positions at {args.exact_length:,} tokens, {args.device} vs CPU (fp32) ==",
             flush=True,
         )
-        rows = exactness(args)
-        write_csv(args.out / "gpu_exactness.csv", EXACT_COLUMNS, rows)
+        with open(args.out / "gpu_exactness.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=EXACT_COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            rows = exactness(args, lambda row: (w.writerow(row), f.flush()))
         print(f"wrote {args.out / 'gpu_exactness.csv'}: {sum(r['exact'] for r in rows)} of {len(rows)} exact")
     if not timed:
         return 0
@@ -472,26 +470,26 @@ def main(argv: list[str]) -> int:
                   f"{elapsed:.0f} s of the {args.deadline_s:.0f} s deadline used)", flush=True)  # fmt: skip
             return False
 
-        for i, length in enumerate(args.cap_lengths if "capacity" in args.parts else []):
-            # prefill is attention-bound at these lengths: quadratic in L
-            if last and not fits("snapkv", length, last[1] * (length / last[0]) ** 2):
-                break
-            row = run_one(model, vocab, cap_snap, length, 1, args, "capacity")
+        def record(method, length: int) -> dict:
+            row = run_one(model, vocab, method, length, 1, args, "capacity")
             cap_rows.append(row)
             w.writerow(row)
             f.flush()
             show(row)
+            return row
+
+        for i, length in enumerate(args.cap_lengths if "capacity" in args.parts else []):
+            if i == 0:
+                # full first, at the first (>= 380K) length: expected to run out of memory part-way
+                # through the prefill (its K/V for every layer do not fit), so it costs less than
+                # snapkv's run; both always start
+                record(full, length)
+            elif not fits("snapkv", length, last[1] * (length / last[0]) ** 2):
+                break  # prefill is attention-bound at these lengths: quadratic in L
+            row = record(cap_snap, length)
             if row["status"] != "ok":
                 break
             last = (length, row["wall_s"])
-            # full at the first (>= 380K) length: expected to run out of memory about halfway through
-            # the prefill (its K/V for every layer do not fit); a full prefill at most costs what snapkv's did
-            if i == 0 and fits("full", length, row["wall_s"]):
-                row = run_one(model, vocab, full, length, 1, args, "capacity")
-                cap_rows.append(row)
-                w.writerow(row)
-                f.flush()
-                show(row)
     print(f"wrote {args.out / 'gpu_capacity.csv'}")
     plot(tpot_rows, cap_rows, args.out / "gpu_check.png")
     print(f"wrote {args.out / 'gpu_check.png'}")

@@ -13,7 +13,8 @@
 # carry kit's .whl/ is installed first). No Hydra / OmegaConf. Every knob is an environment
 # variable, so CI smoke-tests this script on CPU at toy sizes:
 #   MODEL DTYPE DEVICE LENGTHS BATCHES BUDGET WINDOW CAP_LENGTH(S) CAP_BUDGET CAP_WINDOW DECODE
-#   EXACT_LENGTH EXACT_BUDGET EXACT_WINDOW EXACT_THREADS (CPU threads of part C's reference; 0: torch's default) EXACT(=0: skip C)
+#   EXACT_LENGTH EXACT_BUDGET EXACT_WINDOW EXACT_THREADS (CPU threads of part C's reference; 0: torch's
+#   default) EXACT_TIMEOUT (seconds; part C's rows so far are kept) EXACT(=0: skip C)
 #   DEADLINE_S (no capacity run starts that is predicted to end later, counted from this script's
 #   start) WARMUP GPU_TESTS(=0: skip the tests) PYTHON (default python3: the GPU image's torch)
 set -euo pipefail
@@ -37,7 +38,8 @@ EXACT=${EXACT:-1}
 EXACT_LENGTH=${EXACT_LENGTH:-32768}
 EXACT_BUDGET=${EXACT_BUDGET:-1024}
 EXACT_WINDOW=${EXACT_WINDOW:-32}
-EXACT_THREADS=${EXACT_THREADS:-12}
+EXACT_THREADS=${EXACT_THREADS:-14}
+EXACT_TIMEOUT=${EXACT_TIMEOUT:-300}
 OUTDIR=${1:-${OUTDIR:-${OUT:-results/gpu}}}
 if [[ $DEVICE == cuda* ]]; then WARMUP=${WARMUP:-1024}; else WARMUP=${WARMUP:-0}; fi
 mkdir -p "$OUTDIR"
@@ -54,7 +56,7 @@ fi
 # Part C (not timed) runs beside the tests; parts A and B (timed) start once both are done.
 exact_pid=
 if [ "$EXACT" = 1 ]; then
-  "$PY" scripts/gpu_check.py --out "$OUTDIR" --parts exact --device "$DEVICE" --exact-length "$EXACT_LENGTH" \
+  timeout "$EXACT_TIMEOUT" "$PY" scripts/gpu_check.py --out "$OUTDIR" --parts exact --device "$DEVICE" --exact-length "$EXACT_LENGTH" \
     --exact-budget "$EXACT_BUDGET" --exact-window "$EXACT_WINDOW" --exact-threads "$EXACT_THREADS" >"$OUTDIR/gpu_exactness.log" 2>&1 &
   exact_pid=$!
 fi

@@ -27,6 +27,7 @@ import csv
 import gc
 import json
 import os
+import platform
 import statistics
 import sys
 import time
@@ -182,7 +183,19 @@ def device_bytes(device: torch.device) -> int | None:
 
 
 EXACT_COLUMNS = ["method", "params", "input_tokens", "layers", "kept_per_head", "exact", "agree", "cpu_s",
-                 "device_s", "device", "dtype", "torch_threads"]  # fmt: skip
+                 "device_s", "device", "dtype", "torch_threads", "cpu"]  # fmt: skip
+
+
+def cpu_model() -> str:
+    """The CPU's model name (the reference's hardware: fp32 reductions may order sums differently
+    on another CPU kind)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def small_llama(length: int):
@@ -251,7 +264,7 @@ def exactness(args, write=lambda row: None) -> list[dict]:
         row = dict(method=name, params=json.dumps(params, sort_keys=True), input_tokens=args.exact_length,
                    layers=len(want), kept_per_head=kept, exact=exact, agree=round(agree, 6),
                    cpu_s=round(cpu_s, 2), device_s=round(dev_s, 2), device=str(dev_model.device),
-                   dtype="float32", torch_threads=torch.get_num_threads())  # fmt: skip
+                   dtype="float32", torch_threads=torch.get_num_threads(), cpu=cpu_model())  # fmt: skip
         print(f"   exact {name:>24}: {'exact' if exact else 'DIFFERS'}  agree {agree:.4%}  "
               f"cpu {cpu_s:6.1f} s  {dev_model.device.type} {dev_s:5.1f} s", flush=True)  # fmt: skip
         rows.append(row)

@@ -51,6 +51,7 @@ if [ -d .whl ] && { [[ $DEVICE == cuda* ]] || ! "$PY" -c "import pytest" 2>/dev/
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 [[ $DEVICE == cuda* ]] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//'), $(nproc) cores"
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
 # Part C (not timed) runs beside the tests; parts A and B (timed) start once both are done.

@@ -186,7 +186,7 @@ EXACT_COLUMNS = ["method", "params", "input_tokens", "layers", "kept_per_head", 
                  "device_s", "device", "dtype", "torch_threads", "cpu"]  # fmt: skip
 
 
-def cpu_model() -> str:
+def cpu_name() -> str:
     """The CPU's model name (the reference's hardware: fp32 reductions may order sums differently
     on another CPU kind)."""
     try:
@@ -264,7 +264,7 @@ def exactness(args, write=lambda row: None) -> list[dict]:
         row = dict(method=name, params=json.dumps(params, sort_keys=True), input_tokens=args.exact_length,
                    layers=len(want), kept_per_head=kept, exact=exact, agree=round(agree, 6),
                    cpu_s=round(cpu_s, 2), device_s=round(dev_s, 2), device=str(dev_model.device),
-                   dtype="float32", torch_threads=torch.get_num_threads(), cpu=cpu_model())  # fmt: skip
+                   dtype="float32", torch_threads=torch.get_num_threads(), cpu=cpu_name())  # fmt: skip
         print(f"   exact {name:>24}: {'exact' if exact else 'DIFFERS'}  agree {agree:.4%}  "
               f"cpu {cpu_s:6.1f} s  {dev_model.device.type} {dev_s:5.1f} s", flush=True)  # fmt: skip
         rows.append(row)

@@ -372,9 +372,12 @@ def summary(out: Path) -> str:
         f_ok = f is not None and f["status"] == "ok"
 
         def cell(row, key, scale=1.0, fmt="{:.1f}"):
-            return (
-                fmt.format(row[key] * scale) if row is not None and row["status"] == "ok" else row["status"]
-            )
+            if row is None or row["status"] != "ok":
+                return "-" if row is None else row["status"]
+            text = fmt.format(row[key] * scale)
+            if key == "tpot_s" and not pd.isna(row.get("tpot_q1_s")):  # the decode steps' IQR
+                text += f" [{row['tpot_q1_s'] * scale:.1f}, {row['tpot_q3_s'] * scale:.1f}]"
+            return text
 
         ratio = f"{f['tpot_s'] / s['tpot_s']:.2f}x" if f_ok and s["status"] == "ok" else "-"
         kv = f"{f['kv_bytes'] / s['kv_bytes']:.1f}x" if f_ok and s["status"] == "ok" else "-"

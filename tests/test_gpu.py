@@ -293,3 +293,68 @@ def test_gpu_check_bad_input_is_one_line_exit_2(tmp_path, bad, value):
                           cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and value in proc.stderr, proc.stderr
+
+
+def _make_figures_module():
+    spec = importlib.util.spec_from_file_location("make_figures", ROOT / "scripts" / "make_figures.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(path: Path, columns: list[str], rows: list[dict]) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_gpu_tables_are_rendered_from_the_rows_into_the_report_and_the_docs(tmp_path):
+    gpu_check, make_figures = _gpu_check_module(), _make_figures_module()
+    folder = tmp_path / "results" / "gpu"
+    folder.mkdir(parents=True)
+    common = dict(model="random:llama2-7b", dtype="bfloat16", device="cuda:0", attn_impl="sdpa", decode_tokens=16,
+                  part="tpot", window=32)  # fmt: skip
+
+    def tpot_row(method, batch, length, tpot, status="ok"):
+        ok = status == "ok"
+        return dict(common, method=method, budget=2048 if method == "snapkv" else "", batch_size=batch,
+                    input_tokens=length, status=status, prefill_s=1.5 if ok else "", tpot_s=tpot if ok else "",
+                    tpot_q1_s=tpot * 0.9 if ok else "", tpot_q3_s=tpot * 1.1 if ok else "",
+                    peak_mem_bytes=20 * 2**30 if ok else "", kv_bytes=(8 if method == "full" else 1) * 2**30 if ok else "")  # fmt: skip
+
+    _write(folder / "gpu_tpot.csv", gpu_check.COLUMNS, [
+        tpot_row("full", 1, 16384, 0.036), tpot_row("snapkv", 1, 16384, 0.012),
+        tpot_row("full", 2, 131072, 0.0, status="oom"), tpot_row("snapkv", 2, 131072, 0.013),
+    ])  # fmt: skip
+    _write(folder / "gpu_capacity.csv", gpu_check.COLUMNS, [
+        dict(tpot_row("full", 1, 393216, 0.0, status="oom"), part="capacity", peak_mem_bytes=139 * 2**30),
+        dict(tpot_row("snapkv", 1, 393216, 0.02), part="capacity", budget=1024),
+    ])  # fmt: skip
+    _write(folder / "gpu_exactness.csv", gpu_check.EXACT_COLUMNS, [
+        dict(method="h2o", params='{"budget": 1024}', input_tokens=32768, layers=2, kept_per_head=1024, exact=True,
+             agree=1.0, cpu_s=3.0, device_s=0.5, device="cuda:0", dtype="float32", torch_threads=14, cpu="x"),
+        dict(method="snapkv", params='{"budget": 1024, "window": 32}', input_tokens=32768, layers=2,
+             kept_per_head=1024, exact=False, agree=0.999, cpu_s=3.0, device_s=0.5, device="cuda:0",
+             dtype="float32", torch_threads=14, cpu="x"),
+    ])  # fmt: skip
+    docs = tmp_path / "benchmarking.md"
+    docs.write_text(f"# Before\n\n{make_figures.GPU_BEGIN}\nstale\n{make_figures.GPU_END}\n\n## After\n")
+    written = make_figures.gpu(tmp_path / "results", docs)
+    assert set(written) == {folder / "gpu_check.png", folder / "report.md", docs}
+    text = docs.read_text()
+    assert text.startswith("# Before\n") and text.endswith(f"{make_figures.GPU_END}\n\n## After\n")
+    assert "stale" not in text
+    # full / snapkv from the rows (0.036 / 0.012), beside the paper's 3.6x at 16K, batch 1
+    assert "| 1 | 16,384 | 36.0 [32.4, 39.6] | 12.0 [10.8, 13.2] | 3.00x | 3.6x |" in text
+    assert "| 2 | 131,072 | oom | 13.0 [11.7, 14.3] | - |  |" in text
+    assert "| full | - | 393,216 | oom | - | - | 139.0 |  |" in text
+    assert "| snapkv | 1024 | 393,216 | ok | 1.5 | 20.0 | 20.0 | 380,000 on one A100-80GB |" in text
+    assert "1 of 2 methods exact" in text and "| snapkv | `" in text and "| no | 99.90% |" in text
+    assert (
+        text.split(make_figures.GPU_BEGIN)[1]
+        in (folder / "report.md").read_text() + make_figures.GPU_END + "\n\n## After\n"
+    )
+    assert (folder / "gpu_check.png").read_bytes()[:4] == b"\x89PNG"
+    make_figures.gpu(tmp_path / "results", docs)  # a second rebuild changes nothing
+    assert docs.read_text() == text

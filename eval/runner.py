@@ -19,6 +19,10 @@ its postfix (`prefill 2374 tok` -> `decode 37/512`; `SampleProgress`, fed by `ge
 per stage, at least 30 s apart. The bar is redrawn every second (`BarClock`) so its clock moves
 through a long prefill.
 
+Cold start: before its first timed sample a process runs one untimed generation (`warm_up`: a short
+random prompt through the run's method), so no row's `prefill_s` pays for paging in the weights,
+growing the allocator or choosing kernels; every row records that warm-up's seconds (`warmup_s`).
+
 Noise: each row records what the machine was doing while its sample ran (`eval.machine`):
 `other_cores` (cores other processes kept busy), `load_1m` and the thread settings, measured around
 `generate` (outside its timings). Timings in rows are bookkeeping; see eval/report/build.py's cost table.
@@ -45,6 +49,7 @@ after writing its rows and report (the CLI exits non-zero).
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import logging
 import math
@@ -68,7 +73,7 @@ from eval.report import write_report as write_results_report
 from eval.spec import RunSpec, sample_seed
 from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, sha256_hex, shard, target_sha
 from eval.tasks import Sample, Task
-from snapkv import ProgressCallback, generate, generate_samples
+from snapkv import ProgressCallback, generate, generate_ids, generate_samples
 from snapkv.errors import first_line, one_line
 from snapkv.hub import cache_only_kwargs
 from snapkv.models import EMBEDDED, fetch_embedded, load_model
@@ -474,6 +479,8 @@ def run(cfg: DictConfig | RunSpec, write_report: bool = True) -> Path:
                 task.name, spec.model.key, label, len(samples), what, where, path,
             )  # fmt: skip
         base = _base_fields(spec, info)
+        if todo:
+            base["warmup_s"] = warm_up(model, spec)
         bar = tqdm(
             total=n_todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress,
             dynamic_ncols=True,
@@ -531,6 +538,31 @@ def report_results(results_dir: str | Path) -> None:
     """Rewrite the report of the whole `results_dir` (`eval.report.write_report`): after a run, after
     `run.py`'s comparison of several methods, and after a sweep's last job (eval/callbacks.py)."""
     write_results_report(results_dir)
+
+
+WARMUP_TOKENS = 256
+
+
+def warm_up(model: Any, spec: RunSpec) -> float | None:
+    """One untimed generation (WARMUP_TOKENS random token ids, 2 new tokens, the run's method and
+    prefill chunking) before the first timed sample; returns its seconds. A fresh process's first
+    forward pays for paging in the weights, growing the allocator and choosing kernels (a first
+    1K-token prefill once took 94 s where the next took 1.8 s), which no row's timing may include.
+    None when the warm-up itself failed (logged; the samples run and report their own errors)."""
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(0, vocab, (1, WARMUP_TOKENS), generator=torch.Generator().manual_seed(0))
+    # A copy: whatever a method keeps on itself after a use comes from the real samples alone.
+    method = copy.deepcopy(spec.method)
+    t = time.perf_counter()
+    try:
+        generate_ids(model, ids.to(model.device), None, method, max_new_tokens=2, stop_ids=set(),
+                     chunk_size=spec.chunk_size)  # fmt: skip
+    except Exception as err:  # noqa: BLE001 - the samples report their own errors; the run goes on
+        logger.warning("warm-up failed (the first sample may time a cold start): %s", first_line(err))
+        return None
+    seconds = round(time.perf_counter() - t, 3)
+    logger.debug("warm-up (%d tokens, untimed): %.1f s", WARMUP_TOKENS, seconds)
+    return seconds
 
 
 def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:

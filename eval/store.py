@@ -122,6 +122,10 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
         "seconds of the method's own pass after the prompt forward (KVzip's context reconstruction), included in prefill_s and context_prefill_s; ~0 for methods without one; null in rows written before it existed",
     ),
     "ttft_s": ("float", "time to first token, seconds (shared protocols: from feeding the question)"),
+    "warmup_s": (
+        "float | null",
+        "seconds of the untimed warm-up generation the process ran once before its first timed sample (`eval.runner.warm_up`): the cold start no row's timing includes; null in rows written before it existed",
+    ),
     "tpot_s": ("float", "median time per output token after the first, seconds"),
     "new_tokens": ("int", "tokens generated (the stop token included when generation stopped at one)"),
     "stop_reason": ("str", "`eos` (a stop token) or `length` (max_new_tokens reached)"),

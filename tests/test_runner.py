@@ -756,3 +756,48 @@ def test_the_bar_clock_ticks_only_on_a_terminal():
     closed.close()
     assert runner._is_terminal(Tty()) and not runner._is_terminal(io.StringIO())
     assert not runner._is_terminal(closed) and not runner._is_terminal(object())
+
+
+# ------------------------------------------------------------------------------------------ warm-up
+def test_one_untimed_warm_up_runs_before_the_first_sample_and_rows_record_it(tiny_dir, tmp_path, monkeypatch):
+    events = []
+    real_ids = runner.generate_ids
+
+    def warm(model, ids, question, method, **kw):
+        events.append(("warm-up", ids.shape[1], method is not cfg_method[0], kw["max_new_tokens"]))
+        return real_ids(model, ids, question, method, **kw)
+
+    def sample(model, tokenizer, **kw):
+        events.append(("sample",))
+        return REAL_GENERATE(model, tokenizer, **kw)
+
+    monkeypatch.setattr(runner, "generate_ids", warm)
+    monkeypatch.setattr(runner, "generate", sample)
+    results = tmp_path / "results"
+    spec = RunSpec.from_config(make_cfg(tiny_dir, results, "task.lengths=[150]"))
+    cfg_method = [spec.method]
+    runner.run(spec)
+    # once, first, on a copy of the run's method (nothing it keeps on itself leaks into the samples)
+    assert events == [("warm-up", runner.WARMUP_TOKENS, True, 2)] + [("sample",)] * len(DEPTHS)
+    rows = read_rows(result_files(results)[0])
+    assert len({r["warmup_s"] for r in rows}) == 1 and rows[0]["warmup_s"] > 0
+    events.clear()
+    runner.run(spec)  # nothing left to run: no warm-up
+    assert events == []
+
+
+def test_a_failed_warm_up_is_logged_and_the_samples_still_run(tiny_dir, tmp_path, monkeypatch, caplog):
+    logging.getLogger("eval.runner").disabled = False  # an in-process Hydra run may have disabled it
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no kernel for this\nsecond line")
+
+    monkeypatch.setattr(runner, "generate_ids", broken)
+    results = tmp_path / "results"
+    with caplog.at_level("WARNING", logger="eval.runner"):
+        runner.run(make_cfg(tiny_dir, results, "task.lengths=[150]"))
+    assert any(
+        "warm-up failed" in r.getMessage() and "no kernel for this" in r.getMessage() for r in caplog.records
+    )
+    rows = read_rows(result_files(results)[0])
+    assert len(rows) == len(DEPTHS) and all(r["status"] == "ok" and r["warmup_s"] is None for r in rows)

@@ -6,7 +6,7 @@ report draws the asked-for method beside the full cache and a baseline (`needle_
     python run.py compare=[]                 # only the method asked for
 
 Each compare method is its own job with its own results file (resumed like any run: rows already
-there are not recomputed); it takes `conf/method/<name>.yaml` as it is, so method-specific overrides
+there are not recomputed); it takes its config as `method=<name>` composes it, so method-specific overrides
 on the command line (`method.window=16`) apply to the asked-for method only, and the shared
 `budget` to all. A sweep (`-m`) names its methods itself: there `compare` is ignored.
 
@@ -21,7 +21,7 @@ import logging
 from omegaconf import DictConfig, ListConfig, open_dict
 
 from eval.callbacks import in_multirun
-from eval.conf import load_option, options
+from eval.conf import method_config, options
 from eval.runner import AllSamplesFailed, report_results, run
 from eval.spec import RunSpec
 
@@ -50,12 +50,12 @@ def compare_names(cfg: DictConfig) -> list[str]:
 
 def compare_configs(cfg: DictConfig) -> list[DictConfig]:
     """`cfg` itself, then one config per `compare` method: `cfg` with `method` replaced by that
-    method's config file (its `${budget}` resolves against the run's own `budget`)."""
+    method's config (`eval.conf.method_config`; its `${budget}` resolves against the run's own `budget`)."""
     configs = [cfg]
     for name in compare_names(cfg):
         other = cfg.copy()
         with open_dict(other):
-            other.method = load_option("method", name)
+            other.method = method_config(name)
         configs.append(other)
     return configs
 

@@ -165,7 +165,7 @@ def test_every_method_parameter_passes_through_from_conf_method():
                                            "gqa_reduce": "mean", "gqa_order": "reduce_first",
                                            "span": None}  # fmt: skip
     assert cfg.method_params["h2o"]["recent"] == 8 and cfg.method_params["h2o"]["normalize"] is True
-    assert cfg.method_params["h2o"]["block_size"] == 256  # conf/method/h2o.yaml's, not re-declared here
+    assert cfg.method_params["h2o"]["block_size"] == 256  # the dataclass's, through conf/method/h2o.yaml
     assert cfg.method_params["streamingllm"]["n_sink"] == 2
     assert [(c.method, c.input_tokens) for c in plan(cfg)] == [("snapkv", 512), ("h2o", 512)]
     assert cfg.model.name == "smollm2-135m-instruct" and cfg.model.dtype == "float32"  # conf/model/

@@ -16,10 +16,12 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
+from eval.conf import load_option, method_config, method_fields
 from eval.spec import RunSpec
 from eval.tasks import TASKS
 from eval.tasks.longbench.task import model_max_length
-from snapkv import METHODS, build_method
+from snapkv import METHODS, Method, build_method
+from snapkv.methods.base import DecodeSchedule
 from snapkv.models import DTYPES, RANDOM_SHAPES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -109,18 +111,46 @@ def test_model_configs(name):
 
 
 @pytest.mark.parametrize("name", options("method"))
-def test_method_configs_mirror_the_dataclasses(name):
+def test_method_configs_hold_every_field_and_set_only_what_differs(name):
+    cls = METHODS[name]
     cfg = compose_cfg([f"method={name}"])
-    params = OmegaConf.to_container(cfg.method, resolve=True)
-    cls = METHODS[params.pop("name")]
-    method = cls() if name == "full" else cls(budget=cfg.budget)
-    defaults = method.params()
-    # Every field is listed (discoverable from the command line) and every default matches the code;
-    # the decode schedule too (params() leaves it out while it is off).
-    assert params.pop("decode_schedule") == dataclasses.asdict(method.decode_schedule)
-    defaults.pop("decode_schedule", None)
-    assert params == defaults
+    fields = method_fields(cls)
+    # Every field is in the composed node (`method.<field>=...` needs no `+`), the decode schedule
+    # as a node of DecodeSchedule's fields.
+    assert list(cfg.method) == list(fields) and fields["name"] == name
+    assert set(cfg.method.decode_schedule) == {f.name for f in dataclasses.fields(DecodeSchedule)}
+    # The file sets only what differs from the dataclass.
+    own = {k: v for k, v in OmegaConf.to_container(load_option("method", name)).items() if k != "defaults"}
+    assert all(fields[k] != v for k, v in own.items()), own
+    # eval.conf.method_config (compare, the speed benchmark) gives what Hydra composes.
+    assert method_config(name) == cfg.method
     check_buildable(cfg)
+
+
+@pytest.mark.parametrize("name", options("method"))
+def test_every_method_field_takes_a_command_line_value(name):
+    fields = method_fields(METHODS[name])
+    schedule = fields.pop("decode_schedule")
+    value = {None: "null", True: "true", False: "false"}
+    overrides = [f"method.{k}={value.get(v, v) if not isinstance(v, list) else v}" for k, v in fields.items()]
+    overrides += [f"method.decode_schedule.{k}={value.get(v, v)}" for k, v in schedule.items()]
+    cfg = compose_cfg([f"method={name}", *overrides])  # no `+`: every field is there to override
+    assert OmegaConf.to_container(cfg.method) == {**fields, "decode_schedule": schedule}
+
+
+def test_method_fields_of_a_dataclass():
+    @dataclasses.dataclass
+    class Toy(Method):
+        name = "toy"
+        ratio: float = 20  # an int default of a float field stays the int: no hash changes
+        layers: list[int] = dataclasses.field(default_factory=lambda: [0, 1])
+        required: int = dataclasses.field(default=0, init=False)
+
+    assert method_fields(Toy) == {
+        "name": "toy", "budget": None, "ratio": 20, "layers": [0, 1],
+        "decode_schedule": {"interval": None, "buffer": 0, "target": None, "window": None},
+    }  # fmt: skip
+    assert isinstance(method_fields(Toy)["ratio"], int)
 
 
 @pytest.mark.parametrize("name", options("method"))

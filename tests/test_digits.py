@@ -6,11 +6,11 @@ import pandas as pd
 import pytest
 import torch
 from conftest import random_ids, tiny_model
-from omegaconf import OmegaConf
 from reference import eager_attentions
 
 from eval.analysis.digits import digits_ablation_figure
 from eval.analysis.kept_positions import kept_fractions, main
+from eval.conf import method_config
 from snapkv import CompressedCache, build_method, prefill
 from snapkv.hooks import session
 from snapkv.methods.base import pool, reduce_group, window_attention
@@ -121,7 +121,7 @@ def test_span_keeps_the_run_after_a_vote():
 
 
 def test_conf_snapkv_has_span_off():
-    node = OmegaConf.load("conf/method/snapkv.yaml")
+    node = method_config("snapkv")
     assert "span" in node and node.span is None
 
 

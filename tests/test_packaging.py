@@ -98,6 +98,22 @@ def test_bench_extra_is_what_the_harness_imports_beyond_the_library():
     assert canonicalize_name("import-linter") in names(extras["dev"])
 
 
+def test_console_scripts_are_harness_functions_that_run():
+    scripts = project()["scripts"]
+    assert scripts
+    for command, target in scripts.items():
+        module, _, function = target.partition(":")
+        assert module.split(".")[0] == "eval", command  # the library installs no command
+        code = (
+            f"import sys; sys.argv = [{command!r}, '--help']; "
+            f"from {module} import {function}; sys.exit({function}())"
+        )
+        proc = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0 and "usage:" in proc.stdout, (command, proc.stderr[-2000:])
+
+
 LIBRARY_RUN = r"""
 import importlib, importlib.util, json, pkgutil, sys
 

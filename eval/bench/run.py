@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from eval.bench import measure
 from eval.bench import report as bench_report
-from eval.conf import CONF_DIR, load_option, options
+from eval.conf import CONF_DIR, method_config, options
 from eval.machine import THREAD_ENV
 from snapkv import METHODS, build_method
 from snapkv.errors import first_line
@@ -94,7 +94,7 @@ def _check_model_name(name: str) -> None:
 def _method_node(name: str) -> dict[str, Any]:
     if name not in METHODS or name not in options("method"):
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(sorted(METHODS))}")
-    return OmegaConf.to_container(load_option("method", name))
+    return OmegaConf.to_container(method_config(name))
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str]], dict[str, str]]:

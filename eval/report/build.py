@@ -515,7 +515,7 @@ def write_report(results_dir: str | Path, **kwargs: Any) -> Report | None:
 
 # ----------------------------------------------------------------------------------------------- CLI
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="scripts/report.py", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])  # prog: the command or script run
     ap.add_argument("results_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: RESULTS_DIR)")
     ap.add_argument(

@@ -135,8 +135,7 @@ def strict_json(scores: dict) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; returns the exit code (0 ok, 2 bad input)."""
-    parser = argparse.ArgumentParser(
-        prog="python scripts/score_longbench.py",
+    parser = argparse.ArgumentParser(  # prog: the command or script run
         description="Score LongBench prediction files PRED_DIR/<dataset>.jsonl into PRED_DIR/result.json.",
     )
     parser.add_argument("pred_dir", type=Path, metavar="PRED_DIR", help="folder of <dataset>.jsonl files")

@@ -147,22 +147,35 @@ def test_squeue_states_and_reasons_are_read(monkeypatch):
     assert calls[0][:3] == ["squeue", "--states=all", "--array"] and calls[0][-1] == "41_0,41_1"  # one call
 
 
-def test_a_job_pending_over_the_partition_time_limit_ends_the_wait_at_the_first_poll(monkeypatch):
-    """The error names the job, the reason, the partition's limit and the partition that allows it."""
-    pending = slurm.Queued("PENDING", "PartitionTimeLimit", "debug", "16:40:00")
-    monkeypatch.setattr(slurm, "queued", lambda ids: {"41_2": pending, "41_1": pending})
+def test_a_job_pending_over_the_partition_time_limit_ends_the_wait(monkeypatch):
+    """Given up once the reason has held for UNSATISFIABLE_AFTER_S; the error names the job, the
+    latest reason, the partition's limit and a partition that allows the request."""
+    answers = iter(["PartitionConfig"] + ["PartitionTimeLimit"] * 100)  # SLURM refines the first
+
+    def queue(ids):
+        pending = slurm.Queued("PENDING", next(answers), "debug", "16:40:00")
+        return {"41_2": pending, "41_1": pending}
+
+    monkeypatch.setattr(slurm, "queued", queue)
     monkeypatch.setattr(slurm, "partition_limits", lambda: {"debug": "2:00:00", "batch": "infinite"})
     clock = Clock()
-    job = FakeJob()
     with pytest.raises(slurm.Unsatisfiable) as err:
-        slurm.wait_all([job], clock=clock, sleep=clock.sleep)
-    assert clock.now == 0  # the first squeue answer decides
+        slurm.wait_all([FakeJob()], clock=clock, sleep=clock.sleep)
+    assert slurm.UNSATISFIABLE_AFTER_S <= clock.now <= slurm.UNSATISFIABLE_AFTER_S + slurm.QUEUE_POLL_S + 1
     assert str(err.value) == (
         "job 41_2 can never start: SLURM keeps it pending with reason PartitionTimeLimit (partition debug, "
         "time limit 16:40:00); the sweep's jobs are cancelled; lower hydra.launcher.timeout_min to at most "
         "120 (partition debug's limit, 2:00:00), or run on a partition that allows 16:40:00: "
         "hydra.launcher.partition=batch"
     )
+
+
+def test_a_reason_that_clears_before_the_grace_is_waited_for(monkeypatch):
+    """A coarse reason at submission that the scheduler then clears is no reason to give up."""
+    answers = iter(["PartitionConfig", "Priority"] + ["None"] * 100)
+    monkeypatch.setattr(slurm, "queued", lambda ids: {"41_2": slurm.Queued("PENDING", next(answers))})
+    clock = Clock()
+    assert slurm.wait_all([FakeJob(done_after=60)], clock=clock, sleep=clock.sleep) == {}
 
 
 @pytest.mark.parametrize(

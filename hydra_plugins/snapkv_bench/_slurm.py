@@ -51,6 +51,10 @@ logger = logging.getLogger(__name__)
 # task's last `sacct` state, PENDING, forever.) Finished jobs stay listed for MinJobAge (300 s).
 FORGOTTEN_AFTER_S = 30.0
 QUEUE_POLL_S = 5.0
+# A job is given up once every poll over this long showed it pending for a reason that waiting cannot
+# clear: at submission SLURM may show a coarse reason (PartitionConfig) that its scheduler then
+# refines (PartitionTimeLimit) or clears; the error names the latest.
+UNSATISFIABLE_AFTER_S = 10.0
 
 
 # Pending reasons (squeue's %r; SLURM's "Job Reason Codes") that waiting cannot clear: the request
@@ -197,9 +201,11 @@ def wait_all(
     """Wait until every job is done (submitit: its result is written or `sacct` shows its end), or
     has been out of `squeue` for `FORGOTTEN_AFTER_S` without accounting showing its end (submitit
     would wait for it forever). Returns those forgotten jobs by index. Raises Unsatisfiable for a job
-    pending for a reason that waiting cannot clear (the jobs are left to the caller to cancel)."""
+    pending for a reason that waiting cannot clear, seen over `UNSATISFIABLE_AFTER_S` (the jobs are
+    left to the caller to cancel)."""
     forgotten: dict[int, JobForgotten] = {}
     missing_since: dict[int, float] = {}
+    stuck_since: dict[str, float] = {}
     noted: set[str] = set()
     checked = -math.inf
     while True:
@@ -210,7 +216,11 @@ def wait_all(
         if now - checked >= QUEUE_POLL_S:
             checked = now
             listed = queued([jobs[i].job_id for i in left])
-            check_pending(listed or {}, noted)
+            stuck = stuck_pending(listed or {}, noted)
+            stuck_since = {j: stuck_since.get(j, now) for j in stuck}
+            for job_id, since in stuck_since.items():
+                if now - since >= UNSATISFIABLE_AFTER_S:
+                    raise Unsatisfiable(unsatisfiable_message(job_id, stuck[job_id]))
             for i in left:
                 if listed is None or jobs[i].job_id in listed:
                     missing_since.pop(i, None)
@@ -224,23 +234,30 @@ def wait_all(
         sleep(1.0)
 
 
-def check_pending(listed: dict[str, Queued], noted: set[str]) -> None:
-    """Raise Unsatisfiable for the first pending job whose reason waiting cannot clear; log a reason
-    of NOTED_REASONS once per reason (`noted`)."""
+def stuck_pending(listed: dict[str, Queued], noted: set[str]) -> dict[str, Queued]:
+    """The pending jobs whose reason waiting cannot clear; a reason of NOTED_REASONS is logged once
+    (`noted`: the reasons logged so far)."""
+    stuck = {}
     for job_id, job in listed.items():
         if job.state != "PENDING":
             continue
         if is_unsatisfiable(job.reason):
-            raise Unsatisfiable(
-                f"job {job_id} can never start: SLURM keeps it pending with reason {reason_code(job.reason)} "
-                f"(partition {job.partition}, time limit {job.time_limit}); the sweep's jobs are cancelled; "
-                + remedy(job.reason, job, partition_limits())
-            )
-        if reason_code(job.reason).startswith(NOTED_REASONS) and job.reason not in noted:
+            stuck[job_id] = job
+        elif reason_code(job.reason).startswith(NOTED_REASONS) and job.reason not in noted:
             noted.add(job.reason)
             logger.warning(
                 "job %s is pending: %s; the sweep waits for it (scancel to stop)", job_id, job.reason
             )
+    return stuck
+
+
+def unsatisfiable_message(job_id: str, job: Queued) -> str:
+    """The sweep's one error line for a job pending for a reason that waiting cannot clear."""
+    return (
+        f"job {job_id} can never start: SLURM keeps it pending with reason {reason_code(job.reason)} "
+        f"(partition {job.partition}, time limit {job.time_limit}); the sweep's jobs are cancelled; "
+        + remedy(job.reason, job, partition_limits())
+    )
 
 
 def cancel(jobs: Sequence[Any]) -> None:

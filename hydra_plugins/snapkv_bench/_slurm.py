@@ -310,7 +310,8 @@ def stop(message: str) -> NoReturn:
 
 class SlurmLauncher(PluginSlurmLauncher):
     """hydra-submitit-launcher's SLURM launcher that waits for every job and records the jobs that
-    end without a result as failed sweep points instead of raising at the first."""
+    end without a result as failed sweep points instead of raising at the first; a request the
+    cluster can never serve ends the sweep with one line and exit code 2."""
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         import submitit

@@ -460,3 +460,39 @@ def test_make_slurm_ups_launcher_settings_run_a_sweep_with_no_launcher_overrides
     assert sorted(r["method"] for r in rows) == ["full", "snapkv"] and {r["status"] for r in rows} == {"ok"}
     tasks = sacct(rows[0]["slurm_array_job_id"], "JobID,State,Partition,Timelimit")
     assert {t["Partition"] for t in tasks} == {"debug"} and {t["Timelimit"] for t in tasks} == {"02:00:00"}
+
+
+@pytest.fixture
+def drained(cluster):
+    """Every node drained for the test (as an administrator does before maintenance), resumed after."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True)
+    nodes = ",".join(sorted(set(nodes.stdout.split())))
+    drain = subprocess.run(
+        ["scontrol", "update", f"nodename={nodes}", "state=drain", "reason=snapkv-test"],
+        capture_output=True,
+        text=True,
+    )
+    if drain.returncode != 0:
+        pytest.skip(f"cannot drain the nodes (scontrol needs the SLURM admin): {drain.stderr.strip()[:200]}")
+    try:
+        yield nodes
+    finally:
+        subprocess.run(
+            ["scontrol", "update", f"nodename={nodes}", "state=resume"], capture_output=True, timeout=60
+        )
+
+
+def test_a_job_waiting_for_drained_nodes_is_waited_for_not_given_up(
+    drained, tiny_dir, tmp_path, no_leftovers
+):
+    """ReqNodeNotAvail (nodes down, drained or reserved) clears when the nodes return: the sweep
+    logs it once and keeps waiting, well past the time an unsatisfiable request takes to end it."""
+    args = sweep_args(tiny_dir, tmp_path, "method=full", "task.lengths=[150]", "task.depths=[50]")
+    proc = start_sweep(tmp_path, args, started=no_leftovers)
+    time.sleep(30)
+    still_waiting = proc.poll() is None
+    proc.kill()
+    out, _ = proc.communicate()
+    assert still_waiting, out[-4000:]
+    assert out.count("is pending: ReqNodeNotAvail") == 1 and "the sweep waits for it" in out, out[-4000:]
+    assert not error_lines(out)

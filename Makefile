@@ -38,7 +38,7 @@ lint:  ## ruff lint + format check
 run: install  ## the default job (offline): needle grid on SmolLM2 with SnapKV, rows + table + heatmap
 	$(PY) run.py
 
-slurm-up:  ## a one-node SLURM cluster with accounting on this machine (root, Debian; scripts/slurm.sh); a no-op when up
+slurm-up:  ## a one-node SLURM cluster with accounting on this machine (root, Debian; scripts/slurm.sh) and conf/local/slurm.yaml, the launcher settings it serves; a no-op when up
 	scripts/slurm.sh up
 
 slurm-down:  ## stop every daemon slurm-up started (its jobs are cancelled)

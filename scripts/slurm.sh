@@ -6,7 +6,8 @@
 #   scripts/slurm.sh up      # install slurm-wlm, munge, slurmdbd, mariadb-server if missing, write
 #                            # /etc/slurm/{slurm,slurmdbd}.conf for this host, start munged, mariadbd,
 #                            # slurmdbd, slurmctld and slurmd, register the cluster, wait for `sinfo`
-#                            # to show the node idle. A second `up` changes nothing and succeeds.
+#                            # to show the node idle, and write conf/local/slurm.yaml (below). A
+#                            # second `up` changes nothing and succeeds.
 #   scripts/slurm.sh down    # cancel the cluster's jobs and stop every daemon `up` started
 #   scripts/slurm.sh status  # the daemons and `sinfo`
 #
@@ -16,8 +17,14 @@
 # `sacct` for job states. Requeued jobs may start again 10 s later (AuthInfo cred_expire; SLURM's
 # default is 120 s), and SIGTERM turns into SIGKILL after 5 s (KillWait).
 #
+# `up` also writes conf/local/slurm.yaml in this checkout (git-ignored; conf/hydra/launcher/slurm.yaml
+# reads it): the launcher settings this cluster can serve (no GPU, 1 CPU, memory that fits, a time
+# limit within `debug`'s), so `python run.py -m hydra/launcher=slurm ...` runs here with no
+# hydra.launcher overrides. The launcher's own defaults (a GPU, 12 h) would be refused by sbatch or
+# pend forever on `debug`.
+#
 # State, logs and pid files live in $SLURM_LOCAL_DIR (default /var/lib/snapkv-slurm). Files in
-# /etc/slurm that this script did not write are never overwritten.
+# /etc/slurm and conf/local/slurm.yaml that this script did not write are never overwritten.
 set -euo pipefail
 
 CLUSTER=snapkv
@@ -27,6 +34,8 @@ MARK="# written by snapkv-bench scripts/slurm.sh"
 PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
 DB_SOCKET=/run/mysqld/mysqld.sock
 WAIT_S=${SLURM_WAIT_S:-120}
+DEBUG_LIMIT_MIN=120  # `debug`'s MaxTime (slurm.conf below): the launcher's timeout_min here
+LAUNCHER_CONF=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/conf/local/slurm.yaml
 
 say() { printf '[slurm %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[slurm] error: %s\n' "$*" >&2; exit 1; }
@@ -140,6 +149,33 @@ StorageLoc=slurm_acct_db
 EOF
 }
 
+write_launcher_conf() {  # conf/local/slurm.yaml: hydra/launcher=slurm's settings for this cluster
+  local cpus mem_mb mem_gb new
+  cpus=$(nproc)
+  mem_mb=$(free -m | awk '/^Mem:/ {print $2}')
+  mem_mb=$((mem_mb > 2048 ? mem_mb - 1024 : mem_mb))
+  mem_gb=$((mem_mb / 1024 / cpus))  # one job per CPU fits at once
+  mem_gb=$((mem_gb < 1 ? 1 : mem_gb > 8 ? 8 : mem_gb))
+  new="$MARK: hydra/launcher=slurm on the local cluster
+# (one node: $cpus CPUs, $mem_mb MB, no GPUs; partition debug, the default, allows $DEBUG_LIMIT_MIN min).
+# Rewritten by every \`up\`; delete the line above to keep your own edits.
+gpus_per_node: null
+cpus_per_task: 1
+mem_gb: $mem_gb
+timeout_min: $DEBUG_LIMIT_MIN"
+  if [[ -e $LAUNCHER_CONF ]] && ! grep -qF "$MARK" "$LAUNCHER_CONF"; then
+    say "$LAUNCHER_CONF is not this script's: left as is (this cluster needs" \
+      "gpus_per_node: null, and timeout_min <= $DEBUG_LIMIT_MIN or partition: batch)"
+    return 0
+  fi
+  if [[ -e $LAUNCHER_CONF ]] && [[ "$(cat "$LAUNCHER_CONF")" == "$new" ]]; then
+    return 0
+  fi
+  say "writing $LAUNCHER_CONF"
+  mkdir -p "$(dirname "$LAUNCHER_CONF")"
+  printf '%s\n' "$new" >"$LAUNCHER_CONF"
+}
+
 start_munge() {
   if alive /run/munge/munged.pid; then say "munged already running"; return; fi
   say "starting munged"
@@ -222,6 +258,7 @@ up() {
   start_slurmdbd
   register_cluster
   start_slurm
+  write_launcher_conf
   sinfo
 }
 

@@ -268,9 +268,39 @@ def test_launchers(launcher):
     assert get_class(target).__name__.endswith("Launcher")  # importable
     if launcher == "slurm":
         assert target.endswith("SlurmLauncher")
-        assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.array_parallelism > 0
+        # conf/local/slurm.yaml (git-ignored; `make slurm-up` writes one) overrides slurm.yaml's values.
+        local = CONF / "local" / "slurm.yaml"
+        expected = OmegaConf.load(local) if local.is_file() else {}
+        assert cfg.hydra.launcher.gpus_per_node == expected.get("gpus_per_node", 1)
+        assert cfg.hydra.launcher.array_parallelism > 0
         # Requeued after a time limit (the plugin's default, 0, ends the job) and after node failures.
         assert cfg.hydra.launcher.max_num_timeout > 0 and cfg.hydra.launcher.additional_parameters.requeue
+
+
+def test_local_launcher_settings_apply_to_the_slurm_launcher_only(tmp_path):
+    """conf/local/slurm.yaml (what `make slurm-up` writes) sets hydra/launcher=slurm's fields; a run
+    on any other launcher composes as without it (the basic launcher has no `partition`)."""
+    import shutil
+
+    conf = shutil.copytree(CONF, tmp_path / "conf", ignore=shutil.ignore_patterns("local", "__pycache__"))
+    (conf / "local").mkdir()
+    (conf / "local" / "slurm.yaml").write_text("gpus_per_node: null\ntimeout_min: 120\npartition: batch\n")
+    with initialize_config_dir(config_dir=str(conf), version_base="1.3"):
+        slurm = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True).hydra.launcher
+        basic = compose("config", return_hydra_config=True).hydra.launcher
+        on_cli = compose(
+            "config",
+            overrides=["hydra/launcher=slurm", "hydra.launcher.timeout_min=30"],
+            return_hydra_config=True,
+        )
+    assert (slurm.gpus_per_node, slurm.timeout_min, slurm.partition, slurm.cpus_per_task) == (
+        None,
+        120,
+        "batch",
+        8,
+    )
+    assert "partition" not in basic
+    assert on_cli.hydra.launcher.timeout_min == 30  # the command line still wins
 
 
 def test_report_callback_is_configured():

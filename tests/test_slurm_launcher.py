@@ -1,9 +1,12 @@
-"""The SLURM launcher's bookkeeping without a cluster: a job SLURM forgot, failure messages, and a
-failed point that never started listed by the sweep's report callback. The launcher on a real
-cluster: tests/e2e/test_slurm.py."""
+"""The SLURM launcher's bookkeeping without a cluster: a job SLURM forgot, jobs pending for a reason
+that cannot clear and submissions sbatch refuses (cancelled, one line, exit code 2), failure
+messages, and a failed point that never started listed by the sweep's report callback. The launcher
+on a real cluster: tests/e2e/test_slurm.py."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -44,7 +47,9 @@ class Clock:
 def test_a_job_slurm_forgot_is_given_up_after_the_grace(monkeypatch):
     """Out of squeue and never ended in accounting (submitit still says PENDING): given up, while
     the job beside it, queued, is waited for."""
-    monkeypatch.setattr(slurm, "queued", lambda ids: {"41_1"} & set(ids))
+    monkeypatch.setattr(
+        slurm, "queued", lambda ids: {j: slurm.Queued("RUNNING") for j in {"41_1"} & set(ids)}
+    )
     clock = Clock()
     gone, running = FakeJob(), FakeJob(done_after=200)
     running.job_id = "41_1"
@@ -55,7 +60,7 @@ def test_a_job_slurm_forgot_is_given_up_after_the_grace(monkeypatch):
 
 
 def test_given_up_only_after_the_grace_and_only_without_an_end_in_sacct(monkeypatch):
-    monkeypatch.setattr(slurm, "queued", lambda ids: set())
+    monkeypatch.setattr(slurm, "queued", lambda ids: {})
     clock = Clock()
     forgotten = slurm.wait_all([FakeJob()], clock=clock, sleep=clock.sleep)
     assert slurm.FORGOTTEN_AFTER_S <= clock.now <= slurm.FORGOTTEN_AFTER_S + 2 * slurm.QUEUE_POLL_S
@@ -67,6 +72,197 @@ def test_given_up_only_after_the_grace_and_only_without_an_end_in_sacct(monkeypa
     monkeypatch.setattr(slurm, "queued", lambda ids: None)
     job = FakeJob(done_after=100)
     assert slurm.wait_all([job], clock=clock, sleep=clock.sleep) == {} and job.forced == 0
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "PartitionTimeLimit",
+        "PartitionNodeLimit",
+        "PartitionConfig",
+        "InvalidAccount",
+        "InvalidQOS",
+        "BadConstraints",
+        "QOSMaxWallDurationPerJobLimit",
+        "AssocMaxWallDurationPerJobLimit",
+        "AssocMaxCpuPerJobLimit",
+        "QOSMaxGRESPerNode",
+        "QOSMinGRES",
+    ],
+)
+def test_reasons_waiting_cannot_clear(reason):
+    assert slurm.is_unsatisfiable(reason)
+
+
+@pytest.mark.parametrize(
+    "reason",
+    [
+        "None",
+        "Priority",
+        "Resources",
+        "Dependency",
+        "BeginTime",
+        "JobArrayTaskLimit",
+        "ReqNodeNotAvail, UnavailableNodes:node[1-2]",
+        "ReqNodeNotAvail, Reserved for maintenance",
+        "PartitionDown",
+        "AssocGrpCpuLimit",
+        "QOSMaxJobsPerUserLimit",
+        "QOSMaxCpuPerUserLimit",
+        "QOSJobLimit",
+    ],
+)
+def test_reasons_that_clear_by_waiting(reason):
+    assert not slurm.is_unsatisfiable(reason)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("2:00:00", 120), ("30:00", 30), ("1-00:00:00", 1440), ("1-12", 2160), ("16:40:00", 1000), ("45", 45)],
+)
+def test_slurm_times_in_minutes(text, expected):
+    assert slurm.minutes(text) == expected
+    assert slurm.minutes("infinite") == float("inf") and slurm.minutes("soon") is None
+
+
+def fake_run(calls: list, stdout: str = "", returncode: int = 0, stderr: str = ""):
+    def run(cmd, **kwargs):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, returncode, stdout=stdout, stderr=stderr)
+
+    return run
+
+
+def test_squeue_states_and_reasons_are_read(monkeypatch):
+    calls: list = []
+    out = (
+        "41_0|PENDING|ReqNodeNotAvail, UnavailableNodes:vm|debug|2:00:00\n41_1|RUNNING|None|batch|16:40:00\n"
+    )
+    monkeypatch.setattr(slurm.subprocess, "run", fake_run(calls, out))
+    listed = slurm.queued(["41_0", "41_1"])
+    assert listed == {
+        "41_0": slurm.Queued("PENDING", "ReqNodeNotAvail, UnavailableNodes:vm", "debug", "2:00:00"),
+        "41_1": slurm.Queued("RUNNING", "None", "batch", "16:40:00"),
+    }
+    assert calls[0][:3] == ["squeue", "--states=all", "--array"] and calls[0][-1] == "41_0,41_1"  # one call
+
+
+def test_a_job_pending_over_the_partition_time_limit_ends_the_wait(monkeypatch):
+    """Given up once the reason has held for UNSATISFIABLE_AFTER_S; the error names the job, the
+    latest reason, the partition's limit and a partition that allows the request."""
+    answers = iter(["PartitionConfig"] + ["PartitionTimeLimit"] * 100)  # SLURM refines the first
+
+    def queue(ids):
+        pending = slurm.Queued("PENDING", next(answers), "debug", "16:40:00")
+        return {"41_2": pending, "41_1": pending}
+
+    monkeypatch.setattr(slurm, "queued", queue)
+    monkeypatch.setattr(slurm, "partition_limits", lambda: {"debug": "2:00:00", "batch": "infinite"})
+    clock = Clock()
+    with pytest.raises(slurm.Unsatisfiable) as err:
+        slurm.wait_all([FakeJob()], clock=clock, sleep=clock.sleep)
+    assert slurm.UNSATISFIABLE_AFTER_S <= clock.now <= slurm.UNSATISFIABLE_AFTER_S + slurm.QUEUE_POLL_S + 1
+    assert str(err.value) == (
+        "job 41_2 can never start: SLURM keeps it pending with reason PartitionTimeLimit (partition debug, "
+        "time limit 16:40:00); the sweep's jobs are cancelled; lower hydra.launcher.timeout_min to at most "
+        "120 (partition debug's limit, 2:00:00), or run on a partition that allows 16:40:00: "
+        "hydra.launcher.partition=batch"
+    )
+
+
+def test_a_reason_that_clears_before_the_grace_is_waited_for(monkeypatch):
+    """A coarse reason at submission that the scheduler then clears is no reason to give up."""
+    answers = iter(["PartitionConfig", "Priority"] + ["None"] * 100)
+    monkeypatch.setattr(slurm, "queued", lambda ids: {"41_2": slurm.Queued("PENDING", next(answers))})
+    clock = Clock()
+    assert slurm.wait_all([FakeJob(done_after=60)], clock=clock, sleep=clock.sleep) == {}
+
+
+@pytest.mark.parametrize(
+    ("reason", "names"),
+    [
+        ("InvalidAccount", "hydra.launcher.account"),
+        ("InvalidQOS", "hydra.launcher.qos"),
+        ("QOSMaxWallDurationPerJobLimit", "hydra.launcher.timeout_min"),
+        ("PartitionConfig", "hydra.launcher.cpus_per_task"),
+    ],
+)
+def test_each_reason_says_what_to_change(reason, names):
+    assert names in slurm.remedy(reason, slurm.Queued("PENDING", reason, "debug", "1:00:00"), {})
+
+
+def test_a_job_waiting_for_nodes_is_waited_for_and_logged_once(monkeypatch, caplog):
+    """ReqNodeNotAvail (nodes down, drained or reserved) clears when they return: not an error."""
+    reason = "ReqNodeNotAvail, UnavailableNodes:vm"
+    monkeypatch.setattr(
+        slurm, "queued", lambda ids: {"41_2": slurm.Queued("PENDING", reason, "debug", "2:00:00")}
+    )
+    clock = Clock()
+    with caplog.at_level(logging.WARNING, logger=slurm.__name__):
+        assert slurm.wait_all([FakeJob(done_after=60)], clock=clock, sleep=clock.sleep) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"job 41_2 is pending: {reason}; the sweep waits for it (scancel to stop)"
+    ]
+
+
+def test_giving_up_cancels_the_arrays_and_exits_2_with_one_line(monkeypatch, capsys):
+    calls: list = []
+    monkeypatch.setattr(slurm.subprocess, "run", fake_run(calls))
+    jobs = [FakeJob(), FakeJob(), FakeJob()]
+    jobs[0].job_id, jobs[2].job_id = "41_0", "57"
+    slurm.cancel(jobs)
+    assert calls == [["scancel", "41", "57"]]
+    with pytest.raises(SystemExit) as end:
+        slurm.stop("job 41_2 can never start: ...")
+    assert end.value.code == 2
+    assert capsys.readouterr().err == "error: job 41_2 can never start: ...\n"
+
+
+GRES = "sbatch: error: Invalid generic resource (gres) specification\n"
+MEMORY = (
+    "sbatch: error: Memory specification can not be satisfied\n"
+    "sbatch: error: Batch job submission failed: Requested node configuration is not available\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("stderr", "expected"),
+    [
+        (
+            GRES,
+            "sbatch refused the sweep's jobs: Invalid generic resource (gres) specification; the cluster has "
+            "no such GPUs: hydra.launcher.gpus_per_node=null for CPU jobs, or its own hydra.launcher.gres",
+        ),
+        (
+            MEMORY,
+            "sbatch refused the sweep's jobs: Memory specification can not be satisfied; Requested node "
+            "configuration is not available; lower hydra.launcher.mem_gb to what a node has "
+            "(sinfo -o '%N %m', in MB)",
+        ),
+    ],
+)
+def test_an_sbatch_refusal_is_one_line_naming_its_reason(stderr, expected):
+    assert slurm.sbatch_refusal(stderr) == expected
+
+
+def test_a_refused_submission_ends_the_sweep_with_exit_2_and_one_line(capsys):
+    """submitit prints sbatch's stderr, then raises FailedJobError: the sweep ends with one line."""
+    import sys
+
+    class Refusing:
+        def map_array(self, *args):
+            print(GRES.strip(), file=sys.stderr)
+            try:
+                raise subprocess.CalledProcessError(1, ["sbatch"], stderr=GRES)
+            except subprocess.CalledProcessError as err:
+                raise FailedJobError(GRES.strip()) from err
+
+    launcher = slurm.SlurmLauncher.__new__(slurm.SlurmLauncher)
+    with pytest.raises(SystemExit) as end:
+        launcher._submit(Refusing(), [(["budget=1"], "hydra.sweep.dir", 0, "job_id_for_0", None)])
+    assert end.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: sbatch refused the sweep's jobs: Invalid generic")
 
 
 def test_failure_messages_name_the_job_its_end_its_log_and_the_remedy():

@@ -27,6 +27,12 @@ from test_runner import save_tiny_model
 from eval.store import read_rows
 
 ROOT = Path(__file__).resolve().parents[2]
+# What `make slurm-up` writes for hydra/launcher=slurm on its cluster (scripts/slurm.sh).
+LOCAL_LAUNCHER = ROOT / "conf" / "local" / "slurm.yaml"
+SCRIPT_MARK = "# written by snapkv-bench scripts/slurm.sh"
+# A request the cluster can never serve must end the sweep within this (the launcher polls squeue
+# every 5 s; the rest is the sweep command's start-up and submission).
+GIVE_UP_S = 60
 SLOW_SAMPLE_S = 1.0
 # submitit re-reads job states from `sacct` at 2, 4, 8, 16 ... s after submission: give it time.
 SWEEP_TIMEOUT_S = 420
@@ -130,17 +136,21 @@ def no_leftovers(tmp_path):
     subprocess.run(["scancel", f"--name={job_name(tmp_path)}"], capture_output=True, timeout=60)
 
 
-def sweep_args(tiny_dir: str, tmp_path: Path, *args: str) -> list[str]:
-    """`run.py -m` on the SLURM launcher: 1 CPU and 1 GB per job, no GPU, the tiny model, quiet."""
-    return [
-        "-m",
-        "hydra/launcher=slurm",
-        f"hydra.sweep.dir={tmp_path}/multirun",
-        f"hydra.launcher.name={job_name(tmp_path)}",
+def sweep_args(tiny_dir: str, tmp_path: Path, *args: str, resources: bool = True) -> list[str]:
+    """`run.py -m` on the SLURM launcher: 1 CPU and 1 GB per job, no GPU (resources=False: the
+    launcher's settings as configured), the tiny model, quiet; `args` replace defaults of the same key."""
+    launcher = [
         "hydra.launcher.gpus_per_node=null",
         "hydra.launcher.cpus_per_task=1",
         "hydra.launcher.mem_gb=1",
         "hydra.launcher.timeout_min=30",
+    ]
+    defaults = [
+        "-m",
+        "hydra/launcher=slurm",
+        f"hydra.sweep.dir={tmp_path}/multirun",
+        f"hydra.launcher.name={job_name(tmp_path)}",
+        *(launcher if resources else []),
         f"model.name={tiny_dir}",
         "model.context=4096",
         "model.max_prompt_tokens=400",
@@ -149,8 +159,9 @@ def sweep_args(tiny_dir: str, tmp_path: Path, *args: str) -> list[str]:
         "progress=false",
         "task.haystack=noise",
         "task.max_new_tokens=6",
-        *args,
     ]
+    given = {a.split("=", 1)[0] for a in args}
+    return [a for a in defaults if a.split("=", 1)[0] not in given] + list(args)
 
 
 def env_for(tmp_path: Path, slow: bool = False) -> dict[str, str]:
@@ -370,3 +381,118 @@ def test_a_preempted_job_is_requeued_and_finishes_without_duplicates(
     assert [r["State"] for r in runs] == ["REQUEUED", "COMPLETED"], runs
     logs = "".join(p.read_text() for p in (tmp_path / "multirun" / ".submitit").rglob("*_log.err"))
     assert "Caught signal SIGUSR2" in logs and f"Requeued job {job}" in logs
+
+
+def error_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.startswith("error:")]
+
+
+def timed_sweep(tmp_path: Path, args: list[str], started: list) -> tuple[int, str, float]:
+    start = time.monotonic()
+    code, out = run_sweep(tmp_path, args, started)
+    return code, out, time.monotonic() - start
+
+
+def test_a_time_limit_over_the_partitions_ends_the_sweep_with_exit_2_naming_the_reason(
+    tiny_dir, tmp_path, no_leftovers
+):
+    """timeout_min=1000 on `debug` (2 h): SLURM keeps the jobs pending (PartitionTimeLimit) forever.
+    The sweep cancels them and exits 2 within a minute, one line naming the reason and the fix."""
+    limit = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%l"], capture_output=True, text=True).stdout
+    if limit.strip() != "2:00:00":
+        pytest.skip(
+            f"no `debug` partition with a 2 h limit as make slurm-up starts (sinfo: {limit.strip()!r})"
+        )
+    args = sweep_args(
+        tiny_dir, tmp_path, "hydra.launcher.partition=debug", "hydra.launcher.timeout_min=1000",
+        "method=full,snapkv", "task.lengths=[150]", "task.depths=[50]",
+    )  # fmt: skip
+    code, out, took = timed_sweep(tmp_path, args, no_leftovers)
+    assert code == 2, out[-4000:]
+    assert took < GIVE_UP_S, f"{took:.0f} s"
+    (line,) = error_lines(out)
+    assert "can never start: SLURM keeps it pending with reason PartitionTimeLimit" in line, line
+    assert "timeout_min to at most 120" in line and "hydra.launcher.partition=batch" in line, line
+    assert "Traceback" not in out
+    # Nothing lingers: the array is cancelled.
+    array = line.removeprefix("error: job ").split("_")[0]
+    assert array.isdigit(), line
+    queue = subprocess.run(["squeue", "-h", "-r", "-j", array, "-o", "%i %T"], capture_output=True, text=True)
+    assert "PENDING" not in queue.stdout and "RUNNING" not in queue.stdout, queue.stdout
+    assert not list(tmp_path.rglob("*.jsonl"))  # no job ran
+
+
+def test_a_gpu_on_a_cluster_without_gpus_ends_the_sweep_with_exit_2_naming_sbatchs_reason(
+    cluster, tiny_dir, tmp_path, no_leftovers
+):
+    """gpus_per_node=1 (the launcher's default) where no node has a GPU: sbatch refuses the array."""
+    gres = subprocess.run(["sinfo", "-h", "-o", "%G"], capture_output=True, text=True, check=True).stdout
+    if any("gpu" in g for g in gres.split()):
+        pytest.skip(f"this cluster has GPUs (sinfo GRES: {gres.strip()})")
+    args = sweep_args(
+        tiny_dir, tmp_path, "hydra.launcher.gpus_per_node=1", "task.lengths=[150]", "task.depths=[50]"
+    )
+    code, out, took = timed_sweep(tmp_path, args, no_leftovers)
+    assert code == 2, out[-4000:]
+    assert took < GIVE_UP_S, f"{took:.0f} s"
+    assert error_lines(out) == [
+        "error: sbatch refused the sweep's jobs: Invalid generic resource (gres) specification; the cluster "
+        "has no such GPUs: hydra.launcher.gpus_per_node=null for CPU jobs, or its own hydra.launcher.gres"
+    ]
+    assert "Traceback" not in out and "sbatch: error" not in out
+
+
+def test_make_slurm_ups_launcher_settings_run_a_sweep_with_no_launcher_overrides(
+    tiny_dir, tmp_path, no_leftovers
+):
+    """conf/local/slurm.yaml as scripts/slurm.sh writes it: the launcher's own defaults (a GPU, 12 h
+    on `debug`) would be refused or pend forever; with it the sweep runs on the default partition."""
+    if not LOCAL_LAUNCHER.is_file() or SCRIPT_MARK not in LOCAL_LAUNCHER.read_text():
+        pytest.skip(
+            f"{LOCAL_LAUNCHER} is missing or not written by scripts/slurm.sh (make slurm-up writes it)"
+        )
+    args = sweep_args(
+        tiny_dir, tmp_path, "method=full,snapkv", "task.lengths=[150]", "task.depths=[50]", resources=False
+    )
+    code, out = run_sweep(tmp_path, args, no_leftovers)
+    assert code == 0, out[-4000:]
+    rows = all_rows(tmp_path / "results")
+    assert sorted(r["method"] for r in rows) == ["full", "snapkv"] and {r["status"] for r in rows} == {"ok"}
+    tasks = sacct(rows[0]["slurm_array_job_id"], "JobID,State,Partition,Timelimit")
+    assert {t["Partition"] for t in tasks} == {"debug"} and {t["Timelimit"] for t in tasks} == {"02:00:00"}
+
+
+@pytest.fixture
+def drained(cluster):
+    """Every node drained for the test (as an administrator does before maintenance), resumed after."""
+    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True, check=True)
+    nodes = ",".join(sorted(set(nodes.stdout.split())))
+    drain = subprocess.run(
+        ["scontrol", "update", f"nodename={nodes}", "state=drain", "reason=snapkv-test"],
+        capture_output=True,
+        text=True,
+    )
+    if drain.returncode != 0:
+        pytest.skip(f"cannot drain the nodes (scontrol needs the SLURM admin): {drain.stderr.strip()[:200]}")
+    try:
+        yield nodes
+    finally:
+        subprocess.run(
+            ["scontrol", "update", f"nodename={nodes}", "state=resume"], capture_output=True, timeout=60
+        )
+
+
+def test_a_job_waiting_for_drained_nodes_is_waited_for_not_given_up(
+    drained, tiny_dir, tmp_path, no_leftovers
+):
+    """ReqNodeNotAvail (nodes down, drained or reserved) clears when the nodes return: the sweep
+    logs it once and keeps waiting, well past the time an unsatisfiable request takes to end it."""
+    args = sweep_args(tiny_dir, tmp_path, "method=full", "task.lengths=[150]", "task.depths=[50]")
+    proc = start_sweep(tmp_path, args, started=no_leftovers)
+    time.sleep(30)
+    still_waiting = proc.poll() is None
+    proc.kill()
+    out, _ = proc.communicate()
+    assert still_waiting, out[-4000:]
+    assert out.count("is pending: ReqNodeNotAvail") == 1 and "the sweep waits for it" in out, out[-4000:]
+    assert not error_lines(out)

@@ -19,10 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from snapkv.cache import CompressibleLayer
+from snapkv.methods.checks import Check, check_all, integer
 
 GQA_REDUCTIONS = ("mean", "max", "sum")
 # Where pooling goes relative to the GQA group reduction (SnapKV-family scores, see methods/snapkv.py).
 GQA_ORDERS = ("reduce_first", "pool_first")
+# Pooling of the scores along the sequence (`pool`).
+POOLINGS = ("max", "avg", "none")
 
 
 @dataclass
@@ -57,14 +60,15 @@ class DecodeSchedule:
     def on(self) -> bool:
         return bool(self.interval)
 
+    checks: ClassVar[dict[str, Check]] = {
+        "interval": integer(0, none=True, rule="null or an integer >= 0"),
+        "buffer": integer(0),
+        "window": integer(1, none=True, rule="null or a positive integer"),
+    }
+
     def validate(self) -> None:
-        i = self.interval
-        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0):
-            raise ValueError(f"decode_schedule.interval must be null or an integer >= 0, got interval={i!r}")
-        b = self.buffer
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise ValueError(f"decode_schedule.buffer must be an integer >= 0, got buffer={b!r}")
-        t = self.target
+        check_all(self.checks, self, prefix="decode_schedule.")
+        t = self.target  # an int or a ratio: two kinds of value, one rule each
         if t is not None and (
             isinstance(t, bool)
             or not isinstance(t, int | float)
@@ -74,9 +78,6 @@ class DecodeSchedule:
             raise ValueError(
                 f"decode_schedule.target must be null, a positive integer or a ratio in (0, 1), got target={t!r}"
             )
-        w = self.window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"decode_schedule.window must be null or a positive integer, got window={w!r}")
 
 
 @dataclass
@@ -96,12 +97,18 @@ class Method:
     # decode-time scoring state (H2O's accumulated attention, StreamingLLM's rolling window) say no.
     schedulable: ClassVar[bool] = True
 
+    # What each parameter's values may be (see snapkv.methods.checks), checked before `validate()`;
+    # merged along the class hierarchy (`param_checks`): a subclass replaces an entry by naming it,
+    # and drops it with None.
+    checks: ClassVar[dict[str, Check | None]] = {"budget": integer(none=True)}
+
     budget: int | None = None
     # Compression while generating (see DecodeSchedule); keyword-only, so it never shifts positional
     # arguments. Left out of `params()` while off: configs without a schedule keep their hashes.
     decode_schedule: DecodeSchedule | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        check_all(self.param_checks(), self, self.name)
         self.validate()
         schedule = self.decode_schedule
         if schedule is None:
@@ -150,6 +157,14 @@ class Method:
             )
 
     @classmethod
+    def param_checks(cls) -> dict[str, Check | None]:
+        """`checks` of the class and its parents, a subclass's entry replacing its parent's."""
+        merged: dict[str, Check | None] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(klass.__dict__.get("checks", {}))
+        return merged
+
+    @classmethod
     def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
         """The parameters of a row written by an older version, as today's names and values for
         what really ran: switches the row does not name get their `legacy_params` value."""
@@ -157,8 +172,8 @@ class Method:
 
     # ---- what a method defines (every hook has a no-op / uniform default) ---------------------
     def validate(self) -> None:
-        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
-            raise ValueError(f"budget must be a positive integer, got budget={self.budget!r}")
+        """ValueError for a combination of parameters the method cannot run (each parameter on its
+        own is checked by `checks` first)."""
 
     def post_init_from_model(self, model) -> None:
         """Called once per session, before the first forward (kvpress's hook): a method that needs
@@ -433,7 +448,7 @@ def pool(scores: torch.Tensor, kernel_size: int, how: str) -> torch.Tensor:
     elif how == "avg":
         x = F.avg_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
     else:
-        raise ValueError(f"pooling must be one of ('max', 'avg', 'none'), got pooling={how!r}")
+        raise ValueError(f"pooling must be one of {POOLINGS}, got pooling={how!r}")
     return x[..., : shape[-1]].reshape(shape)
 
 

@@ -25,6 +25,7 @@ from snapkv.methods.base import (
     reduce_group,
     window_attention,
 )
+from snapkv.methods.checks import flag, integer, number, one_of
 from snapkv.methods.registry import register
 
 
@@ -56,26 +57,25 @@ class H2O(Method):
     # more precise than (so not identical to) the model's own half-precision attention.
     fused: bool = True
 
+    checks = {
+        "budget": integer(needed=True),
+        "recent_ratio": number(0, 1, high_open=True),
+        "evict_during_decode": flag(),
+        "normalize": flag(),
+        "gqa_reduce": one_of(GQA_REDUCTIONS),
+        "block_size": integer(rule="positive"),
+        "fused": flag(),
+    }
+
     @property
     def evicts_during_decode(self) -> bool:  # type: ignore[override]
         return self.evict_during_decode
 
     def validate(self) -> None:
         super().validate()
-        if self.budget is None:
-            raise ValueError("h2o needs a budget, got budget=None")
-        if not 0.0 <= self.recent_ratio < 1.0:
-            raise ValueError(f"recent_ratio must be in [0, 1), got recent_ratio={self.recent_ratio!r}")
-        if self.recent is not None and not (isinstance(self.recent, int) and 0 <= self.recent < self.budget):
-            raise ValueError(
-                f"recent must be in [0, budget), got recent={self.recent!r}, budget={self.budget}"
-            )
-        if self.gqa_reduce not in GQA_REDUCTIONS:
-            raise ValueError(
-                f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={self.gqa_reduce!r}"
-            )
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got block_size={self.block_size!r}")
+        r = self.recent
+        if r is not None and not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.budget):
+            raise ValueError(f"recent must be in [0, budget), got recent={r!r}, budget={self.budget}")
 
     @property
     def n_recent(self) -> int:

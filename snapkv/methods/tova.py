@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from snapkv.methods.base import Method, attention_output, window_attention
+from snapkv.methods.checks import flag, integer
 from snapkv.methods.registry import register
 
 
@@ -64,20 +65,11 @@ class TOVA(Method):
     evict_during_decode: bool = True  # authors: after every forward | False: prefill only (kvpress)
     keep_last: bool = False  # True: the last entry is never evicted (kvpress)
 
+    checks = {"budget": integer(needed=True), "evict_during_decode": flag(), "keep_last": flag()}
+
     @property
     def evicts_during_decode(self) -> bool:  # type: ignore[override]
         return self.evict_during_decode
-
-    def validate(self) -> None:
-        super().validate()
-        if self.budget is None:
-            raise ValueError("tova needs a budget, got budget=None")
-        if not isinstance(self.evict_during_decode, bool):
-            raise ValueError(
-                f"evict_during_decode must be true or false, got evict_during_decode={self.evict_during_decode!r}"
-            )
-        if not isinstance(self.keep_last, bool):
-            raise ValueError(f"keep_last must be true or false, got keep_last={self.keep_last!r}")
 
     def protected(self) -> tuple[int, int]:
         return 0, int(self.keep_last)

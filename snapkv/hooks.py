@@ -73,8 +73,10 @@ class Session:
     ) -> None:
         method = self.method
         padded = layer.pads is not None
-        scheduled = method.decode_schedule.on
-        if scheduled:
+        steps = method.decode_steps
+        # Scheduled compressions score with the window's queries; per-step eviction with the
+        # running scores `observe` keeps, from each step's own query.
+        if steps.on and not steps.per_step:
             layer.remember_queries(query, method.schedule_window)
         if layer.state in ("empty", "prefilling"):
             if self.phase == "prefill":
@@ -92,19 +94,27 @@ class Session:
             layer.state = "ready"
         else:
             layer.decode_entries.append(layer.entries_now())  # what this forward attended to
-            if scheduled:
-                self.scheduled_step(module, layer, query.shape[2])
-            if not method.evicts_during_decode:
+            if not steps.on:
                 return
-            if padded:
-                before = layer.row_entries()
-                padding.evict_rows(method, layer, query, module)
-                layer.decode_evicted += float((before - layer.row_entries()).double().mean())
-            else:  # every row holds `stored` entries: plain ints, no tensor ops on every step
-                before = layer.stored
-                method.observe(layer, query, key, module)
-                method.evict(layer, in_place=True)
-                layer.decode_evicted += float(before - layer.stored)
+            if steps.per_step:
+                self.evict_step(module, layer, query, key)
+            else:
+                self.scheduled_step(module, layer, query.shape[2])
+
+    def evict_step(self, module, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Per-step eviction (`snapkv.methods.base.EveryStep`): the method's running scores see
+        the step (`observe`), then `evict` drops what exceeds the layer's budget (a decode step's
+        one surplus entry in place)."""
+        method = self.method
+        if layer.pads is not None:
+            before = layer.row_entries()
+            padding.evict_rows(method, layer, query, module)
+            layer.decode_evicted += float((before - layer.row_entries()).double().mean())
+        else:  # every row holds `stored` entries: plain ints, no tensor ops on every step
+            before = layer.stored
+            method.observe(layer, query, key, module)
+            method.evict(layer, in_place=True)
+            layer.decode_evicted += float(before - layer.stored)
 
     def after_prefill(self, ids: torch.Tensor) -> None:
         """Run `method.after_prefill` on the prefilled prompt `ids` `[batch, n]` (phase "score"

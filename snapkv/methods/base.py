@@ -48,8 +48,12 @@ class DecodeSchedule:
       window-free methods).
 
     At a scheduled step, after the step's attention: `score(layer, window_queries, layer.keys,
-    module)`, then `prune(layer, scores, target)`, exactly as at the end of prefill.
+    module)`, then `prune(layer, scores, target)`, exactly as at the end of prefill. Per-step
+    eviction with the method's running scores is the schedule `EveryStep` (`Method.decode_steps`).
     """
+
+    # Whether this schedule is per-step eviction (`EveryStep`), read by the hooks at every step.
+    per_step: ClassVar[bool] = False
 
     interval: int | None = None
     buffer: int = 0
@@ -81,12 +85,28 @@ class DecodeSchedule:
 
 
 @dataclass
+class EveryStep(DecodeSchedule):
+    """Per-step eviction: the decode schedule `interval=1`, back to the layer's budget (`target`
+    None, no `buffer`), scored by the method's running scores rather than by window queries:
+    `observe` after every forward, then `evict` with `decode_score`, the step's one surplus entry
+    dropped in place (`CompressibleLayer.evict_in_place`). What `evict_during_decode: true` (H2O,
+    TOVA, K-norm: the flat switch their configs, hashes and rows keep) and StreamingLLM's rolling
+    cache run; it is never a `decode_schedule` value itself (see `Method.decode_steps`)."""
+
+    per_step: ClassVar[bool] = True
+
+    interval: int | None = 1
+
+
+# The one per-step schedule (read at every decode step: shared, never modified).
+EVERY_STEP = EveryStep()
+
+
+@dataclass
 class Method:
     """A KV-cache compression method. `budget` = entries kept per KV head per layer (None: no limit)."""
 
     name: ClassVar[str] = ""
-    # Whether the method also evicts while decoding (H2O's original, StreamingLLM's rolling cache).
-    evicts_during_decode: ClassVar[bool] = False
 
     # Values that reproduce what this method computed before a switch was added, for rows written
     # before it existed (`upgrade_params`): e.g. SnapKV rows without `gqa_order` were computed with
@@ -120,7 +140,8 @@ class Method:
                     f"unknown decode_schedule key(s) {unknown}; it takes interval, buffer, target, window"
                 )
             schedule = DecodeSchedule(**schedule)
-        elif not isinstance(schedule, DecodeSchedule):
+        elif not isinstance(schedule, DecodeSchedule) or isinstance(schedule, EveryStep):
+            # EveryStep is spelt `evict_during_decode: true`, the name configs and hashes keep.
             raise ValueError(f"decode_schedule must be a mapping, got decode_schedule={schedule!r}")
         self.decode_schedule = schedule
         schedule.validate()
@@ -155,6 +176,20 @@ class Method:
                 f"decode_schedule.target must exceed the {first + last} protected entries, "
                 f"got target={schedule.target}"
             )
+
+    @property
+    def evicts_during_decode(self) -> bool:
+        """Whether the method evicts at every decoding step (`EveryStep`): its flat switch
+        `evict_during_decode` (a field of H2O, TOVA and K-norm; StreamingLLM's class says True)."""
+        return getattr(self, "evict_during_decode", False)
+
+    @property
+    def decode_steps(self) -> DecodeSchedule:
+        """The one decode-time mechanism: what runs after each forward once the prompt is in.
+        `EVERY_STEP` (per-step eviction) where `evict_during_decode` is on, else `decode_schedule`
+        (off, or scheduled compressions with the window's queries). Both switches on at once are
+        refused (`validate_schedule`)."""
+        return EVERY_STEP if self.evicts_during_decode else self.decode_schedule
 
     @classmethod
     def param_checks(cls) -> dict[str, Check | None]:

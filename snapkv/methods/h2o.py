@@ -67,10 +67,6 @@ class H2O(Method):
         "fused": flag(),
     }
 
-    @property
-    def evicts_during_decode(self) -> bool:  # type: ignore[override]
-        return self.evict_during_decode
-
     def validate(self) -> None:
         super().validate()
         r = self.recent

@@ -57,10 +57,6 @@ class KNorm(Method):
         "evict_during_decode": flag(),
     }
 
-    @property
-    def evicts_during_decode(self) -> bool:  # type: ignore[override]
-        return self.evict_during_decode
-
     def __post_init__(self) -> None:
         super().__post_init__()
         self.skip_layers = list(self.skip_layers)  # one type in params() and result rows

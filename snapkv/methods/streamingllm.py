@@ -23,7 +23,7 @@ from snapkv.rope import compact, rope_inv_freq
 @dataclass
 class StreamingLLM(Method):
     name = "streamingllm"
-    evicts_during_decode = True
+    evict_during_decode = True  # a rolling cache: always (not a field, so not a switch)
     schedulable = False  # see Method.schedulable
 
     budget: int | None = 1024

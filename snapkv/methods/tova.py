@@ -67,10 +67,6 @@ class TOVA(Method):
 
     checks = {"budget": integer(needed=True), "evict_during_decode": flag(), "keep_last": flag()}
 
-    @property
-    def evicts_during_decode(self) -> bool:  # type: ignore[override]
-        return self.evict_during_decode
-
     def protected(self) -> tuple[int, int]:
         return 0, int(self.keep_last)
 

@@ -255,7 +255,8 @@ class Method:
     def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
         """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.
         fused with scoring, H2O); None: the model's own attention function runs. Only called for
-        plain causal prefill chunks (no padding)."""
+        plain causal prefill chunks (no padding). A method that returns the output takes the
+        chunk's statistics from the same computation: `observe` is not called for that forward."""
         return None
 
     def decode_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
@@ -263,7 +264,8 @@ class Method:
         the attention row the method scores with (H2O, TOVA: the step's softmax is both their score
         and the attention, as in the originals, which read the model's attention weights); None:
         the model's own attention function runs. Only called for one-token forwards after the
-        prefill, on unpadded layers with plain scaled softmax."""
+        prefill, on unpadded layers with plain scaled softmax. As with `prefill_attention`, a
+        returned output means `observe` is not called for that forward."""
         return None
 
     def protected(self) -> tuple[int, int]:

@@ -29,13 +29,6 @@ from snapkv.methods.checks import flag, integer, number, one_of
 from snapkv.methods.registry import register
 
 
-@dataclass
-class H2OLayerState:
-    """H2O's per-layer state (`layer.method_state`) beside the accumulated `layer.scores`."""
-
-    fused_chunk: bool = False  # the fused prefill already accumulated this chunk: observe() skips it
-
-
 @register
 @dataclass
 class H2O(Method):
@@ -92,23 +85,17 @@ class H2O(Method):
         sums, out = blockwise_attention(
             query, key, qpos, layer.positions, module.scaling, value, self.block_size
         )
-        self._accumulate(layer, sums)
-        layer.method_state = H2OLayerState(fused_chunk=True)  # observe() must not count it twice
+        self._accumulate(layer, sums)  # the hooks skip observe() for this chunk: counted once
         return out.transpose(1, 2).contiguous()
 
     def decode_attention(self, layer, query, key, value, module):
         if not (self.fused and self.evict_during_decode):
             return None
         probs = window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)  # [b, kv, g, L]
-        self._accumulate(layer, probs)
-        layer.method_state = H2OLayerState(fused_chunk=True)  # observe() must not count it twice
+        self._accumulate(layer, probs)  # the hooks skip observe() for this step: counted once
         return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
-        state = layer.method_state
-        if isinstance(state, H2OLayerState) and state.fused_chunk:
-            state.fused_chunk = False
-            return
         if layer.state == "ready" and not self.evict_during_decode:
             return  # prefill-only variant: scores are not needed any more
         q = query.shape[2]

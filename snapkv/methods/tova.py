@@ -49,13 +49,6 @@ def _head_mean(votes: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return votes.mean(dim=(1, 2))[:, None, :].expand(-1, kv_heads, -1)
 
 
-@dataclass
-class TOVALayerState:
-    """TOVA's per-layer state (`layer.method_state`): whether this step's scores are already set."""
-
-    scored: bool = False
-
-
 @register
 @dataclass
 class TOVA(Method):
@@ -75,21 +68,17 @@ class TOVA(Method):
 
     def decode_attention(self, layer, query, key, value, module):
         # A step that will evict: its attention row is both the step's attention and TOVA's
-        # scores (the authors read them from the model's attention weights), computed once.
+        # scores (the authors read them from the model's attention weights), computed once (the
+        # hooks then skip observe() for the step).
         if not (self.evict_during_decode and layer.stored > self.budget):
             return None
         probs = window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)  # [b, kv, g, L]
         layer.scores = _head_mean(probs, key.shape[1])
-        layer.method_state = TOVALayerState(scored=True)
         return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
         # After prefill, a forward that leaves the layer over budget scores its stored entries with
         # its last query for `evict`; the scores are replaced (not accumulated) every step.
-        state = layer.method_state
-        if isinstance(state, TOVALayerState) and state.scored:  # decode_attention did it
-            state.scored = False
-            return
         if layer.state == "ready" and self.evict_during_decode and layer.stored > self.budget:
             layer.scores = last_query_attention(query, key, module, layer)
 

@@ -56,7 +56,7 @@ class LayerState:
     # Entries per KV head each forward after the prefill attended to (`entries_now`).
     decode_entries: list[float | torch.Tensor] = dataclasses.field(default_factory=list)
     # Per-layer state a method keeps beside its scores (an object of the method's own type,
-    # e.g. H2O's `H2OLayerState`); None until the method sets it.
+    # e.g. Expected Attention's `QueryStats`); None until the method sets it.
     method_state: object | None = None
 
     def snapshot(self) -> LayerState:

@@ -63,6 +63,9 @@ class Session:
         # The current forward's 2-D padding mask `[batch, length]` (None: no padding), set by
         # `apply` from the forward's `attention_mask` (see snapkv.padding).
         self.padding: torch.Tensor | None = None
+        # Whether the method computed the current forward's attention itself (`prefill_attention`
+        # / `decode_attention`) and took its statistics from it then: its `observe` is skipped.
+        self.attended = False
         # `apply`: whether the current forward is the one that prefills the cache.
         self.prefilling = False
         method.post_init_from_model(model)
@@ -73,38 +76,54 @@ class Session:
     ) -> None:
         method = self.method
         padded = layer.pads is not None
-        scheduled = method.decode_schedule.on
-        if scheduled:
+        steps = method.decode_steps
+        # Scheduled compressions score with the window's queries; per-step eviction with the
+        # running scores `observe` keeps, from each step's own query.
+        if steps.on and not steps.per_step:
             layer.remember_queries(query, method.schedule_window)
         if layer.state in ("empty", "prefilling"):
             if self.phase == "prefill":
                 if padded:
                     padding.observe_prefill_rows(method, layer, query, module)
                 else:
-                    method.observe(layer, query, key, module)
+                    self.observe(module, layer, query, key)
                 layer.state = "prefilling"
                 return
             if padded:  # each row on its own real entries (snapkv.padding)
                 padding.compress_prefill_rows(method, layer, query, module)
             else:
-                method.observe(layer, query, key, module)
+                self.observe(module, layer, query, key)
                 method.compress_prefill(layer, query, key, module)
             layer.state = "ready"
         else:
             layer.decode_entries.append(layer.entries_now())  # what this forward attended to
-            if scheduled:
-                self.scheduled_step(module, layer, query.shape[2])
-            if not method.evicts_during_decode:
+            if not steps.on:
                 return
-            if padded:
-                before = layer.row_entries()
-                padding.evict_rows(method, layer, query, module)
-                layer.decode_evicted += float((before - layer.row_entries()).double().mean())
-            else:  # every row holds `stored` entries: plain ints, no tensor ops on every step
-                before = layer.stored
-                method.observe(layer, query, key, module)
-                method.evict(layer, in_place=True)
-                layer.decode_evicted += float(before - layer.stored)
+            if steps.per_step:
+                self.evict_step(module, layer, query, key)
+            else:
+                self.scheduled_step(module, layer, query.shape[2])
+
+    def observe(self, module, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor) -> None:
+        """`method.observe` of an unpadded layer's forward, unless the method computed that
+        forward's attention itself and scored it from the same computation (`attended`)."""
+        if not self.attended:
+            self.method.observe(layer, query, key, module)
+
+    def evict_step(self, module, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Per-step eviction (`snapkv.methods.base.EveryStep`): the method's running scores see
+        the step (`observe`), then `evict` drops what exceeds the layer's budget (a decode step's
+        one surplus entry in place)."""
+        method = self.method
+        if layer.pads is not None:
+            before = layer.row_entries()
+            padding.evict_rows(method, layer, query, module)
+            layer.decode_evicted += float((before - layer.row_entries()).double().mean())
+        else:  # every row holds `stored` entries: plain ints, no tensor ops on every step
+            before = layer.stored
+            self.observe(module, layer, query, key)
+            method.evict(layer, in_place=True)
+            layer.decode_evicted += float(before - layer.stored)
 
     def after_prefill(self, ids: torch.Tensor) -> None:
         """Run `method.after_prefill` on the prefilled prompt `ids` `[batch, n]` (phase "score"
@@ -240,6 +259,7 @@ def _make_wrapper(impl: str, original):
             )
         # What the model's attention applies beyond scaled softmax; scores must honour it too.
         layer.softcap, layer.sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+        session.attended = False
         if layer.per_head:
             # Per-head lengths (snapkv.headwise, Ada-KV): the layer attends over its own layout
             # (padded + validity mask, or flat varlen); the model's shared mask does not apply.
@@ -257,6 +277,7 @@ def _make_wrapper(impl: str, original):
             elif layer.state == "ready" and plain and query.shape[2] == 1 and session.phase != "score":
                 fused = session.method.decode_attention(layer, query, key, value, module)
                 out = None if fused is None else (fused, None)
+            session.attended = out is not None
             if out is None:
                 if layer.pads is not None:  # the mask follows the kept entries, not the 2-D mask
                     if impl.startswith("flash"):  # flash kernels take no arbitrary mask

@@ -13,6 +13,7 @@ from test_rollback import feed
 import snapkv.hooks
 from eval.store import ROW_FIELDS
 from snapkv import build_method, compress_context, generate_ids
+from snapkv.methods.base import EVERY_STEP
 
 PROMPT, BUDGET, NEW = 20, 24, 12
 DECODE_FIELDS = ("compressed", "evicted_during_decode", "decode_evicted", "kv_tokens_end")
@@ -216,3 +217,31 @@ def test_one_slot_victims_are_the_base_rule(monkeypatch, name, params, batch, pr
     monkeypatch.setattr(CompressibleLayer, "evict_in_place", checking)
     generate_ids(tiny_model("llama"), random_ids(prompt, batch=batch), None, method, max_new_tokens=new)
     assert len(checked) == 3 * evictions and all(checked)
+
+
+@pytest.mark.parametrize(
+    "name,params,per_step",
+    [
+        ("h2o", dict(budget=BUDGET), True),
+        ("h2o", dict(budget=BUDGET, evict_during_decode=False), False),
+        ("tova", dict(budget=BUDGET), True),
+        ("tova", dict(budget=BUDGET, evict_during_decode=False, decode_schedule=dict(interval=2)), False),
+        ("knorm", dict(budget=BUDGET, evict_during_decode=True), True),
+        ("knorm", dict(budget=BUDGET), False),
+        ("streamingllm", dict(budget=BUDGET), True),
+        ("snapkv", dict(budget=BUDGET, window=8, decode_schedule=dict(interval=1)), False),
+    ],
+)
+def test_evict_during_decode_is_the_every_step_schedule(name, params, per_step):
+    """One decode-time mechanism (`Method.decode_steps`): the flat `evict_during_decode` switch is
+    the per-step schedule (interval 1, back to the layer's budget); `params()` still names it by the
+    switch, so config hashes do not move."""
+    method = build_method(name, **params)
+    steps = method.decode_steps
+    assert steps.per_step is per_step and method.evicts_during_decode is per_step
+    if per_step:
+        assert steps is EVERY_STEP
+        assert (steps.interval, steps.buffer, steps.target, steps.window) == (1, 0, None, None)
+        assert "decode_schedule" not in method.params()
+    else:
+        assert steps is method.decode_schedule

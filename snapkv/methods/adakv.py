@@ -51,6 +51,7 @@ from typing import Any, ClassVar
 import torch
 
 from snapkv.headwise import LAYOUTS, HeadwiseLayer
+from snapkv.methods.checks import number, one_of
 from snapkv.methods.pyramidkv import PyramidKV
 from snapkv.methods.registry import register
 
@@ -125,15 +126,12 @@ def keep_top_per_head(layer, scores: torch.Tensor, counts: torch.Tensor) -> None
     layer.keep_per_head(indices, counts)
 
 
-def validate_head_allocation(method) -> None:
-    """ValueError for a bad `alpha`, `allocation` or `layout` of a method with Ada-KV head budgets."""
-    alpha = method.alpha
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be in [0, 1], got alpha={alpha!r}")
-    if method.allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {ALLOCATIONS}, got allocation={method.allocation!r}")
-    if method.layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got layout={method.layout!r}")
+# The parameters of Ada-KV head budgets, for every method that takes them (`Method.checks`).
+HEAD_ALLOCATION_CHECKS = {
+    "alpha": number(0, 1),
+    "allocation": one_of(ALLOCATIONS),
+    "layout": one_of(LAYOUTS),
+}
 
 
 @register
@@ -166,20 +164,11 @@ class AdaKV(PyramidKV):
             params = {**params, "normalize": "sum"}
         return super().upgrade_params(params)
 
+    checks = {"base": one_of(BASES), **HEAD_ALLOCATION_CHECKS, "normalize": one_of(NORMALIZE)}
+
     @property
     def pyramid(self) -> bool:
         return self.base == "pyramidkv"
-
-    # The values `base` takes (CriticalKV, a subclass, adds its own).
-    bases: ClassVar[tuple[str, ...]] = BASES
-
-    def validate(self) -> None:
-        if self.base not in self.bases:
-            raise ValueError(f"base must be one of {self.bases}, got base={self.base!r}")
-        super().validate()
-        validate_head_allocation(self)
-        if not (isinstance(self.normalize, bool) or self.normalize == "sum"):
-            raise ValueError(f"normalize must be one of {NORMALIZE}, got normalize={self.normalize!r}")
 
     def cache_layer(self, index: int, num_layers: int) -> HeadwiseLayer:
         return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)

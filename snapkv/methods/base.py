@@ -19,10 +19,13 @@ import torch
 import torch.nn.functional as F
 
 from snapkv.cache import CompressibleLayer
+from snapkv.methods.checks import Check, check_all, integer
 
 GQA_REDUCTIONS = ("mean", "max", "sum")
 # Where pooling goes relative to the GQA group reduction (SnapKV-family scores, see methods/snapkv.py).
 GQA_ORDERS = ("reduce_first", "pool_first")
+# Pooling of the scores along the sequence (`pool`).
+POOLINGS = ("max", "avg", "none")
 
 
 @dataclass
@@ -45,8 +48,12 @@ class DecodeSchedule:
       window-free methods).
 
     At a scheduled step, after the step's attention: `score(layer, window_queries, layer.keys,
-    module)`, then `prune(layer, scores, target)`, exactly as at the end of prefill.
+    module)`, then `prune(layer, scores, target)`, exactly as at the end of prefill. Per-step
+    eviction with the method's running scores is the schedule `EveryStep` (`Method.decode_steps`).
     """
+
+    # Whether this schedule is per-step eviction (`EveryStep`), read by the hooks at every step.
+    per_step: ClassVar[bool] = False
 
     interval: int | None = None
     buffer: int = 0
@@ -57,14 +64,15 @@ class DecodeSchedule:
     def on(self) -> bool:
         return bool(self.interval)
 
+    checks: ClassVar[dict[str, Check]] = {
+        "interval": integer(0, none=True, rule="null or an integer >= 0"),
+        "buffer": integer(0),
+        "window": integer(1, none=True, rule="null or a positive integer"),
+    }
+
     def validate(self) -> None:
-        i = self.interval
-        if i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0):
-            raise ValueError(f"decode_schedule.interval must be null or an integer >= 0, got interval={i!r}")
-        b = self.buffer
-        if isinstance(b, bool) or not isinstance(b, int) or b < 0:
-            raise ValueError(f"decode_schedule.buffer must be an integer >= 0, got buffer={b!r}")
-        t = self.target
+        check_all(self.checks, self, prefix="decode_schedule.")
+        t = self.target  # an int or a ratio: two kinds of value, one rule each
         if t is not None and (
             isinstance(t, bool)
             or not isinstance(t, int | float)
@@ -74,9 +82,24 @@ class DecodeSchedule:
             raise ValueError(
                 f"decode_schedule.target must be null, a positive integer or a ratio in (0, 1), got target={t!r}"
             )
-        w = self.window
-        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w <= 0):
-            raise ValueError(f"decode_schedule.window must be null or a positive integer, got window={w!r}")
+
+
+@dataclass
+class EveryStep(DecodeSchedule):
+    """Per-step eviction: the decode schedule `interval=1`, back to the layer's budget (`target`
+    None, no `buffer`), scored by the method's running scores rather than by window queries:
+    `observe` after every forward, then `evict` with `decode_score`, the step's one surplus entry
+    dropped in place (`CompressibleLayer.evict_in_place`). What `evict_during_decode: true` (H2O,
+    TOVA, K-norm: the flat switch their configs, hashes and rows keep) and StreamingLLM's rolling
+    cache run; it is never a `decode_schedule` value itself (see `Method.decode_steps`)."""
+
+    per_step: ClassVar[bool] = True
+
+    interval: int | None = 1
+
+
+# The one per-step schedule (read at every decode step: shared, never modified).
+EVERY_STEP = EveryStep()
 
 
 @dataclass
@@ -84,8 +107,6 @@ class Method:
     """A KV-cache compression method. `budget` = entries kept per KV head per layer (None: no limit)."""
 
     name: ClassVar[str] = ""
-    # Whether the method also evicts while decoding (H2O's original, StreamingLLM's rolling cache).
-    evicts_during_decode: ClassVar[bool] = False
 
     # Values that reproduce what this method computed before a switch was added, for rows written
     # before it existed (`upgrade_params`): e.g. SnapKV rows without `gqa_order` were computed with
@@ -96,12 +117,18 @@ class Method:
     # decode-time scoring state (H2O's accumulated attention, StreamingLLM's rolling window) say no.
     schedulable: ClassVar[bool] = True
 
+    # What each parameter's values may be (see snapkv.methods.checks), checked before `validate()`;
+    # merged along the class hierarchy (`param_checks`): a subclass replaces an entry by naming it,
+    # and drops it with None.
+    checks: ClassVar[dict[str, Check | None]] = {"budget": integer(none=True)}
+
     budget: int | None = None
     # Compression while generating (see DecodeSchedule); keyword-only, so it never shifts positional
     # arguments. Left out of `params()` while off: configs without a schedule keep their hashes.
     decode_schedule: DecodeSchedule | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
+        check_all(self.param_checks(), self, self.name)
         self.validate()
         schedule = self.decode_schedule
         if schedule is None:
@@ -113,7 +140,8 @@ class Method:
                     f"unknown decode_schedule key(s) {unknown}; it takes interval, buffer, target, window"
                 )
             schedule = DecodeSchedule(**schedule)
-        elif not isinstance(schedule, DecodeSchedule):
+        elif not isinstance(schedule, DecodeSchedule) or isinstance(schedule, EveryStep):
+            # EveryStep is spelt `evict_during_decode: true`, the name configs and hashes keep.
             raise ValueError(f"decode_schedule must be a mapping, got decode_schedule={schedule!r}")
         self.decode_schedule = schedule
         schedule.validate()
@@ -149,6 +177,28 @@ class Method:
                 f"got target={schedule.target}"
             )
 
+    @property
+    def evicts_during_decode(self) -> bool:
+        """Whether the method evicts at every decoding step (`EveryStep`): its flat switch
+        `evict_during_decode` (a field of H2O, TOVA and K-norm; StreamingLLM's class says True)."""
+        return getattr(self, "evict_during_decode", False)
+
+    @property
+    def decode_steps(self) -> DecodeSchedule:
+        """The one decode-time mechanism: what runs after each forward once the prompt is in.
+        `EVERY_STEP` (per-step eviction) where `evict_during_decode` is on, else `decode_schedule`
+        (off, or scheduled compressions with the window's queries). Both switches on at once are
+        refused (`validate_schedule`)."""
+        return EVERY_STEP if self.evicts_during_decode else self.decode_schedule
+
+    @classmethod
+    def param_checks(cls) -> dict[str, Check | None]:
+        """`checks` of the class and its parents, a subclass's entry replacing its parent's."""
+        merged: dict[str, Check | None] = {}
+        for klass in reversed(cls.__mro__):
+            merged.update(klass.__dict__.get("checks", {}))
+        return merged
+
     @classmethod
     def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
         """The parameters of a row written by an older version, as today's names and values for
@@ -157,8 +207,8 @@ class Method:
 
     # ---- what a method defines (every hook has a no-op / uniform default) ---------------------
     def validate(self) -> None:
-        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
-            raise ValueError(f"budget must be a positive integer, got budget={self.budget!r}")
+        """ValueError for a combination of parameters the method cannot run (each parameter on its
+        own is checked by `checks` first)."""
 
     def post_init_from_model(self, model) -> None:
         """Called once per session, before the first forward (kvpress's hook): a method that needs
@@ -205,7 +255,8 @@ class Method:
     def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
         """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.
         fused with scoring, H2O); None: the model's own attention function runs. Only called for
-        plain causal prefill chunks (no padding)."""
+        plain causal prefill chunks (no padding). A method that returns the output takes the
+        chunk's statistics from the same computation: `observe` is not called for that forward."""
         return None
 
     def decode_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
@@ -213,7 +264,8 @@ class Method:
         the attention row the method scores with (H2O, TOVA: the step's softmax is both their score
         and the attention, as in the originals, which read the model's attention weights); None:
         the model's own attention function runs. Only called for one-token forwards after the
-        prefill, on unpadded layers with plain scaled softmax."""
+        prefill, on unpadded layers with plain scaled softmax. As with `prefill_attention`, a
+        returned output means `observe` is not called for that forward."""
         return None
 
     def protected(self) -> tuple[int, int]:
@@ -433,7 +485,7 @@ def pool(scores: torch.Tensor, kernel_size: int, how: str) -> torch.Tensor:
     elif how == "avg":
         x = F.avg_pool1d(x, kernel_size, stride=1, padding=kernel_size // 2)
     else:
-        raise ValueError(f"pooling must be one of ('max', 'avg', 'none'), got pooling={how!r}")
+        raise ValueError(f"pooling must be one of {POOLINGS}, got pooling={how!r}")
     return x[..., : shape[-1]].reshape(shape)
 
 

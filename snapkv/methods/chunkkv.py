@@ -38,6 +38,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from snapkv.methods.checks import integer, one_of
 from snapkv.methods.registry import register
 from snapkv.methods.snapkv import SnapKV
 from snapkv.padding import keep_rows
@@ -86,25 +87,21 @@ class ChunkKV(SnapKV):
 
     legacy_params: ClassVar[dict[str, Any]] = {}  # no row predates any of these switches
 
+    checks = {
+        "budget": integer(needed=True),
+        "chunk_length": integer(),
+        "chunk_score": one_of(CHUNK_SCORES),
+        "reuse_layers": integer(),
+    }
+
     def validate(self) -> None:
         super().validate()
-        if self.budget is None:
-            raise ValueError("chunkkv needs a budget, got budget=None")
         c = self.chunk_length
-        if isinstance(c, bool) or not isinstance(c, int) or c <= 0:
-            raise ValueError(f"chunk_length must be a positive integer, got chunk_length={c!r}")
         if self.budget - self.window < c:
             raise ValueError(
                 f"the budget keeps no whole chunk beside the window: need budget - window >= "
                 f"chunk_length, got budget={self.budget}, window={self.window}, chunk_length={c}"
             )
-        if self.chunk_score not in CHUNK_SCORES:
-            raise ValueError(
-                f"chunk_score must be one of {CHUNK_SCORES}, got chunk_score={self.chunk_score!r}"
-            )
-        r = self.reuse_layers
-        if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-            raise ValueError(f"reuse_layers must be a positive integer, got reuse_layers={r!r}")
 
     def compress(self, layer, query, key, module, budget: int) -> None:
         group = ("chunkkv", layer.rank - layer.rank % self.reuse_layers)

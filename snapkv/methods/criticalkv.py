@@ -43,6 +43,7 @@ from snapkv.cache import CompressibleLayer
 from snapkv.headwise import HeadwiseLayer
 from snapkv.methods.adakv import AdaKV, head_budgets, keep_top_per_head, protect
 from snapkv.methods.base import Method
+from snapkv.methods.checks import number, one_of
 from snapkv.methods.registry import register
 
 CRITICAL_BASES = ("snapkv", "pyramidkv", "adakv")
@@ -110,7 +111,6 @@ def projected_value_norms(values: torch.Tensor, out_proj: torch.Tensor) -> torch
 @dataclass
 class CriticalKV(AdaKV):
     name = "criticalkv"
-    bases: ClassVar[tuple[str, ...]] = CRITICAL_BASES
 
     budget: int | None = 1024  # entries per KV head per layer, window included (pyramidkv / adakv: the mean)
     window: int = 32
@@ -138,14 +138,7 @@ class CriticalKV(AdaKV):
     # Each layer's output projection weight (not a field: taken from the model).
     _out_proj = None
 
-    def validate(self) -> None:
-        super().validate()
-        r = self.first_stage_ratio
-        if isinstance(r, bool) or not isinstance(r, int | float) or not 0 <= r <= 1:
-            raise ValueError(f"first_stage_ratio must be in [0, 1], got first_stage_ratio={r!r}")
-        eps = self.epsilon
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
-            raise ValueError(f"epsilon must be a number >= 0, got epsilon={eps!r}")
+    checks = {"base": one_of(CRITICAL_BASES), "first_stage_ratio": number(0, 1), "epsilon": number(0)}
 
     def post_init_from_model(self, model) -> None:
         self._out_proj = output_projections(model)

@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 
 from snapkv.headwise import HeadwiseLayer
-from snapkv.methods.adakv import head_budgets, keep_top_per_head, protect, validate_head_allocation
+from snapkv.methods.adakv import HEAD_ALLOCATION_CHECKS, head_budgets, keep_top_per_head, protect
 from snapkv.methods.base import Method, grouped
+from snapkv.methods.checks import flag, integer, number
 from snapkv.methods.registry import register
 from snapkv.rope import Rotary, rotate_half, unrotate
 
@@ -89,21 +90,18 @@ class ExpectedAttention(Method):
     # The model's rotary embedding (not a field: taken from the model, `post_init_from_model`).
     _rotary = None
 
+    checks = {
+        "n_sink": integer(0, rule="a non-negative integer"),
+        "n_future_positions": integer(),
+        "epsilon": number(0),
+        "use_covariance": flag(),
+        "use_vnorm": flag(),
+    }
+
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.n_sink, int) or isinstance(self.n_sink, bool) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative integer, got n_sink={self.n_sink!r}")
         if self.budget is not None and self.n_sink >= self.budget:
             raise ValueError(f"n_sink must be < budget, got n_sink={self.n_sink}, budget={self.budget}")
-        n = self.n_future_positions
-        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-            raise ValueError(f"n_future_positions must be a positive integer, got n_future_positions={n!r}")
-        eps = self.epsilon
-        if isinstance(eps, bool) or not isinstance(eps, int | float) or not eps >= 0:
-            raise ValueError(f"epsilon must be a number >= 0, got epsilon={eps!r}")
-        for key in ("use_covariance", "use_vnorm"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"{key} must be true or false, got {key}={getattr(self, key)!r}")
 
     def post_init_from_model(self, model) -> None:
         self._rotary = Rotary(model)
@@ -204,9 +202,7 @@ class AdaKVExpectedAttention(ExpectedAttention):
     allocation: str = "kvpress"  # kvpress (AdaKVPress, the leaderboard entry) | adakv | exact
     layout: str = "varlen"  # varlen | padded
 
-    def validate(self) -> None:
-        super().validate()
-        validate_head_allocation(self)
+    checks = HEAD_ALLOCATION_CHECKS
 
     def cache_layer(self, index: int, num_layers: int) -> HeadwiseLayer:
         return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)

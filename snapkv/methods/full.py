@@ -16,6 +16,8 @@ class Full(Method):
 
     budget: int | None = None
 
+    checks = {"budget": None}  # refused below with its own message: the full cache takes no budget
+
     def validate(self) -> None:
         if self.budget is not None:
             raise ValueError(

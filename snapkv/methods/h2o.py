@@ -25,14 +25,8 @@ from snapkv.methods.base import (
     reduce_group,
     window_attention,
 )
+from snapkv.methods.checks import flag, integer, number, one_of
 from snapkv.methods.registry import register
-
-
-@dataclass
-class H2OLayerState:
-    """H2O's per-layer state (`layer.method_state`) beside the accumulated `layer.scores`."""
-
-    fused_chunk: bool = False  # the fused prefill already accumulated this chunk: observe() skips it
 
 
 @register
@@ -56,26 +50,21 @@ class H2O(Method):
     # more precise than (so not identical to) the model's own half-precision attention.
     fused: bool = True
 
-    @property
-    def evicts_during_decode(self) -> bool:  # type: ignore[override]
-        return self.evict_during_decode
+    checks = {
+        "budget": integer(needed=True),
+        "recent_ratio": number(0, 1, high_open=True),
+        "evict_during_decode": flag(),
+        "normalize": flag(),
+        "gqa_reduce": one_of(GQA_REDUCTIONS),
+        "block_size": integer(rule="positive"),
+        "fused": flag(),
+    }
 
     def validate(self) -> None:
         super().validate()
-        if self.budget is None:
-            raise ValueError("h2o needs a budget, got budget=None")
-        if not 0.0 <= self.recent_ratio < 1.0:
-            raise ValueError(f"recent_ratio must be in [0, 1), got recent_ratio={self.recent_ratio!r}")
-        if self.recent is not None and not (isinstance(self.recent, int) and 0 <= self.recent < self.budget):
-            raise ValueError(
-                f"recent must be in [0, budget), got recent={self.recent!r}, budget={self.budget}"
-            )
-        if self.gqa_reduce not in GQA_REDUCTIONS:
-            raise ValueError(
-                f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={self.gqa_reduce!r}"
-            )
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got block_size={self.block_size!r}")
+        r = self.recent
+        if r is not None and not (isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.budget):
+            raise ValueError(f"recent must be in [0, budget), got recent={r!r}, budget={self.budget}")
 
     @property
     def n_recent(self) -> int:
@@ -96,23 +85,17 @@ class H2O(Method):
         sums, out = blockwise_attention(
             query, key, qpos, layer.positions, module.scaling, value, self.block_size
         )
-        self._accumulate(layer, sums)
-        layer.method_state = H2OLayerState(fused_chunk=True)  # observe() must not count it twice
+        self._accumulate(layer, sums)  # the hooks skip observe() for this chunk: counted once
         return out.transpose(1, 2).contiguous()
 
     def decode_attention(self, layer, query, key, value, module):
         if not (self.fused and self.evict_during_decode):
             return None
         probs = window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)  # [b, kv, g, L]
-        self._accumulate(layer, probs)
-        layer.method_state = H2OLayerState(fused_chunk=True)  # observe() must not count it twice
+        self._accumulate(layer, probs)  # the hooks skip observe() for this step: counted once
         return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
-        state = layer.method_state
-        if isinstance(state, H2OLayerState) and state.fused_chunk:
-            state.fused_chunk = False
-            return
         if layer.state == "ready" and not self.evict_during_decode:
             return  # prefill-only variant: scores are not needed any more
         q = query.shape[2]

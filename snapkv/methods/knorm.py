@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from snapkv.methods.base import Method
+from snapkv.methods.checks import Check, flag, integer
 from snapkv.methods.registry import register
 
 
@@ -49,33 +50,16 @@ class KNorm(Method):
     prune_after: int = 0  # layers holding fewer entries are not pruned (l2_compress: 2048)
     evict_during_decode: bool = False  # True: re-prune after every decoding step (authors' LM loop)
 
-    @property
-    def evicts_during_decode(self) -> bool:  # type: ignore[override]
-        return self.evict_during_decode
+    checks = {
+        "budget": integer(needed=True),
+        "skip_layers": Check("a list of layer indices >= 0", types=(int,), low=0, each=True),
+        "prune_after": integer(0),
+        "evict_during_decode": flag(),
+    }
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self.skip_layers = list(self.skip_layers)  # one type in params() and result rows
-
-    def validate(self) -> None:
-        super().validate()
-        if self.budget is None:
-            raise ValueError("knorm needs a budget, got budget=None")
-        skip = self.skip_layers
-        if not isinstance(skip, list | tuple) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in skip
-        ):
-            raise ValueError(f"skip_layers must be a list of layer indices >= 0, got skip_layers={skip!r}")
-        if (
-            isinstance(self.prune_after, bool)
-            or not isinstance(self.prune_after, int)
-            or self.prune_after < 0
-        ):
-            raise ValueError(f"prune_after must be an integer >= 0, got prune_after={self.prune_after!r}")
-        if not isinstance(self.evict_during_decode, bool):
-            raise ValueError(
-                f"evict_during_decode must be true or false, got evict_during_decode={self.evict_during_decode!r}"
-            )
 
     def post_init_from_model(self, model) -> None:
         n = model.config.get_text_config(decoder=True).num_hidden_layers

@@ -66,6 +66,7 @@ from snapkv.cache import CompressibleLayer
 from snapkv.headwise import LAYOUTS, HeadwiseLayer
 from snapkv.methods.adakv import keep_top_per_head
 from snapkv.methods.base import Method, grouped, soft_cap, softmax_scores
+from snapkv.methods.checks import flag, integer, one_of
 from snapkv.methods.criticalkv import head_projections, output_projections
 from snapkv.methods.registry import register
 
@@ -219,25 +220,21 @@ class KVzip(Method):
     _modules = None
     _out_proj = None
 
+    checks = {
+        "selection": one_of(SELECTIONS),
+        "prompt": one_of(tuple(REPEAT_PROMPTS)),
+        "layout": one_of(LAYOUTS),
+        "repeat_chunk": integer(1, rule="an integer >= 1"),
+        "carry": integer(0),
+        "n_sink": integer(0, none=True, rule="None or an integer >= 0"),
+        "kvzip_plus": flag(),
+    }
+
     def validate(self) -> None:
         super().validate()
-        if self.selection not in SELECTIONS:
-            raise ValueError(f"selection must be one of {SELECTIONS}, got selection={self.selection!r}")
-        if self.prompt not in REPEAT_PROMPTS:
-            raise ValueError(f"prompt must be one of {tuple(REPEAT_PROMPTS)}, got prompt={self.prompt!r}")
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be one of {LAYOUTS}, got layout={self.layout!r}")
-        for key, low in (("repeat_chunk", 1), ("carry", 0)):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ValueError(f"{key} must be an integer >= {low}, got {key}={v!r}")
         k = self.n_sink
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
-            raise ValueError(f"n_sink must be None or an integer >= 0, got n_sink={k!r}")
         if k is not None and self.budget is not None and k >= self.budget:
             raise ValueError(f"n_sink must be < budget, got n_sink={k}, budget={self.budget}")
-        if not isinstance(self.kvzip_plus, bool):
-            raise ValueError(f"kvzip_plus must be true or false, got kvzip_plus={self.kvzip_plus!r}")
 
     def post_init_from_model(self, model) -> None:
         self._modules = attention_modules(model)

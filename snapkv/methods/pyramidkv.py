@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, ClassVar
 
+from snapkv.methods.checks import integer, one_of
 from snapkv.methods.registry import register
 from snapkv.methods.snapkv import SnapKV
 
@@ -108,6 +109,12 @@ class PyramidKV(SnapKV):
     # Rows written before these switches existed: pool-then-reduce, and a clipped pyramid on short prompts.
     legacy_params: ClassVar[dict[str, Any]] = {"gqa_order": "pool_first", "short_prompt": "clip"}
 
+    checks = {
+        "budget": integer(needed=True),
+        "schedule": one_of(SCHEDULES),
+        "short_prompt": one_of(SHORT_PROMPTS),
+    }
+
     @property
     def pyramid(self) -> bool:
         """Whether layer budgets follow the pyramid (Ada-KV's base=snapkv: uniform)."""
@@ -115,14 +122,7 @@ class PyramidKV(SnapKV):
 
     def validate(self) -> None:
         super().validate()
-        if self.budget is None:
-            raise ValueError(f"{self.name} needs a budget, got budget=None")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got schedule={self.schedule!r}")
-        if self.short_prompt not in SHORT_PROMPTS:
-            raise ValueError(
-                f"short_prompt must be one of {SHORT_PROMPTS}, got short_prompt={self.short_prompt!r}"
-            )
+        # `beta` only matters (and is only checked) where the layer budgets follow the pyramid.
         if not self.pyramid:
             return
         if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not self.beta >= 1:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from snapkv.methods.checks import number
 from snapkv.methods.registry import register
 from snapkv.methods.snapkv_d import SnapKVD
 
@@ -67,14 +68,7 @@ class RKV(SnapKVD):
     mix_lambda: float = 0.07  # λ: importance weight (code: 0.07; README: 0.1)
     threshold: float = 0.5  # cosine similarity above which two keys are near-duplicates
 
-    def validate(self) -> None:
-        super().validate()
-        lam = self.mix_lambda
-        if isinstance(lam, bool) or not isinstance(lam, int | float) or not 0 <= lam <= 1:
-            raise ValueError(f"mix_lambda must be in [0, 1], got mix_lambda={lam!r}")
-        t = self.threshold
-        if isinstance(t, bool) or not isinstance(t, int | float) or not -1 <= t <= 1:
-            raise ValueError(f"threshold must be in [-1, 1], got threshold={t!r}")
+    checks = {"mix_lambda": number(0, 1), "threshold": number(-1, 1)}
 
     def score(self, layer, query, key, module) -> torch.Tensor:
         importance = self.importance(layer, query, key, module)  # [b, kv, L - w]

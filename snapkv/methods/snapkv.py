@@ -42,7 +42,16 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS, Method, pool, reduce_group, window_attention
+from snapkv.methods.base import (
+    GQA_ORDERS,
+    GQA_REDUCTIONS,
+    POOLINGS,
+    Method,
+    pool,
+    reduce_group,
+    window_attention,
+)
+from snapkv.methods.checks import integer, one_of
 from snapkv.methods.registry import register
 
 
@@ -62,25 +71,19 @@ class SnapKV(Method):
 
     span: int | None = None  # OUR variant: spread each score over the next span-1 positions (None: paper)
 
+    checks = {
+        "window": integer(),
+        "kernel_size": integer(),
+        "pooling": one_of(POOLINGS),
+        "gqa_reduce": one_of(GQA_REDUCTIONS),
+        "gqa_order": one_of(GQA_ORDERS),
+        "span": integer(none=True, rule="None or a positive integer"),
+    }
+
     def validate(self) -> None:
         super().validate()
-        if not isinstance(self.window, int) or self.window <= 0:
-            raise ValueError(f"window must be a positive integer, got window={self.window!r}")
         if self.budget is not None and self.window >= self.budget:
             raise ValueError(f"window must be < budget, got window={self.window}, budget={self.budget}")
-        if not isinstance(self.kernel_size, int) or self.kernel_size <= 0:
-            raise ValueError(f"kernel_size must be a positive integer, got kernel_size={self.kernel_size!r}")
-        if self.pooling not in ("max", "avg", "none"):
-            raise ValueError(f"pooling must be one of ('max', 'avg', 'none'), got pooling={self.pooling!r}")
-        if self.gqa_reduce not in GQA_REDUCTIONS:
-            raise ValueError(
-                f"gqa_reduce must be one of {GQA_REDUCTIONS}, got gqa_reduce={self.gqa_reduce!r}"
-            )
-        if self.gqa_order not in GQA_ORDERS:
-            raise ValueError(f"gqa_order must be one of {GQA_ORDERS}, got gqa_order={self.gqa_order!r}")
-
-        if self.span is not None and (not isinstance(self.span, int) or self.span <= 0):
-            raise ValueError(f"span must be None or a positive integer, got span={self.span!r}")
 
     def protected(self) -> tuple[int, int]:
         return 0, self.window

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from snapkv.methods.base import DecodeSchedule, Method, grouped, pool, soft_cap
+from snapkv.methods.checks import integer
 from snapkv.methods.registry import register
 
 
@@ -69,17 +70,12 @@ class SnapKVD(Method):
         default_factory=lambda: DecodeSchedule(interval=128), kw_only=True
     )
 
+    checks = {"budget": integer(needed=True), "window": integer(), "kernel_size": integer()}
+
     def validate(self) -> None:
         super().validate()
-        if self.budget is None:
-            raise ValueError(f"{self.name} needs a budget, got budget=None")
-        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window <= 0:
-            raise ValueError(f"window must be a positive integer, got window={self.window!r}")
         if self.window >= self.budget:
             raise ValueError(f"window must be < budget, got window={self.window}, budget={self.budget}")
-        k = self.kernel_size
-        if isinstance(k, bool) or not isinstance(k, int) or k <= 0:
-            raise ValueError(f"kernel_size must be a positive integer, got kernel_size={k!r}")
 
     def protected(self) -> tuple[int, int]:
         return 0, self.window

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from snapkv.methods.base import Method
+from snapkv.methods.checks import integer, one_of
 from snapkv.methods.registry import register
 from snapkv.rope import compact, rope_inv_freq
 
@@ -22,23 +23,23 @@ from snapkv.rope import compact, rope_inv_freq
 @dataclass
 class StreamingLLM(Method):
     name = "streamingllm"
-    evicts_during_decode = True
+    evict_during_decode = True  # a rolling cache: always (not a field, so not a switch)
     schedulable = False  # see Method.schedulable
 
     budget: int | None = 1024
     n_sink: int = 4
     positions: str = "original"  # original | compacted
 
+    checks = {
+        "budget": integer(needed=True),
+        "n_sink": integer(0, rule="a non-negative integer"),
+        "positions": one_of(("original", "compacted"), rule="'original' or 'compacted'"),
+    }
+
     def validate(self) -> None:
         super().validate()
-        if self.budget is None:
-            raise ValueError("streamingllm needs a budget, got budget=None")
-        if not isinstance(self.n_sink, int) or self.n_sink < 0:
-            raise ValueError(f"n_sink must be a non-negative integer, got n_sink={self.n_sink!r}")
         if self.n_sink >= self.budget:
             raise ValueError(f"n_sink must be < budget, got n_sink={self.n_sink}, budget={self.budget}")
-        if self.positions not in ("original", "compacted"):
-            raise ValueError(f"positions must be 'original' or 'compacted', got positions={self.positions!r}")
 
     @property
     def evicts_in_place(self) -> bool:  # type: ignore[override]

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from snapkv.methods.base import Method, attention_output, window_attention
+from snapkv.methods.checks import flag, integer
 from snapkv.methods.registry import register
 
 
@@ -48,13 +49,6 @@ def _head_mean(votes: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return votes.mean(dim=(1, 2))[:, None, :].expand(-1, kv_heads, -1)
 
 
-@dataclass
-class TOVALayerState:
-    """TOVA's per-layer state (`layer.method_state`): whether this step's scores are already set."""
-
-    scored: bool = False
-
-
 @register
 @dataclass
 class TOVA(Method):
@@ -64,20 +58,7 @@ class TOVA(Method):
     evict_during_decode: bool = True  # authors: after every forward | False: prefill only (kvpress)
     keep_last: bool = False  # True: the last entry is never evicted (kvpress)
 
-    @property
-    def evicts_during_decode(self) -> bool:  # type: ignore[override]
-        return self.evict_during_decode
-
-    def validate(self) -> None:
-        super().validate()
-        if self.budget is None:
-            raise ValueError("tova needs a budget, got budget=None")
-        if not isinstance(self.evict_during_decode, bool):
-            raise ValueError(
-                f"evict_during_decode must be true or false, got evict_during_decode={self.evict_during_decode!r}"
-            )
-        if not isinstance(self.keep_last, bool):
-            raise ValueError(f"keep_last must be true or false, got keep_last={self.keep_last!r}")
+    checks = {"budget": integer(needed=True), "evict_during_decode": flag(), "keep_last": flag()}
 
     def protected(self) -> tuple[int, int]:
         return 0, int(self.keep_last)
@@ -87,21 +68,17 @@ class TOVA(Method):
 
     def decode_attention(self, layer, query, key, value, module):
         # A step that will evict: its attention row is both the step's attention and TOVA's
-        # scores (the authors read them from the model's attention weights), computed once.
+        # scores (the authors read them from the model's attention weights), computed once (the
+        # hooks then skip observe() for the step).
         if not (self.evict_during_decode and layer.stored > self.budget):
             return None
         probs = window_attention(query, key, 1, module.scaling, layer.softcap, layer.sinks)  # [b, kv, g, L]
         layer.scores = _head_mean(probs, key.shape[1])
-        layer.method_state = TOVALayerState(scored=True)
         return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
         # After prefill, a forward that leaves the layer over budget scores its stored entries with
         # its last query for `evict`; the scores are replaced (not accumulated) every step.
-        state = layer.method_state
-        if isinstance(state, TOVALayerState) and state.scored:  # decode_attention did it
-            state.scored = False
-            return
         if layer.state == "ready" and self.evict_during_decode and layer.stored > self.budget:
             layer.scores = last_query_attention(query, key, module, layer)
 

@@ -55,7 +55,8 @@ def names(requirements: list[str]) -> set[str]:
 
 def imported(*paths: str) -> set[str]:
     """Distributions of the third-party top-level imports in `paths` (lazy ones inside functions
-    included): the standard library, the project's own packages and tests/ helpers left out."""
+    included): the standard library, the project's own packages and the tests/ and scripts/
+    modules (imported from their folder on sys.path) left out."""
     found = set()
     for path in paths:
         p = ROOT / path
@@ -72,6 +73,7 @@ def imported(*paths: str) -> set[str]:
                         top in sys.stdlib_module_names
                         or top in LOCAL
                         or (ROOT / "tests" / f"{top}.py").exists()
+                        or (ROOT / "scripts" / f"{top}.py").exists()
                     ):
                         continue
                     found.add(canonicalize_name(DISTRIBUTION.get(top, top)))

@@ -4,7 +4,8 @@ catalogue x architecture matrices run in the fast tier.
 The fast tier runs every catalogue entry on `FULL_ARCH` and, on every architecture, the entry that
 represents each path (`REPRESENTATIVES`): every method and every (path, architecture) pair stays
 covered. The rest of the cross product is marked `slow` (the e2e tier, `pytest -m slow`) and runs
-there with the same assertions. `tests/test_core.py` checks the coverage, and each representative's
+there with the same assertions. The per-method matrices of rollback and left-padded rows are split
+the same way. `tests/test_core.py` checks the coverage, and each representative's
 case checks that its run really took the path (`assert_takes_its_paths`), so the split cannot rot
 when a method, a layout or an entry changes. StreamingLLM's compacted positions (not a catalogue entry) and
 left-padded rows have matrices of their own (tests/test_rollback.py, tests/test_padding.py).
@@ -56,6 +57,13 @@ def is_fast(arch: str, index: int) -> bool:
 def tier(arch: str, index: int) -> tuple:
     """The marks of that case: none in the fast tier, `slow` otherwise."""
     return () if is_fast(arch, index) else (pytest.mark.slow,)
+
+
+def entry_tier(arch: str, name: str, params: dict) -> tuple:
+    """`tier` for a matrix over entries of its own: the case runs in the fast tier on FULL_ARCH, or
+    where the entry is a path's representative."""
+    fast = arch == FULL_ARCH or (name, params) in REPRESENTATIVES.values()
+    return () if fast else (pytest.mark.slow,)
 
 
 def fast_cases(cases: list) -> list[tuple]:

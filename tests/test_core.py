@@ -11,6 +11,7 @@ from cache_paths import (
     FULL_ARCH,
     PATHS,
     REPRESENTATIVE_INDEX,
+    REPRESENTATIVES,
     assert_takes_its_paths,
     fast_cases,
     recording_caches,
@@ -141,6 +142,22 @@ def test_fast_matrices_cover_every_method_and_every_cache_path_on_every_architec
             assert (arch, *CATALOGUE[i]) in masked and (arch, *NOT_EVICTING[i]) in budgets, (path, arch)
     # Both query modes of each fast case.
     assert len(masked) == 2 * len({(a, n, repr(p)) for a, n, p in masked})
+    # The rollback and padded-row matrices: every entry on FULL_ARCH, every path's representative on
+    # every architecture (the padded rows run no decode schedule; the rollback also compacts).
+    from test_padding import METHODS as PADDED_ENTRIES
+    from test_padding import PADDED_ROW_CASES
+    from test_rollback import ENTRIES as ROLLBACK_ENTRIES
+    from test_rollback import ROLLBACK_CASES
+
+    for cases, entries, without in (
+        (ROLLBACK_CASES, ROLLBACK_ENTRIES, set()),
+        (PADDED_ROW_CASES, PADDED_ENTRIES, {"decode_schedule"}),
+    ):
+        fast = fast_cases(cases)
+        assert all((FULL_ARCH, *entry) in fast for entry in entries)
+        for arch in {p.values[0] for p in cases}:
+            for path, entry in REPRESENTATIVES.items():
+                assert path in without or (arch, *entry) in fast, (path, arch)
 
 
 @pytest.mark.parametrize("arch,name,params", NOT_EVICTING_CASES)

@@ -7,7 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import random_ids, tiny_model
+from cache_paths import (
+    FULL_ARCH,
+    PATHS,
+    REPRESENTATIVE_INDEX,
+    REPRESENTATIVES,
+    assert_takes_its_paths,
+    fast_cases,
+    recording_caches,
+    tier,
+)
+from conftest import ARCHS, random_ids, tiny_model
 from method_catalogue import (
     CATALOGUE,
     NOT_SCHEDULABLE,
@@ -100,9 +110,57 @@ NOT_EVICTING = catalogue(budget=PROMPT + NEW) + [
     ("snapkv", dict(budget=PROMPT, window=8)),  # the boundary: budget == prompt length
     ("snapkv", dict(budget=4096, window=32)),
 ]
+# The catalogue x architecture matrices: the fast tier runs every entry on FULL_ARCH and each cache
+# path's representative on every architecture (tests/cache_paths.py); the e2e tier the rest.
+NOT_EVICTING_CASES = [
+    pytest.param(arch, name, params, id=f"{arch}-{case}", marks=tier(arch, i))
+    for arch in ARCHS
+    for i, ((name, params), case) in enumerate(zip(NOT_EVICTING, ids(NOT_EVICTING)))
+]
+MASKED_CASES = [
+    pytest.param(arch, query_aware, name, params, id=f"{arch}-{query_aware}-{case}", marks=tier(arch, i))
+    for arch in ARCHS
+    for query_aware in (True, False)
+    for i, ((name, params), case) in enumerate(zip(CATALOGUE, ids(CATALOGUE)))
+]
 
 
-@pytest.mark.parametrize("name,params", NOT_EVICTING, ids=ids(NOT_EVICTING))
+def test_fast_matrices_cover_every_method_and_every_cache_path_on_every_architecture():
+    """The fast tier's share of the catalogue x architecture matrices runs every catalogue entry on
+    FULL_ARCH and, on every architecture, each cache path's representative (whose case checks that
+    it takes the path there), so that a new method, layout or changed entry cannot fall out of it."""
+    assert set(REPRESENTATIVE_INDEX) == set(PATHS)
+    assert [name for name, _ in NOT_EVICTING[: len(CATALOGUE)]] == [name for name, _ in CATALOGUE]
+    masked, budgets = fast_cases(MASKED_CASES), fast_cases(NOT_EVICTING_CASES)
+    assert {name for arch, name, _ in masked if arch == FULL_ARCH} == set(METHODS)
+    for name, params in CATALOGUE:
+        assert (FULL_ARCH, name, params) in masked, (name, params)
+    for name, params in NOT_EVICTING:
+        assert (FULL_ARCH, name, params) in budgets, (name, params)
+    for arch in ARCHS:  # each representative's own case checks that it takes its path
+        for path, i in REPRESENTATIVE_INDEX.items():
+            assert (arch, *CATALOGUE[i]) in masked and (arch, *NOT_EVICTING[i]) in budgets, (path, arch)
+    # Both query modes of each fast case.
+    assert len(masked) == 2 * len({(a, n, repr(p)) for a, n, p in masked})
+    # The rollback and padded-row matrices: every entry on FULL_ARCH, every path's representative on
+    # every architecture (the padded rows run no decode schedule; the rollback also compacts).
+    from test_padding import METHODS as PADDED_ENTRIES
+    from test_padding import PADDED_ROW_CASES
+    from test_rollback import ENTRIES as ROLLBACK_ENTRIES
+    from test_rollback import ROLLBACK_CASES
+
+    for cases, entries, without in (
+        (ROLLBACK_CASES, ROLLBACK_ENTRIES, set()),
+        (PADDED_ROW_CASES, PADDED_ENTRIES, {"decode_schedule"}),
+    ):
+        fast = fast_cases(cases)
+        assert all((FULL_ARCH, *entry) in fast for entry in entries)
+        for arch in {p.values[0] for p in cases}:
+            for path, entry in REPRESENTATIVES.items():
+                assert path in without or (arch, *entry) in fast, (path, arch)
+
+
+@pytest.mark.parametrize("arch,name,params", NOT_EVICTING_CASES)
 def test_budget_at_least_length_equals_full(arch, name, params):
     model = tiny_model(arch)
     ids = random_ids(PROMPT)
@@ -114,15 +172,17 @@ def test_budget_at_least_length_equals_full(arch, name, params):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@EVERY_METHOD
-@pytest.mark.parametrize("query_aware", [True, False])
+@pytest.mark.parametrize("arch,query_aware,name,params", MASKED_CASES)
 def test_compressed_decoding_equals_masked_full_cache(arch, name, params, query_aware):
     model = tiny_model(arch)
     ids = random_ids(PROMPT, batch=2)  # two rows: per-row selections (Ada-KV: per-row head budgets)
     ctx, q = ids[:, :80], ids[:, 80:]
-    (out, res), records = record_visible(
-        model, lambda: run(model, build_method(name, **params), ctx, q, query_aware=query_aware)
-    )
+    method = build_method(name, **params)
+    with recording_caches() as caches:
+        (out, res), records = record_visible(
+            model, lambda: run(model, method, ctx, q, query_aware=query_aware)
+        )
+    assert_takes_its_paths(arch, name, params, caches[0], method)
     assert res.compressed == (name != "full")
     # Query-agnostic: the question forward comes after compression (on a cache whose layers / heads
     # may hold different lengths), so it is a masked step too.

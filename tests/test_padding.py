@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cache_paths import entry_tier
 from conftest import random_ids, tiny_model
 
 import snapkv
@@ -64,8 +65,16 @@ def generate(model, method, ids, mask=None, **kw):
     return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
 
 
-@pytest.mark.parametrize("arch_name", ["llama", "gemma3"])
-@pytest.mark.parametrize("name,params", METHODS)
+# Every method on Llama; on Gemma 3 each cache path's representative in the fast tier, the others in
+# the slow tier (tests/cache_paths.py).
+PADDED_ROW_CASES = [
+    pytest.param(arch, name, params, id=f"{name}-params{i}-{arch}", marks=entry_tier(arch, name, params))
+    for i, (name, params) in enumerate(METHODS)
+    for arch in ("llama", "gemma3")
+]
+
+
+@pytest.mark.parametrize("arch_name,name,params", PADDED_ROW_CASES)
 def test_padded_row_decodes_as_the_row_alone(arch_name, name, params):
     if name == "knorm" and arch_name == "gemma3":
         pytest.skip(

@@ -194,6 +194,8 @@ def test_each_reason_says_what_to_change(reason, names):
 def test_a_job_waiting_for_nodes_is_waited_for_and_logged_once(monkeypatch, caplog):
     """ReqNodeNotAvail (nodes down, drained or reserved) clears when they return: not an error."""
     reason = "ReqNodeNotAvail, UnavailableNodes:vm"
+    # An in-process Hydra run earlier in the session configures logging with existing loggers disabled.
+    monkeypatch.setattr(logging.getLogger(slurm.__name__), "disabled", False)
     monkeypatch.setattr(
         slurm, "queued", lambda ids: {"41_2": slurm.Queued("PENDING", reason, "debug", "2:00:00")}
     )

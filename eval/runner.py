@@ -19,8 +19,9 @@ its postfix (`prefill 2374 tok` -> `decode 37/512`; `SampleProgress`, fed by `ge
 per stage, at least 30 s apart. The bar is redrawn every second (`BarClock`) so its clock moves
 through a long prefill.
 
-Cold start: before its first timed sample a process runs one untimed generation (`warm_up`: a short
-random prompt through the run's method), so no row's `prefill_s` pays for paging in the weights,
+Cold start: a run with samples to do starts with one untimed generation (`warm_up`: a short random
+prompt through the run's method; in a sequential sweep each configuration's run does, for its
+method's own code paths), so no row's `prefill_s` pays for paging in the weights,
 growing the allocator or choosing kernels; every row records that warm-up's seconds (`warmup_s`).
 
 Noise: each row records what the machine was doing while its sample ran (`eval.machine`):
@@ -546,8 +547,8 @@ WARMUP_TOKENS = 256
 def warm_up(model: Any, spec: RunSpec) -> float | None:
     """One untimed generation (WARMUP_TOKENS random token ids, 2 new tokens, the run's method and
     prefill chunking) before the first timed sample; returns its seconds. A fresh process's first
-    forward pays for paging in the weights, growing the allocator and choosing kernels (a first
-    1K-token prefill once took 94 s where the next took 1.8 s), which no row's timing may include.
+    forward pays for paging in the weights, growing the allocator and choosing kernels, which no
+    row's timing may include.
     None when the warm-up itself failed (logged; the samples run and report their own errors)."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(0, vocab, (1, WARMUP_TOKENS), generator=torch.Generator().manual_seed(0))

@@ -124,7 +124,7 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
     "ttft_s": ("float", "time to first token, seconds (shared protocols: from feeding the question)"),
     "warmup_s": (
         "float | null",
-        "seconds of the untimed warm-up generation the process ran once before its first timed sample (`eval.runner.warm_up`): the cold start no row's timing includes; null in rows written before it existed",
+        "seconds of the untimed warm-up generation the run ran before its first timed sample (`eval.runner.warm_up`): the cold start no row's timing includes; null in rows written before it existed",
     ),
     "tpot_s": ("float", "median time per output token after the first, seconds"),
     "new_tokens": ("int", "tokens generated (the stop token included when generation stopped at one)"),

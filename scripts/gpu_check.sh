@@ -81,7 +81,7 @@ echo "== A: TPOT vs input length; B: longest input =="
   --deadline-s "$DEADLINE_S" --warmup "$WARMUP"
 
 "$PY" - "$OUTDIR" <<'PY'
-import sys, pandas as pd
+import os, sys, pandas as pd
 d = sys.argv[1]
 for name in ("gpu_tpot.csv", "gpu_capacity.csv"):
     df = pd.read_csv(f"{d}/{name}")
@@ -90,11 +90,9 @@ for name in ("gpu_tpot.csv", "gpu_capacity.csv"):
     df["kv_GiB"] = (df["kv_bytes"] / 2**30).round(3)
     cols = ["method", "budget", "batch_size", "input_tokens", "status", "prefill_s", "tpot_ms", "peak_GiB", "kv_GiB"]
     print(f"\n{name}\n" + df[cols].to_string(index=False))
-try:
+if os.path.exists(f"{d}/gpu_exactness.csv"):  # absent with EXACT=0
     df = pd.read_csv(f"{d}/gpu_exactness.csv")
     print("\ngpu_exactness.csv\n" + df[["method", "params", "exact", "agree", "cpu_s", "device_s"]].to_string(index=False))
-except FileNotFoundError:
-    pass
 PY
 [ "$exact_rc" = 0 ] || echo "part C FAILED (exit $exact_rc): see $OUTDIR/gpu_exactness.log"
 [ "$tests_rc" = 0 ] || echo "gpu tests FAILED (exit $tests_rc): see $OUTDIR/gpu_tests.log"

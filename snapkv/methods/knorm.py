@@ -34,6 +34,14 @@ budget is below P (the cache grows to P and drops back to it). A longer prompt i
 `ceil(r * L)` and then shrinks step by step, and may settle above `ceil(r * P)` for good (r = 0.9,
 P = 10: 13 entries are pruned to 12 at every step), keeping other entries than a fixed budget
 would: `keep_ratio = r` is the authors' rule itself, on every prompt.
+
+Ties (equal norms) go to the earlier position, as the base class's stable top-k does for every
+method; the originals' `argsort` (authors) and `topk` (kvpress) leave the choice unspecified. They
+arise at layer 0, where the keys of a token that occurs more than once differ only by their RoPE
+rotation, which keeps the norm: equal up to rounding, and exactly equal where the rounding agrees,
+so which copy is kept can differ from the originals' by such entries. Norms are fp32 (the authors'
+`torch.norm` in the model's dtype); kept entries are stored in position order (the authors' in norm
+order, kvpress' in top-k order; attention does not depend on the order).
 """
 
 from __future__ import annotations

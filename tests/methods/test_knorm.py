@@ -173,6 +173,16 @@ def test_knorm_keep_ratio_is_left_out_of_params_while_off():
     assert build_method("knorm", budget=B, keep_ratio=0.5).params()["keep_ratio"] == 0.5
 
 
+def test_knorm_ties_go_to_the_earlier_position():
+    """Keys of exactly equal norm (sign flips: the same squares) tie; the earlier one is kept."""
+    keys = torch.tensor([[3.0, 4.0], [1.0, 1.0], [-3.0, 4.0], [3.0, -4.0], [-1.0, -1.0]])[None, None]
+    method = build_method("knorm", budget=B)
+    scores = method.score(None, None, keys, None)
+    assert scores[0, 0, 0] == scores[0, 0, 2] == scores[0, 0, 3]
+    assert method.select(scores, 3)[0, 0].tolist() == [0, 1, 4]  # of the three tied 5.0s, the first
+    assert method.select(scores, 4)[0, 0].tolist() == [0, 1, 2, 4]
+
+
 def test_knorm_is_attention_free(monkeypatch):
     """No attention weight is computed for K-norm: the scoring helpers are never called, and it runs
     beside eager and sdpa attention alike (the model's own attention output is used unchanged)."""

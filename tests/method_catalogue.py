@@ -57,6 +57,8 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
     ("tova", dict(budget=40, evict_during_decode=False, keep_last=True)),  # kvpress' TOVAPress
     ("knorm", dict(budget=40)),
     ("knorm", dict(budget=40, skip_layers=[0], prune_after=50, evict_during_decode=True)),
+    # The authors' l2_compress rule: ceil(0.5 x n) of the n entries each time a layer is pruned.
+    ("knorm", dict(budget=40, keep_ratio=0.5, skip_layers=[1], prune_after=48, evict_during_decode=True)),
     # Without a tokenizer the reconstruction inputs are the carried tokens and the chunk alone.
     ("kvzip", dict(budget=40, repeat_chunk=32)),  # the authors': threshold over all layers and heads
     (
@@ -117,7 +119,8 @@ def ids(entries: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
 def catalogue(*names: str, budget: int | None = None) -> list[tuple[str, dict[str, Any]]]:
     """Catalogue entries (all, or of `names`); `budget` replaces every budget (not full's), and
-    decode schedules then keep the budget (their `target` is dropped)."""
+    decode schedules then keep the budget (their `target` is dropped), as does K-norm (its
+    `keep_ratio`, which replaces the budget, is dropped)."""
     out = []
     for name, params in CATALOGUE:
         if names and name not in names:
@@ -126,5 +129,6 @@ def catalogue(*names: str, budget: int | None = None) -> list[tuple[str, dict[st
             params = {**params, "budget": budget}
             if "decode_schedule" in params:
                 params["decode_schedule"] = {**params["decode_schedule"], "target": None}
+            params.pop("keep_ratio", None)
         out.append((name, params))
     return out

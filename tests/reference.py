@@ -7,7 +7,9 @@ at that step. If compression (gather, positions, masks, GQA layout) is right, th
 `naive_snapkv_selection` / `naive_column_sums`: method scores from eager attention weights with
 Python loops (no shared code with snapkv.methods). `naive_pooled_votes` / `naive_adakv_counts`:
 AdaKV's window votes and per-head counts (FFY0/AdaKV's `snapkv_utils.py`), which tests/methods/
-compares with Ada-KV and with CriticalKV's AdaKV base.
+compares with Ada-KV and with CriticalKV's AdaKV base. `naive_kvpress_snapkv_votes`: kvpress'
+`SnapKVPress.score` (average pooling per query head, then the group mean), CriticalKV's base in the
+authors' `criti_snapkv` / `criti_adasnapkv`.
 """
 
 from __future__ import annotations
@@ -201,6 +203,26 @@ def naive_pooled_votes(attn: torch.Tensor, kv_heads: int, window: int, kernel: i
         ]
         half = kernel // 2
         out.append([max(votes[max(0, j - half) : j + half + 1]) for j in range(prefix)])
+    return out
+
+
+def naive_kvpress_snapkv_votes(
+    attn: torch.Tensor, kv_heads: int, window: int, kernel: int
+) -> list[list[float]]:
+    """kvpress' `SnapKVPress.score` (NVIDIA/kvpress @ 8bb29b9c3078452a86d692f29123fa6c793e2b05, and
+    FFY0/AdaKV-in-NVIDIA-kvpress @ 88f5b1fb245d356c4a37cc734dd47dcd817779f1) on one layer
+    `[1, heads, L, L]` -> per KV head: each query head's mean over the window queries of its causal
+    softmax row, average-pooled (stride 1, padding kernel // 2, the zero padding counted, as
+    F.avg_pool1d's default), then the mean over the group; the window's own columns dropped."""
+    _, h, length, _ = attn.shape
+    g, prefix, half = h // kv_heads, length - window, kernel // 2
+    out = []
+    for kvh in range(kv_heads):
+        pooled = []
+        for qh in range(kvh * g, (kvh + 1) * g):
+            votes = [float(attn[0, qh, prefix:, j].mean()) for j in range(prefix)]
+            pooled.append([sum(votes[max(0, j - half) : j + half + 1]) / kernel for j in range(prefix)])
+        out.append([sum(col) / g for col in zip(*pooled)])
     return out
 
 

@@ -187,7 +187,12 @@ def test_method_parameters_from_the_command_line(name):
             "method.allocation=adakv",
         ],
         "tova": ["budget=64", "method.evict_during_decode=false", "method.keep_last=true"],
-        "knorm": ["budget=64", "method.prune_after=2048", "method.evict_during_decode=true"],
+        "knorm": [
+            "budget=64",
+            "method.prune_after=2048",
+            "method.evict_during_decode=true",
+            "method.keep_ratio=0.98",
+        ],
         "snapkv_d": ["budget=256", "method.window=16", "method.decode_schedule.interval=32"],
         "rkv": [
             "budget=256",

@@ -6,16 +6,22 @@ fixed chunks of `chunk_length` consecutive prefix positions; a layer keeps whole
 window. The prefix `[0, L - window)` is cut into chunks from position 0, so the last chunk holds the
 trailing `(L - window) % chunk_length` positions when that is not 0. A chunk's score is the sum of
 its positions' scores over all KV heads (one kept set per layer, the same positions for every head),
-and the layer keeps the window plus the `(budget - window) // chunk_length` best chunks: the budget
-counts whole chunks, so up to `chunk_length - 1` entries of it stay unused, and a row that keeps the
-short trailing chunk keeps fewer entries (rows of a batch that then differ are left-filled with
-masked slots, `snapkv.padding.keep_rows`). Each batch row chooses its own chunks. Prompts with
-L <= budget are not compressed; nothing is evicted while decoding.
+and the layer keeps the window plus the `(budget - window) // chunk_length` best chunks. Entries of
+the budget left unused: with m = budget - window, c = chunk_length and r = (L - window) % c, whole
+chunks leave `m % c`, and a kept short trailing chunk (r > 0) takes a whole chunk's slot for r
+entries, leaving `c - r` more: at most `2 (c - 1)` (kvpress' c = 20 at budget 512, window 32, r = 2:
+18). A row that keeps the short chunk keeps fewer entries (rows of a batch that then differ are
+left-filled with masked slots, `snapkv.padding.keep_rows`). Each batch row chooses its own chunks.
+Prompts with L <= budget are not compressed; nothing is evicted while decoding.
 
 The authors' code is kvpress' `ChunkKVPress` (NVIDIA/kvpress @
 8bb29b9c3078452a86d692f29123fa6c793e2b05, `kvpress/presses/chunkkv_press.py`, around a
 `SnapKVPress`). Differences, with their switches:
 
+- SnapKV's scores take SnapKV's defaults here (window 32, max-pool 7, `gqa_order` reduce_first),
+  as every SnapKV-family method of the package, so that ChunkKV differs from `snapkv` by its chunks
+  alone. kvpress' registry entry wraps its `SnapKVPress` (window 64, kernel 5, average pooling per
+  query head, then the group mean): `window=64 kernel_size=5 pooling=avg gqa_order=pool_first`.
 - `chunk_length`: 10 (default, the paper's setting) | kvpress' default 20.
 - `chunk_score`: `sum` (default, the paper's chunk sum) | `mean` (kvpress: a chunk's mean, which
   ranks full chunks the same and favours the short trailing chunk).

@@ -20,6 +20,11 @@ layer budgets, `beta`, `schedule`, `short_prompt`), `adakv` (Ada-KV head budgets
 scores, `alpha`, `allocation`, `normalize`, `layout` as in `snapkv.methods.adakv`: CriticalAdaKV).
 The base score is SnapKV's window vote as a MEAN over the window queries (the original's scale:
 `epsilon` is added to a mean attention weight; SnapKV's sum ranks the same but would shift epsilon).
+Its defaults are SnapKV's here (window 32, max-pool 7, `gqa_order` reduce_first: Ada-KV's
+`gqa_support` votes), so that CriticalKV differs from `snapkv` / `adakv` by its second stage alone.
+The authors' `criti_snapkv` / `criti_adasnapkv` (`evaluation/evaluate.py`) wrap kvpress'
+`SnapKVPress` (window 64, kernel 5, average pooling per query head, then the group mean): with
+`window=64 kernel_size=5 pooling=avg gqa_order=pool_first` the base votes are those.
 The original's `CriticalAdaKVPress` splits budgets with kvpress's rule (`allocation="kvpress"`,
 whose safeguard also makes each head's top `int(alpha x budget)` entries part of stage 1); the
 default here is Ada-KV's own (`allocation="adakv"`, as `adakv`).

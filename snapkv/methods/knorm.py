@@ -20,18 +20,35 @@ alone) and kvpress' `KnormPress` (NVIDIA/kvpress @ 8bb29b9c3078452a86d692f29123f
 - `prune_after` (default 0): a layer holding fewer entries is not pruned (`l2_compress` default
   2048; the scripts 0, 10 or 1000).
 - `evict_during_decode` (default False: prune once at the end of prefill, as kvpress and the
-  authors' needle / passkey generation): True re-prunes after every decoding step back to the
-  budget (the authors' language-modelling loop, which calls `l2_compress` after every token).
+  authors' needle / passkey generation): True re-prunes after every decoding step (the authors'
+  language-modelling loops, which call `l2_compress` after every forward).
+- `keep_ratio` (default None: keep `budget` entries, an entry count like every method's): r in
+  (0, 1] keeps `ceil(r * n)` of the n entries a pruned layer holds, each time it is pruned:
+  `l2_compress`'s own rule, `budget` then unused.
 
-The budget is an entry count, so the originals' rounding of a keep ratio (`ceil` in the authors'
-code, `int` = floor in kvpress) does not arise: their ratio r on a prompt of L tokens is
-`budget = ceil(r * L)` (authors) or `floor(r * L)` (kvpress). With `evict_during_decode` and
-`prune_after = P`, a budget of `ceil(r * P)` reproduces the authors' loop once the cache reaches P.
+With a prompt of L tokens pruned once, `budget = ceil(r * L)` (authors) or `floor(r * L)`
+(kvpress' `int`) gives the originals' ratio r. The authors' loop (`evict_during_decode`,
+`prune_after = P`) prunes to `ceil(r * n)` after every forward that leaves n >= P entries. A fixed
+`budget = ceil(r * P)` reproduces it only for prompts of at most P tokens, and only when that
+budget is below P (the cache grows to P and drops back to it). A longer prompt is pruned to
+`ceil(r * L)` and then shrinks step by step, and may settle above `ceil(r * P)` for good (r = 0.9,
+P = 10: 13 entries are pruned to 12 at every step), keeping other entries than a fixed budget
+would: `keep_ratio = r` is the authors' rule itself, on every prompt.
+
+Ties (equal norms) go to the earlier position, as the base class's stable top-k does for every
+method; the originals' `argsort` (authors) and `topk` (kvpress) leave the choice unspecified. They
+arise at layer 0, where the keys of a token that occurs more than once differ only by their RoPE
+rotation, which keeps the norm: equal up to rounding, and exactly equal where the rounding agrees,
+so which copy is kept can differ from the originals' by such entries. Norms are fp32 (the authors'
+`torch.norm` in the model's dtype); kept entries are stored in position order (the authors' in norm
+order, kvpress' in top-k order; attention does not depend on the order).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,12 +66,16 @@ class KNorm(Method):
     skip_layers: list[int] = field(default_factory=list)  # model layers never pruned (authors: [0] or [0, 1])
     prune_after: int = 0  # layers holding fewer entries are not pruned (l2_compress: 2048)
     evict_during_decode: bool = False  # True: re-prune after every decoding step (authors' LM loop)
+    keep_ratio: float | None = None  # r: keep ceil(r x entries) instead of `budget` (l2_compress)
 
     checks = {
         "budget": integer(needed=True),
         "skip_layers": Check("a list of layer indices >= 0", types=(int,), low=0, each=True),
         "prune_after": integer(0),
         "evict_during_decode": flag(),
+        "keep_ratio": Check(
+            "null or a number in (0, 1]", types=(int, float), low=0, high=1, low_open=True, none=True
+        ),
     }
 
     def __post_init__(self) -> None:
@@ -67,9 +88,18 @@ class KNorm(Method):
         if bad:
             raise ValueError(f"skip_layers names layers the model does not have (it has {n}), got {bad}")
 
+    def params(self) -> dict[str, Any]:
+        params = super().params()
+        if self.keep_ratio is None:
+            params.pop("keep_ratio")  # off: configs from before the switch keep their hashes
+        return params
+
     def layer_budget(self, layer) -> int | None:
         if layer.index in self.skip_layers or layer.stored < self.prune_after:
             return None
+        if self.keep_ratio is not None:
+            # l2_compress's `ceil(keep_ratio * keys.size(2))`, on what the layer holds now.
+            return math.ceil(self.keep_ratio * layer.stored)
         return self.budget
 
     def score(self, layer, query, key, module) -> torch.Tensor:

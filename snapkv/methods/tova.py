@@ -21,6 +21,13 @@ prompt once and always keeps its last token:
 
 The prefill selection uses the last prompt token's query (with chunked prefill: the last chunk's;
 the originals do not chunk). kvpress' budget is a ratio of the prompt; here an entry count.
+
+Scores are fp32 whatever the model's dtype, as every method's here, so that a selection does not
+hang on rounding: the original averages the attention weights the model returns, in the model's
+dtype. On a bf16 model, entries whose averages are within one bf16 step (2^-7 relative) of the
+kept set's boundary tie or swap order there, and `topk` picks among its ties; the kept sets differ
+only at that margin (tested on bf16 models). Exact ties go to the earlier position here. No switch
+reproduces the bf16 average: the original reads it from eager attention's own kernels.
 """
 
 from __future__ import annotations

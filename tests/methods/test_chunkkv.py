@@ -125,6 +125,43 @@ def test_chunkkv_trailing_chunk_holds_the_last_positions_and_mean_favours_it():
     assert meaned.tolist() == [20, 21, 22, 23, 24]  # the short chunk: fewer entries than the budget
 
 
+@pytest.mark.parametrize("c", [3, 10, 20])
+def test_chunkkv_unused_budget_is_at_most_two_chunks_less_two(c):
+    """Of the m = budget - window prefix entries of the budget, whole chunks leave m % c unused, and
+    a kept trailing chunk of r = (L - window) % c positions leaves c - r more (it takes a whole
+    chunk's slot): at most 2(c - 1), reached at m % c = c - 1 and r = 1."""
+    from snapkv.methods.chunkkv import chunk_selection
+
+    g, window = torch.Generator().manual_seed(c), 4
+    worst = 0
+    for m in range(c, 3 * c):
+        for prefix in range(m + 1, m + 2 * c + 1):  # L = prefix + window > budget = m + window
+            r = prefix % c
+            for favour_trailing in (False, True):
+                scores = torch.rand(1, 2, prefix + window, generator=g)
+                if favour_trailing and r:
+                    scores[..., prefix - r : prefix] += 1000.0
+                kept = chunk_selection(scores, window, c, m // c)[0]
+                unused = m - (len(kept) - window)
+                trailing = r > 0 and int(kept[-window - 1]) == prefix - 1
+                assert trailing or not (favour_trailing and r)
+                assert unused == m % c + (c - r if trailing else 0), (m, prefix)
+                worst = max(worst, unused)
+    assert worst == 2 * (c - 1)
+
+
+def test_chunkkv_kvpress_chunk_length_leaves_18_of_512_unused_with_a_2_position_trailing_chunk():
+    """kvpress' chunk_length 20 at budget 512, window 32: 480 = 24 chunks, none left over; a prompt
+    whose prefix ends in a 2-position chunk that is kept uses 23 x 20 + 2 = 462 of the 480."""
+    from snapkv.methods.chunkkv import chunk_selection
+
+    window, c, prefix = 32, 20, 2000 + 2
+    scores = torch.rand(1, 2, prefix + window, generator=torch.Generator().manual_seed(0))
+    scores[..., prefix - 2 : prefix] += 1000.0
+    kept = chunk_selection(scores, window, c, (512 - window) // c)[0]
+    assert 512 - len(kept) == 18
+
+
 class _RowZeroTakesTheTrailingChunk(ChunkKV):
     """Test-only: row 0's trailing (short) prefix chunk gets the top score, so batch rows keep
     different numbers of entries."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_ids
-from reference import eager_attentions, naive_adakv_counts, naive_pooled_votes
+from reference import eager_attentions, naive_adakv_counts, naive_kvpress_snapkv_votes, naive_pooled_votes
 
 from methods._common import FMAX, MODELS, kept_by_method, layer_inputs, top_indices
 from snapkv import build_method
@@ -14,8 +14,10 @@ from snapkv import build_method
 # @ 88f5b1fb245d356c4a37cc734dd47dcd817779f1 (branch `criticalkv`, the authors' code),
 # `kvpress/presses/criticalkv_press.py`: `CriticalKVPress.vwl1norm` and `.score` (kept:
 # ScorerPress's top n_kept), `CriticalAdaKVPress.compress`.
-# CriticalKV's base scores are AdaKV's window-mean pooled votes (tests/reference.py's
-# `naive_pooled_votes`): the scale the original's SnapKV scores have. Protected entries (the
+# CriticalKV's base scores by default are AdaKV's window-mean max-pooled votes (tests/reference.py's
+# `naive_pooled_votes`); with `pooling="avg", gqa_order="pool_first"` they are kvpress' SnapKVPress
+# (`naive_kvpress_snapkv_votes`), the press the authors' `criti_snapkv` / `criti_adasnapkv`
+# (`evaluation/evaluate.py`) wrap. Both are window means: the scale the original's scores have. Protected entries (the
 # window) get max + 1, as kvpress's ExpectedAttentionPress does (its SnapKVPress pads with the max
 # itself: a tie with the best prefix entry that topk may break either way). The budget is given as
 # entries (n_kept) where kvpress derives it from a compression ratio. Every top-k here breaks ties
@@ -86,7 +88,10 @@ def _critical_expected(model, params, row: torch.Tensor, budgets: dict[int, int]
         if length <= params["budget"]:
             out[idx] = [list(range(length))] * kv
             continue
-        votes = torch.tensor(naive_pooled_votes(attns[idx], kv, w, kernel))  # [kv, L - w]
+        if params.get("pooling") == "avg" and params.get("gqa_order") == "pool_first":
+            votes = torch.tensor(naive_kvpress_snapkv_votes(attns[idx], kv, w, kernel))  # [kv, L - w]
+        else:
+            votes = torch.tensor(naive_pooled_votes(attns[idx], kv, w, kernel))
         scores = torch.cat([votes, votes.new_full((kv, w), float(votes.max()) + 1)], dim=-1).float()
         norms = naive_vwl1norm(module, values, heads)
         n_kept = budgets[idx]
@@ -106,6 +111,10 @@ CRITICAL_CASES = [
     dict(base="pyramidkv"),
     dict(base="adakv", allocation="kvpress", alpha=0.5),
     dict(base="adakv", layout="padded"),
+    # The authors' `criti_snapkv` and `criti_adasnapkv`: CriticalKVPress / CriticalAdaKVPress around
+    # kvpress' SnapKVPress (avg-pooled per query head, then the group mean).
+    dict(base="snapkv", pooling="avg", gqa_order="pool_first"),
+    dict(base="adakv", allocation="kvpress", pooling="avg", gqa_order="pool_first"),
 ]
 
 

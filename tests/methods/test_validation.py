@@ -70,6 +70,9 @@ CASES = [
     ("knorm", dict(budget=40, prune_after=-2), "prune_after=-2"),
     ("knorm", dict(budget=40, evict_during_decode="yes"), "evict_during_decode='yes'"),
     ("knorm", dict(budget=None), "budget=None"),
+    ("knorm", dict(budget=40, keep_ratio=0), "keep_ratio=0"),
+    ("knorm", dict(budget=40, keep_ratio=1.5), "keep_ratio=1.5"),
+    ("knorm", dict(budget=40, keep_ratio=True), "keep_ratio=True"),
     # ChunkKV
     ("chunkkv", dict(budget=40, window=8, chunk_length=0), "chunk_length=0"),
     ("chunkkv", dict(budget=40, window=8, chunk_length=40), "chunk_length=40"),  # 40 > budget - window

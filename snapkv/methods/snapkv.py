@@ -39,7 +39,8 @@ last `window` entries stay protected. `kept_order` says how kept entries are sto
 (one top-k over all entries, the protected ones scored at the highest prefix score, `F.pad(...,
 value=scores.max())` over the whole batch; ties to the earlier slot, where torch's top-k leaves
 their order open), so that later pooling runs over slot neighbours and the protected entries are
-the last `window` slots, as there. `window=64, kernel_size=5, pooling=avg, gqa_order=pool_first,
+the last `window` slots, as there (a forward of several tokens after the prefill puts the entries
+back in position order first, as `CompressibleLayer.update` does for every layer). `window=64, kernel_size=5, pooling=avg, gqa_order=pool_first,
 kept_order=topk, decode_schedule={interval: 1, window: 1}` is the decode-time SnapKV of arXiv
 2512.12008's authors (minghui-liu/kvpress, `SnapKVPress` under `ScorerPress.compress_decoding`).
 """

@@ -22,7 +22,10 @@ its switch back:
   the original does, the top `budget - window` prefix entries by descending score, then the window
   in slot order, so that later max-pooling treats top-k neighbours as sequence neighbours and
   R-KV's "most recent" near-duplicate is the one in the highest slot; a cache of exactly `budget`
-  entries is then reordered too (the original compresses unless `kv_cache_len < budget`);
+  entries is then reordered too (the original compresses unless `kv_cache_len < budget`). A forward
+  of several tokens after the prefill (a later question) first puts the entries back in position
+  order (`CompressibleLayer.update`: the block's causal mask needs it); the original has no such
+  forward;
 - the schedule counts tokens from the end of prefill (`decode_schedule.count_from=prefill`);
   `count_from=start` compresses where the original does: at the forward after the total length,
   prompt included, reaches a multiple of `interval`.

@@ -110,4 +110,5 @@ def test_snapkv_fork_replay_tells_position_order_and_window_votes_apart(arch):
         method = build_method(name, budget=24, **params)
         forwards = record_forwards(model, ids, method, new_tokens=12)[0]
         want = kvpress_fork_replay(forwards, 24, 8, 5)
-        assert any(not torch.equal(s["positions"], w) for s, w in zip(forwards, want)), params
+        # Already at the prompt's compression: other votes, other protected slots, or another order.
+        assert not torch.equal(forwards[0]["positions"], want[0]), (name, params)

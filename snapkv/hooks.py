@@ -140,12 +140,19 @@ class Session:
 
     def scheduled_step(self, module, layer: CompressibleLayer, fed: int) -> None:
         """Count the `fed` tokens of a forward after the prefill; every `interval` tokens, run the
-        method's scheduled compression with the window's queries (`Method.decode_schedule`)."""
+        method's scheduled compression with the window's queries (`Method.decode_schedule`).
+        `count_from="start"`: a step whenever the tokens before this forward, prompt included, are
+        a multiple of `interval` (padded rows count their pads, as R-KV's length does)."""
         method = self.method
-        layer.since_schedule += fed
-        if layer.since_schedule < method.decode_schedule.interval:
-            return
-        layer.since_schedule = 0
+        schedule = method.decode_schedule
+        if schedule.count_from == "start":
+            if (layer.seen - fed) % schedule.interval:
+                return
+        else:
+            layer.since_schedule += fed
+            if layer.since_schedule < schedule.interval:
+                return
+            layer.since_schedule = 0
         before = layer.row_entries()
         if layer.pads is not None:
             pruned = padding.compress_decode_rows(method, layer, layer.window_queries, module)

@@ -90,10 +90,33 @@ SCHEDULED: list[tuple[str, dict[str, Any]]] = [
     ("tova", dict(budget=40, evict_during_decode=False, decode_schedule=dict(interval=2, target=36))),
     ("snapkv_d", dict(budget=40, window=W, decode_schedule=dict(interval=2, target=36))),
     ("snapkv_d", dict(budget=40, window=1, kernel_size=5, decode_schedule=dict(interval=1))),
+    # R-KV's own storage order and schedule on the total length (tests/methods/test_rkv.py)
+    (
+        "snapkv_d",
+        dict(budget=40, window=W, kept_order="topk", decode_schedule=dict(interval=3, count_from="start")),
+    ),
     ("rkv", dict(budget=40, window=W, decode_schedule=dict(interval=3))),
     (
         "rkv",
         dict(budget=40, window=W, mix_lambda=0.1, threshold=0.1, decode_schedule=dict(interval=2, target=36)),
+    ),
+    (
+        "rkv",
+        dict(budget=40, window=W, kept_order="topk", decode_schedule=dict(interval=4, count_from="start")),
+    ),
+    # arXiv 2512.12008's decode-time SnapKV (kvpress fork): the prompt's window votes, then the
+    # current token alone, every step; top-k storage order (tests/methods/test_snapkv_d.py)
+    (
+        "snapkv",
+        dict(
+            budget=40,
+            window=W,
+            kernel_size=5,
+            pooling="avg",
+            gqa_order="pool_first",
+            kept_order="topk",
+            decode_schedule=dict(interval=1, window=1),
+        ),
     ),
 ]
 CATALOGUE += SCHEDULED

@@ -148,7 +148,9 @@ def test_method_fields_of_a_dataclass():
 
     assert method_fields(Toy) == {
         "name": "toy", "budget": None, "ratio": 20, "layers": [0, 1],
-        "decode_schedule": {"interval": None, "buffer": 0, "target": None, "window": None},
+        "decode_schedule": {
+            "interval": None, "buffer": 0, "target": None, "window": None, "count_from": "prefill"
+        },
     }  # fmt: skip
     assert isinstance(method_fields(Toy)["ratio"], int)
 
@@ -199,6 +201,8 @@ def test_method_parameters_from_the_command_line(name):
             "method.mix_lambda=0.1",
             "method.threshold=0.6",
             "method.decode_schedule.buffer=16",
+            "method.kept_order=topk",
+            "method.decode_schedule.count_from=start",
         ],
         "chunkkv": [
             "budget=256",
@@ -219,7 +223,9 @@ def test_method_parameters_from_the_command_line(name):
     method = build_method(**OmegaConf.to_container(cfg.method, resolve=True))
     expected = {o.split("=")[0].removeprefix("method."): o.split("=")[1] for o in overrides}
     for key, value in expected.items():
-        if hasattr(method, key) and name != "full":
+        if key.startswith("decode_schedule."):
+            assert str(getattr(method.decode_schedule, key.removeprefix("decode_schedule."))) == value
+        elif hasattr(method, key) and name != "full":
             assert str(getattr(method, key)).lower() == value.lower()
     if name == "full":
         assert method.budget is None

@@ -44,7 +44,7 @@ from snapkv.headwise import LAYOUTS
 from snapkv.hooks import session
 from snapkv.methods import METHODS, Method, base, register
 from snapkv.methods.adakv import ALLOCATIONS, BASES, NORMALIZE
-from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS
+from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS, KEPT_ORDERS
 from snapkv.methods.chunkkv import CHUNK_SCORES
 from snapkv.methods.criticalkv import CRITICAL_BASES
 from snapkv.methods.kvzip import REPEAT_PROMPTS, SELECTIONS
@@ -74,6 +74,7 @@ def test_catalogue_covers_every_method_and_switch():
         "chunk_score": CHUNK_SCORES,
         "selection": SELECTIONS,
         ("kvzip", "prompt"): tuple(REPEAT_PROMPTS),
+        "kept_order": KEPT_ORDERS,
     }
     assert {name for name, _ in CATALOGUE} == set(METHODS)
     # Every method that takes a decode schedule runs one (the schedule is on in some entry).
@@ -309,8 +310,12 @@ def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, param
     model = tiny_model("llama")
     ids = random_ids(PROMPT)
     method = build_method(name, **params)
-    # Own loop: compress the prompt minus its last token, then feed that token (query-agnostic path).
-    own, _ = generate_ids(model, ids[:, :-1], ids[:, -1:], method, query_aware=False, max_new_tokens=NEW)
+    # Own loop: compress the prompt minus its last token, then feed that token (query-agnostic path);
+    # it stops at the model's EOS token, as model.generate does.
+    eos = {model.generation_config.eos_token_id}
+    own, _ = generate_ids(
+        model, ids[:, :-1], ids[:, -1:], method, query_aware=False, max_new_tokens=NEW, stop_ids=eos
+    )
     cache = _prefilled_cache(model, ids[:, :-1], method)
     with snapkv.apply(model, method), torch.no_grad():
         out = model.generate(ids, max_new_tokens=NEW, do_sample=False, **{cache_kwarg(model): cache})

@@ -19,13 +19,18 @@ import torch
 import torch.nn.functional as F
 
 from snapkv.cache import CompressibleLayer
-from snapkv.methods.checks import Check, check_all, integer
+from snapkv.methods.checks import Check, check_all, integer, one_of
 
 GQA_REDUCTIONS = ("mean", "max", "sum")
 # Where pooling goes relative to the GQA group reduction (SnapKV-family scores, see methods/snapkv.py).
 GQA_ORDERS = ("reduce_first", "pool_first")
 # Pooling of the scores along the sequence (`pool`).
 POOLINGS = ("max", "avg", "none")
+# Storage order of kept entries (`kept_order` of SnapKV, SnapKV-D, R-KV): ascending positions, or
+# the order the original's top-k gathers them in (what its later pooling and protection then see).
+KEPT_ORDERS = ("position", "topk")
+# What a decode schedule's `interval` counts (`DecodeSchedule.count_from`).
+SCHEDULE_COUNTS = ("prefill", "start")
 
 
 @dataclass
@@ -35,6 +40,9 @@ class DecodeSchedule:
     - `interval`: every `interval` tokens fed after the prompt (counted per layer from the end of
       prefill, reset at each scheduled step) is a scheduled step; None / 0: off (compress once, at
       the end of prefill).
+    - `count_from`: "prefill" (the above) or "start": a forward is a scheduled step when the tokens
+      before it, prompt included, are a multiple of `interval` (R-KV's `length % divide_length ==
+      0`, tested after each forward for the next one). Left out of `params()` at "prefill".
     - `buffer`: at a scheduled step the layer is compressed only when it holds more than
       `target + buffer` entries per KV head (0: whenever it holds more than `target`). With
       `interval=1` this is "compress back to `target` whenever the cache exceeds `target + buffer`".
@@ -45,7 +53,8 @@ class DecodeSchedule:
     - `window`: the latest tokens (prompt tokens first, then generated ones) whose queries
       `[batch, heads, window, head_dim]` are kept and passed as `query` to the method's `score()`;
       None: the method's own observation window (`min_last_chunk`: SnapKV's `window`, 1 for
-      window-free methods).
+      window-free methods). SnapKV-family scores may take fewer (`Method.min_schedule_window`):
+      the scheduled steps then vote with those queries only, the `window` entries staying protected.
 
     At a scheduled step, after the step's attention: `score(layer, window_queries, layer.keys,
     module)`, then `prune(layer, scores, target)`, exactly as at the end of prefill. Per-step
@@ -59,6 +68,7 @@ class DecodeSchedule:
     buffer: int = 0
     target: int | float | None = None
     window: int | None = None
+    count_from: str = "prefill"
 
     @property
     def on(self) -> bool:
@@ -68,6 +78,7 @@ class DecodeSchedule:
         "interval": integer(0, none=True, rule="null or an integer >= 0"),
         "buffer": integer(0),
         "window": integer(1, none=True, rule="null or a positive integer"),
+        "count_from": one_of(SCHEDULE_COUNTS),
     }
 
     def validate(self) -> None:
@@ -113,6 +124,10 @@ class Method:
     # `pool_first`. A new switch whose default changes results adds its old value here.
     legacy_params: ClassVar[dict[str, Any]] = {}
 
+    # Fields left out of `params()` (hence of config hashes) while at their default: switches
+    # added after rows of the method were written.
+    left_out_at_default: ClassVar[tuple[str, ...]] = ()
+
     # Whether `decode_schedule` may be turned on: methods without scores (full) or with their own
     # decode-time scoring state (H2O's accumulated attention, StreamingLLM's rolling window) say no.
     schedulable: ClassVar[bool] = True
@@ -137,7 +152,8 @@ class Method:
             unknown = sorted(set(schedule) - {f.name for f in dataclasses.fields(DecodeSchedule)})
             if unknown:
                 raise ValueError(
-                    f"unknown decode_schedule key(s) {unknown}; it takes interval, buffer, target, window"
+                    f"unknown decode_schedule key(s) {unknown}; it takes interval, buffer, target, window, "
+                    "count_from"
                 )
             schedule = DecodeSchedule(**schedule)
         elif not isinstance(schedule, DecodeSchedule) or isinstance(schedule, EveryStep):
@@ -165,10 +181,10 @@ class Method:
                 f"{self.name} keeps per-head lengths (per-head storage cannot evict while decoding): "
                 f"decode_schedule (interval={schedule.interval}) is not supported"
             )
-        if schedule.window is not None and schedule.window < self.min_last_chunk:
+        if schedule.window is not None and schedule.window < self.min_schedule_window:
             raise ValueError(
                 f"decode_schedule.window must be >= the method's observation window "
-                f"{self.min_last_chunk}, got window={schedule.window}"
+                f"{self.min_schedule_window}, got window={schedule.window}"
             )
         first, last = self.protected()
         if isinstance(schedule.target, int) and schedule.target <= first + last:
@@ -239,6 +255,12 @@ class Method:
         chunked prefill merges a shorter last chunk into the one before."""
         return 1
 
+    @property
+    def min_schedule_window(self) -> int:
+        """The fewest queries `score()` takes at a scheduled step (`decode_schedule.window`): the
+        observation window, unless the method's scores vote with fewer (SnapKV's family)."""
+        return self.min_last_chunk
+
     def layer_budget(self, layer: CompressibleLayer) -> int | None:
         """Entries kept per KV head in this layer (uniform by default; PyramidKV-style schedules
         override this). Layers may end up with different lengths: the attention wrapper then
@@ -291,6 +313,12 @@ class Method:
         params = dataclasses.asdict(self)
         if not self.decode_schedule.on:
             params.pop("decode_schedule")  # off: the hash of a config without a schedule
+        elif self.decode_schedule.count_from == "prefill":
+            params["decode_schedule"].pop("count_from")  # added later: scheduled configs keep their hashes
+        for name in self.left_out_at_default:
+            # Switches added after rows were written: at their default, those rows keep their hashes.
+            if params.get(name) == type(self).__dataclass_fields__[name].default:
+                params.pop(name)
         return params
 
     @property

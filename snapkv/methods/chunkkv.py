@@ -97,6 +97,8 @@ class ChunkKV(SnapKV):
         "budget": integer(needed=True),
         "chunk_length": integer(),
         "chunk_score": one_of(CHUNK_SCORES),
+        # SnapKV's top-k storage order is kvpress' SnapKVPress layout alone (not this method's).
+        "kept_order": one_of(("position",)),
         "reuse_layers": integer(),
     }
 

@@ -113,6 +113,8 @@ class PyramidKV(SnapKV):
         "budget": integer(needed=True),
         "schedule": one_of(SCHEDULES),
         "short_prompt": one_of(SHORT_PROMPTS),
+        # SnapKV's top-k storage order is kvpress' SnapKVPress layout alone (not this method's).
+        "kept_order": one_of(("position",)),
     }
 
     @property

@@ -19,9 +19,11 @@ says 0.1: `method.mix_lambda=0.1`). The original computes the redundancy on batc
 applies it to every row; here each row uses its own keys. Rows of C are processed in blocks
 (memory `block x L` per KV head, never L x L), in fp32 (the original: the model dtype). The prompt
 is compressed once prefill ends (the original's first forward), then every 128 tokens
-(`decode_schedule`, the code's `divide_length`) back to the budget; kept entries stay in position
-order (the original: top-k order, then the window), see `snapkv.methods.snapkv_d` for the other
-differences, shared with the baseline.
+(`decode_schedule`, the code's `divide_length`) back to the budget. By default kept entries stay in
+position order and the interval counts from the end of prefill; `kept_order=topk` and
+`decode_schedule.count_from=start` reproduce the original's top-k storage order (the window after
+the prefix's top-k; the redundancy rule's "most recent" near-duplicate is then the highest slot, as
+there) and its schedule on the total length (`snapkv.methods.snapkv_d`, shared with the baseline).
 """
 
 from __future__ import annotations

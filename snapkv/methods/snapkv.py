@@ -31,6 +31,18 @@ the last ones: results/README.md, "Digits as single tokens"), so widening backwa
 on text before the item. The rule sees only the scores (no token ids, no tokenizer,
 no position of a needle); the base class's top-k keeps exactly `budget` entries, so the budget is
 never exceeded: a longer span buys whole runs for fewer voted positions.
+
+While decoding (`decode_schedule`), a scheduled step votes with the schedule's queries
+(`decode_schedule.window`, which may be fewer than `window`: 1 is the current token alone) and the
+last `window` entries stay protected. `kept_order` says how kept entries are stored: `position`
+(default: ascending positions, as every method) or `topk`, the layout of kvpress' `ScorerPress`
+(one top-k over all entries, the protected ones scored at the highest prefix score, `F.pad(...,
+value=scores.max())` over the whole batch; ties to the earlier slot, where torch's top-k leaves
+their order open), so that later pooling runs over slot neighbours and the protected entries are
+the last `window` slots, as there (a forward of several tokens after the prefill puts the entries
+back in position order first, as `CompressibleLayer.update` does for every layer). `window=64, kernel_size=5, pooling=avg, gqa_order=pool_first,
+kept_order=topk, decode_schedule={interval: 1, window: 1}` is the decode-time SnapKV of arXiv
+2512.12008's authors (minghui-liu/kvpress, `SnapKVPress` under `ScorerPress.compress_decoding`).
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ import torch.nn.functional as F
 from snapkv.methods.base import (
     GQA_ORDERS,
     GQA_REDUCTIONS,
+    KEPT_ORDERS,
     POOLINGS,
     Method,
     pool,
@@ -70,6 +83,8 @@ class SnapKV(Method):
     legacy_params: ClassVar[dict[str, Any]] = {"gqa_order": "pool_first"}
 
     span: int | None = None  # OUR variant: spread each score over the next span-1 positions (None: paper)
+    kept_order: str = "position"  # position | topk (kvpress' storage order, see the module doc)
+    left_out_at_default: ClassVar[tuple[str, ...]] = ("kept_order",)
 
     checks = {
         "window": integer(),
@@ -78,6 +93,7 @@ class SnapKV(Method):
         "gqa_reduce": one_of(GQA_REDUCTIONS),
         "gqa_order": one_of(GQA_ORDERS),
         "span": integer(none=True, rule="None or a positive integer"),
+        "kept_order": one_of(KEPT_ORDERS),
     }
 
     def validate(self) -> None:
@@ -92,13 +108,31 @@ class SnapKV(Method):
     def min_last_chunk(self) -> int:
         return self.window  # the observation window's queries come from the last prefill chunk
 
+    @property
+    def min_schedule_window(self) -> int:
+        return 1  # scheduled steps may vote with fewer queries than the prompt's window
+
+    def validate_schedule(self, schedule) -> None:
+        super().validate_schedule(schedule)
+        votes = min(self.schedule_window, self.window)
+        if self.kept_order == "topk" and votes > schedule.interval:
+            # Top-k order moves older entries into the last slots: only tokens appended since the
+            # last compression are known to be the voting queries' own keys (causal inside them).
+            raise ValueError(
+                f"kept_order=topk votes at scheduled steps with at most decode_schedule.interval queries, "
+                f"got {votes} queries (decode_schedule.window={schedule.window}, window={self.window}) "
+                f"and interval={schedule.interval}"
+            )
+
     def score(self, layer, query, key, module) -> torch.Tensor:
-        if query.shape[2] < self.window:
+        # Scheduled steps (the layer is "ready") vote with the decode schedule's queries.
+        n = min(self.window, query.shape[2]) if layer.state == "ready" else self.window
+        if query.shape[2] < n:
             raise ValueError(
                 f"the last prefill chunk must hold the observation window, got {query.shape[2]} tokens "
                 f"< window={self.window}"
             )
-        votes = window_attention(query, key, self.window, module.scaling, layer.softcap, layer.sinks)[
+        votes = window_attention(query, key, n, module.scaling, layer.softcap, layer.sinks)[
             ..., : -self.window
         ]  # [b, kv, g, L-w]
         if self.gqa_order == "reduce_first":
@@ -108,6 +142,16 @@ class SnapKV(Method):
         prefix = spread_forward(prefix, self.span)  # OUR variant; None: the paper
         # [b, kv, L]: the window's own entries score 0 (they are protected)
         return F.pad(prefix, (0, self.window))
+
+    def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        if self.kept_order == "position":
+            return super().select(scores, budget)
+        # kvpress' layout: the protected slots at the highest prefix score of the batch, one top-k
+        # over all slots, gathered in that order (a prefix entry tied at the top precedes them).
+        n = scores.shape[-1]
+        scores = scores.float().clone()
+        scores[..., n - self.window :] = scores[..., : n - self.window].max()
+        return scores.sort(dim=-1, descending=True, stable=True).indices[..., :budget]
 
 
 def spread_forward(scores: torch.Tensor, span: int | None) -> torch.Tensor:

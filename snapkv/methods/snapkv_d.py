@@ -15,24 +15,40 @@ generated tokens'):
 
 The prompt is compressed the same way once prefill ends (the original's first forward), then the
 decode schedule (`decode_schedule`, default every 128 tokens down to `budget`; see
-`snapkv.methods.base.DecodeSchedule`) repeats it. Differences from that code: kept entries stay in
-position order (the original keeps them in top-k order, which changes which entries later pooling
-treats as neighbours), ties go to the earlier position, scores are fp32 throughout (the original
-casts the pooled attention to the model dtype), and the schedule counts tokens from the end of
-prefill (the original: total length, prompt included, a multiple of 128). SnapKV proper (paper
-scores, sum over the window of a softmax over the full row, group mean) is `snapkv`, which takes a
-decode schedule too; docs/methods.md lists the settings of the other decode-time SnapKVs.
+`snapkv.methods.base.DecodeSchedule`) repeats it. Differences from that code by default, each with
+its switch back:
+
+- kept entries stay in position order (`kept_order=position`); `kept_order=topk` stores them as
+  the original does, the top `budget - window` prefix entries by descending score, then the window
+  in slot order, so that later max-pooling treats top-k neighbours as sequence neighbours and
+  R-KV's "most recent" near-duplicate is the one in the highest slot; a cache of exactly `budget`
+  entries is then reordered too (the original compresses unless `kv_cache_len < budget`). A forward
+  of several tokens after the prefill (a later question) first puts the entries back in position
+  order (`CompressibleLayer.update`: the block's causal mask needs it); the original has no such
+  forward;
+- the schedule counts tokens from the end of prefill (`decode_schedule.count_from=prefill`);
+  `count_from=start` compresses where the original does: at the forward after the total length,
+  prompt included, reaches a multiple of `interval`.
+
+Position order is the default because every method stores its entries that way (scores, windows
+and masks read positions ascending), and counting from the end of prefill because it makes the
+steps after the prompt the same for every prompt length. Left as they are: ties go to the earlier
+slot (the original's top-k leaves their order open), scores are fp32 throughout (the original
+casts the pooled attention to the model dtype). SnapKV proper (paper scores, sum over the window
+of a softmax over the full row, group mean) is `snapkv`, which takes a decode schedule too;
+docs/methods.md lists the settings of the other decode-time SnapKVs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from snapkv.methods.base import DecodeSchedule, Method, grouped, pool, soft_cap
-from snapkv.methods.checks import integer
+from snapkv.methods.base import KEPT_ORDERS, DecodeSchedule, Method, grouped, pool, soft_cap
+from snapkv.methods.checks import integer, one_of
 from snapkv.methods.registry import register
 
 
@@ -65,12 +81,19 @@ class SnapKVD(Method):
     budget: int | None = 1024  # entries kept per KV head per layer, window included
     window: int = 8  # latest queries that vote (R-KV's window_size)
     kernel_size: int = 7  # max-pooling kernel along the sequence
+    kept_order: str = "position"  # position | topk (the original's storage order)
     # R-KV's baseline: every 128 tokens, back to the budget, with the window's queries.
     decode_schedule: DecodeSchedule | None = field(
         default_factory=lambda: DecodeSchedule(interval=128), kw_only=True
     )
+    left_out_at_default: ClassVar[tuple[str, ...]] = ("kept_order",)
 
-    checks = {"budget": integer(needed=True), "window": integer(), "kernel_size": integer()}
+    checks = {
+        "budget": integer(needed=True),
+        "window": integer(),
+        "kernel_size": integer(),
+        "kept_order": one_of(KEPT_ORDERS),
+    }
 
     def validate(self) -> None:
         super().validate()
@@ -94,3 +117,30 @@ class SnapKVD(Method):
     def score(self, layer, query, key, module) -> torch.Tensor:
         # [b, kv, L]: the window's own entries score 0 (they are protected)
         return F.pad(self.importance(layer, query, key, module), (0, self.window))
+
+    def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        if self.kept_order == "position":
+            return super().select(scores, budget)
+        # The original's layout: the prefix's top-k by descending score, then the window's slots.
+        n, w = scores.shape[-1], self.window
+        top = scores[..., : n - w].float().sort(dim=-1, descending=True, stable=True).indices
+        window = torch.arange(n - w, n, device=scores.device).expand(*scores.shape[:-1], w)
+        return torch.cat([top[..., : budget - w], window], dim=-1)
+
+    def compress_prefill(self, layer, query, key, module) -> None:
+        if self.kept_order == "topk" and layer.stored == self.layer_budget(layer):
+            # The original compresses a prompt of exactly `budget` entries too: nothing is dropped,
+            # the entries take top-k order.
+            self.compress(layer, query, key, module, layer.stored)
+            return
+        super().compress_prefill(layer, query, key, module)
+
+    def compress_decode(self, layer, query, module) -> bool:
+        if (
+            self.kept_order == "topk"
+            and not self.decode_schedule.buffer
+            and layer.stored == self.decode_target(layer)
+        ):
+            self.compress(layer, query, layer.keys, module, layer.stored)  # a reordering, as above
+            return False
+        return super().compress_decode(layer, query, module)

@@ -143,6 +143,27 @@ def decode_with_history(model, ids, method, new_tokens: int):
     return out[0].tolist(), history, res
 
 
+def record_forwards(model, ids, method, new_tokens: int) -> dict[int, list[dict]]:
+    """The method's own greedy generation, recording per layer and forward what a replay of an
+    original needs: the forward's queries `[batch, heads, q, d]`, its new keys `[batch, kv_heads, q,
+    d]` (post-RoPE, as cached) and the stored positions `[batch, kv_heads, stored]` after it, in
+    storage order (slot i holds position `positions[..., i]`)."""
+    forwards: dict[int, list[dict]] = {}
+    original = snapkv.hooks.Session.after_attention
+
+    def spy(self, module, layer, query, key):
+        step = {"query": query.clone(), "keys": key[:, :, -query.shape[2] :].clone()}
+        original(self, module, layer, query, key)
+        forwards.setdefault(module.layer_idx, []).append({**step, "positions": layer.positions.clone()})
+
+    snapkv.hooks.Session.after_attention = spy
+    try:
+        generate_ids(model, ids, None, method, max_new_tokens=new_tokens)
+    finally:
+        snapkv.hooks.Session.after_attention = original
+    return forwards
+
+
 MODELS = {"mha": lambda: tiny_llama(4, layers=2), "gqa": lambda: tiny_model("llama", layers=2)}
 
 

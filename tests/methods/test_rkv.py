@@ -203,3 +203,84 @@ def test_rkv_and_snapkv_d_compress_the_prompt_then_every_interval_as_the_origina
         kept = naive_rkv_kept(imp, red, keys.shape[1], w, budget, lam)
         want = torch.stack([step["positions"][0, h, slots] for h, slots in enumerate(kept)])
         assert torch.equal(step["kept"][0], want), f"compression {n}"
+
+
+# The original's generation, replayed per layer from the forwards' own queries and new keys:
+# `rkv/modeling.py` (`LlamaAttention_forward`: the query cache of the latest `window_size` queries,
+# the prompt's last ones first; `compression` None on the first forward, whose keys are compressed
+# alone; True: the forward's keys appended, then the whole cache compressed; the flag for the next
+# forward set after each by `length % divide_length == 0`, `length` counting every token fed, prompt
+# included) around `R1KV.update_kv` / `SnapKV.update_kv` (nothing while `kv_cache_len < budget`;
+# else the top `budget - window` prefix slots by score, gathered in top-k order, then the last
+# `window` slots). Top-k ties: the earlier slot, as the method breaks them (torch leaves them open).
+def rkv_replay(forwards: list[dict], budget, window, kernel, interval, lam, threshold) -> list[torch.Tensor]:
+    """One layer of a one-row batch: the stored positions `[1, kv_heads, stored]` after each forward,
+    in slot order. `threshold` None: SnapKV-D (no redundancy term, lambda 1)."""
+    keys = positions = queries = None
+    flag, length, out = None, 0, []
+
+    def update_kv(keys, positions):
+        n = keys.shape[2]
+        if n < budget:
+            return keys, positions
+        k, q = keys[0], queries[0]
+        imp = naive_rkv_importance(q, k, window, kernel, 1 / math.sqrt(k.shape[-1]))
+        red = naive_rkv_redundancy(k, threshold) if threshold is not None else [[0.0] * n] * k.shape[0]
+        slots = []
+        for h in range(k.shape[0]):
+            final = [lam * imp[h][j] - (1 - lam) * red[h][j] for j in range(n - window)]
+            top = sorted(range(n - window), key=lambda j: (-final[j], j))[: budget - window]
+            slots.append(top + list(range(n - window, n)))
+        idx = torch.tensor(slots)[None]
+        return keys.gather(2, idx[..., None].expand(-1, -1, -1, keys.shape[-1])), positions.gather(2, idx)
+
+    for step in forwards:
+        query, new = step["query"], step["keys"]
+        q = new.shape[2]
+        new_pos = torch.arange(length, length + q).expand(*new.shape[:2], q)
+        queries = query[:, :, -window:] if queries is None else torch.cat([queries, query], 2)[:, :, -window:]
+        if flag is None:
+            keys, positions = update_kv(new, new_pos)
+        else:
+            keys, positions = torch.cat([keys, new], dim=2), torch.cat([positions, new_pos], dim=2)
+            if flag:
+                keys, positions = update_kv(keys, positions)
+        length += q
+        flag = length % interval == 0
+        out.append(positions.clone())
+    return out
+
+
+ORIGINAL = dict(kept_order="topk")  # with decode_schedule.count_from=start
+
+
+@pytest.mark.parametrize("arch", ["mha", "gqa"])
+@pytest.mark.parametrize("name", ["rkv", "snapkv_d"])
+@pytest.mark.parametrize("prompt,budget", [(43, 24), (19, 21), (24, 24)])
+def test_rkv_and_snapkv_d_switches_keep_what_the_original_keeps(arch, name, prompt, budget):
+    """`kept_order=topk` + `count_from=start`: slot for slot what the authors' generation stores,
+    every layer and forward. Prompt 43: the original compresses at the forwards that bring the
+    length to 46, 51 and 56 (the default: 48, 53, 58); prompt 19 < budget 21: at length 21 the cache
+    holds exactly `budget` entries, which the original reorders without dropping any; prompt 24 =
+    budget 24: the same at the prefill."""
+    from methods._common import MODELS, record_forwards
+
+    w, interval = 4, 5
+    params = dict(budget=budget, window=w, kept_order="topk")
+    params["decode_schedule"] = dict(interval=interval, count_from="start")
+    if name == "rkv":
+        params["threshold"] = 0.2  # random keys: a few near-duplicates
+    model = MODELS[arch]()
+    threshold = 0.2 if name == "rkv" else None
+    lam = 0.07 if name == "rkv" else 1.0
+    ids = random_ids(prompt, seed=3)
+    forwards = record_forwards(model, ids, build_method(name, **params), new_tokens=16)
+    for layer, steps in forwards.items():
+        want = rkv_replay(steps, budget, w, 7, interval, lam, threshold)
+        for t, (step, kept) in enumerate(zip(steps, want)):
+            assert torch.equal(step["positions"], kept), f"layer {layer}, forward {t}"
+    # The defaults (position order, interval from the end of prefill) store something else.
+    default = {**params, "kept_order": "position", "decode_schedule": dict(interval=interval)}
+    steps = record_forwards(model, ids, build_method(name, **default), new_tokens=16)[0]
+    want = rkv_replay(steps, budget, w, 7, interval, lam, threshold)
+    assert any(not torch.equal(s["positions"], k) for s, k in zip(steps, want))

@@ -87,7 +87,23 @@ CASES = [
     ("snapkv", dict(budget=64, decode_schedule=dict(interval=4, target=1.0)), "target=1.0"),
     ("snapkv", dict(budget=64, decode_schedule=dict(interval=4, target=32)), "target=32"),  # <= the window
     ("snapkv", dict(budget=64, decode_schedule=dict(interval=4, window=0)), "window=0"),
-    ("snapkv", dict(budget=64, decode_schedule=dict(interval=4, window=16)), "window=16"),  # < window=32
+    # < window=8: R-KV's scores need the window's queries (SnapKV's family may vote with fewer)
+    ("snapkv_d", dict(budget=64, decode_schedule=dict(interval=4, window=4)), "window=4"),
+    ("snapkv", dict(budget=64, decode_schedule=dict(interval=4, count_from="end")), "count_from='end'"),
+    # Storage order of kept entries
+    ("snapkv", dict(budget=64, kept_order="slot"), "kept_order='slot'"),
+    ("snapkv_d", dict(budget=64, kept_order="score"), "kept_order='score'"),
+    ("rkv", dict(budget=64, kept_order=None), "kept_order=None"),
+    ("pyramidkv", dict(budget=64, kept_order="topk"), "kept_order='topk'"),
+    ("adakv", dict(budget=64, kept_order="topk"), "kept_order='topk'"),
+    ("chunkkv", dict(budget=64, kept_order="topk"), "kept_order='topk'"),
+    # Top-k order votes with the tokens appended since the last compression only: 32 > interval 4
+    ("snapkv", dict(budget=64, kept_order="topk", decode_schedule=dict(interval=4)), "interval=4"),
+    (
+        "snapkv",
+        dict(budget=64, kept_order="topk", decode_schedule=dict(interval=4, window=8)),
+        "decode_schedule.window=8",
+    ),
     ("snapkv", dict(budget=64, decode_schedule=dict(intervall=4)), "intervall"),
     ("snapkv", dict(budget=64, decode_schedule=64), "decode_schedule=64"),
     ("tova", dict(budget=64, decode_schedule=dict(interval=4)), "evict_during_decode"),

@@ -167,6 +167,7 @@ def reference_logprobs(sample: Passage, context: EvalContext) -> torch.Tensor:
     os.close(fd)
     try:
         torch.save({"ids": sample.ids, "logprobs": logprobs}, tmp)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide the file from the results dir's other users
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

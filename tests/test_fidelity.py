@@ -9,6 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_ids, tiny_model
+from method_catalogue import CATALOGUE
+from method_catalogue import ids as catalogue_ids
+from reference import masked_reference_logits, record_visible
 
 import eval.runner as runner
 import eval.tasks.fidelity.task as fidelity
@@ -48,6 +51,25 @@ def test_teacher_force_gives_every_position_of_a_forward_over_the_kept_entries(m
         assert any(layer.compressed for _, layer in cache.compressible_layers())
         again = teacher_force(model, cache, ids[:, 70:], m)  # the rollback restored the cache exactly
         assert torch.equal(got, again)
+
+
+@pytest.mark.parametrize("name,params", CATALOGUE, ids=catalogue_ids(CATALOGUE))
+def test_teacher_forcing_equals_the_masked_full_cache_at_every_position(name, params):
+    """Every method: each continuation position's logits equal a full-cache forward whose attention
+    sees only the entries the compressed run's forward saw (`tests/reference.py`)."""
+    model = tiny_model("llama")
+    ids = random_ids(112)
+    ctx, cont = ids[:, :96], ids[:, 96:]
+    method = build_method(name, **params)
+
+    def run():
+        cache = compress_context(model, ctx, method)
+        return teacher_force(model, cache, cont, method, rollback=False)
+
+    got, records = record_visible(model, run)
+    (ref,) = masked_reference_logits(model, [ctx], [cont], records, every_position=True)[1:]
+    assert got.shape == ref.shape == (1, 16, model.config.vocab_size)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
 
 
 def test_the_metrics_match_an_independent_formula():

@@ -16,6 +16,7 @@ from reference import masked_reference_logits, record_visible
 import eval.runner as runner
 import eval.tasks.fidelity.task as fidelity
 from eval.report import write_report
+from eval.rescore import rescore_dir
 from eval.store import ROW_FIELDS, fields_missing, read_rows
 from eval.tasks import build_task
 from snapkv import build_method, compress_context, teacher_force
@@ -131,6 +132,9 @@ def test_the_full_cache_has_kl_0_and_agrees_everywhere(tiny_dir, tmp_path):
         assert r["top1_agreement"] == 1.0 and r["score"] == 1.0
         assert r["ppl_method"] == r["ppl_full"] and r["delta_log_ppl"] == 0.0
         assert r["compressed"] is False and r["kv_tokens"] == r["input_tokens"]
+    # Rescoring has no stored text to score again: the rows stay as they are.
+    before = path.read_bytes()
+    assert rescore_dir(results, []) == {path: (2, 0)} and path.read_bytes() == before
 
 
 def test_a_compressing_method_moves_away_and_rows_carry_the_metrics(tiny_dir, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
@@ -186,6 +187,15 @@ def test_the_full_cache_log_probs_are_computed_once_for_several_methods(tiny_dir
     write_report(results)
     report = (results / "report.md").read_text()
     assert "## Fidelity to the full cache" in report and "top-1 %" in report
+    # summary.csv (what a leaderboard reads): score = top-1 agreement x100, per config.
+    summary = pd.read_csv(results / "summary.csv").set_index("label")
+    assert summary.loc["full", "score"] == 100.0
+    snap = [r for p in result_files(results) for r in read_rows(p) if r["method"] == "snapkv"]
+    one_pass = [r for r in snap if r["prefill_chunk_size"] is None]
+    label = "snapkv b=48 w=32 k=7 max chunk=none"
+    assert summary.loc[label, "score"] == pytest.approx(
+        100 * sum(r["score"] for r in one_pass) / len(one_pass)
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,10 @@ from `Task.row_metadata`), and finally rewrite the report of the whole `results_
 it to a caller that writes it once over several runs, `run.py`'s comparison and a sweep's last job
 (eval/callbacks.py)).
 
+A task that generates nothing (`Task.generates` false: `fidelity`) runs each of its samples itself
+(`Task.evaluate`, given `eval_context`: the model, the method and a cache folder of the results
+dir); its row is written, resumed and failed like any other.
+
 Progress: the tqdm bar over the samples (`progress=true`) shows the current sample's stage live in
 its postfix (`prefill 2374 tok` -> `decode 37/512`; `SampleProgress`, fed by `generate`'s
 `on_progress`, redrawn at most every 0.5 s except when a prompt forward starts). With

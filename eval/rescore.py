@@ -9,6 +9,8 @@ rows' model's tokenizer; each ok row is rescored from its `prediction` only when
 `prompt_sha` / `target_sha` equal the rebuilt sample's, so overrides that describe another run are
 refused (ValueError) rather than scoring rows against the wrong answers. Rows whose score changes
 get `rescored` (commit, dirty flag, time, the score before); the file is replaced atomically, in its order.
+Rows of a task that generates nothing (`Task.generates` false: `fidelity`, scored from the model's
+distributions) are left as they are.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def rescore_file(path: Path, overrides: list[str]) -> tuple[int, int]:
     if not ok:
         return 0, 0
     spec = _spec(_one(ok, "task", path), _one(ok, "model", path), _one(ok, "model_path", path), overrides)
+    if not spec.task.generates:  # scored from the model's distributions, not from a stored text
+        logger.info(
+            "%s: task %r scores no stored prediction; its rows are left as they are", path, spec.task.name
+        )
+        return len(ok), 0
     tokenizer = load_tokenizer(spec.model.name)
     samples = {s.sample_id: s for s in spec.task.samples(tokenizer)}
     state = git_state()

@@ -12,6 +12,10 @@ from `Task.row_metadata`), and finally rewrite the report of the whole `results_
 it to a caller that writes it once over several runs, `run.py`'s comparison and a sweep's last job
 (eval/callbacks.py)).
 
+A task that generates nothing (`Task.generates` false: `fidelity`) runs each of its samples itself
+(`Task.evaluate`, given `eval_context`: the model, the method and a cache folder of the results
+dir); its row is written, resumed and failed like any other.
+
 Progress: the tqdm bar over the samples (`progress=true`) shows the current sample's stage live in
 its postfix (`prefill 2374 tok` -> `decode 37/512`; `SampleProgress`, fed by `generate`'s
 `on_progress`, redrawn at most every 0.5 s except when a prompt forward starts). With
@@ -72,8 +76,8 @@ from eval.machine import CpuNoise, cpu_kernels, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.report import write_report as write_results_report
 from eval.spec import RunSpec, sample_seed
-from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, sha256_hex, shard, target_sha
-from eval.tasks import Sample, Task
+from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, safe_name, sha256_hex, shard, target_sha
+from eval.tasks import EvalContext, Evaluation, Sample, Task
 from snapkv import ProgressCallback, generate, generate_ids, generate_samples
 from snapkv.errors import first_line, one_line
 from snapkv.hub import cache_only_kwargs
@@ -281,6 +285,13 @@ def run_sample(
     chat_template = bool(sample.chat_template and spec.model.chat_template)
     try:
         row["prompt_sha"] = prompt_sha(tokenizer, sample, chat_template)
+        if not task.generates:  # the task runs the sample itself (Task.evaluate)
+            with noise:
+                evaluation = task.evaluate(sample, eval_context(model, tokenizer, spec, on_progress))
+            _record_evaluation(row, evaluation)
+            row.update(noise_fields(noise))
+            row["timestamp"] = utc_now()
+            return row
         with noise:
             result = generate(model, tokenizer, **_generation_args(sample, spec, chat_template, on_progress))
         row.update(result.measurements())
@@ -291,6 +302,36 @@ def run_sample(
     row.update(noise_fields(noise))
     row["timestamp"] = utc_now()
     return row
+
+
+def eval_context(
+    model: Any, tokenizer: Any, spec: RunSpec, on_progress: ProgressCallback | None = None
+) -> EvalContext:
+    """What a task that runs its own samples is given (`Task.evaluate`): the run's model, method and
+    prefill chunk, the model's identity (name, tokenizer, dtype, attention implementation, device)
+    and `{results_dir}/.cache/{task}/{model key}` for what several runs over that model share."""
+    m = spec.model
+    model_id = {
+        "name": m.name,
+        "tokenizer": m.tokenizer,
+        "dtype": m.dtype,
+        "attn_implementation": m.attn_implementation,
+        "device": str(model.device),
+        "seed": spec.seed if m.name.startswith("random:") else None,  # the weights of a random model
+    }
+    cache_dir = spec.results_dir / ".cache" / spec.task.name / safe_name(m.key)
+    return EvalContext(model, tokenizer, spec.method, spec.chunk_size, model_id, cache_dir, on_progress)
+
+
+def _record_evaluation(row: dict, evaluation: Evaluation) -> None:
+    """A sample its task ran (`Task.evaluate`) into its row: the generic fields it measured, its own
+    columns (never a generic one), the prediction and the scores."""
+    row.update({k: v for k, v in evaluation.fields.items() if k in ROW_FIELDS})
+    row.update({k: v for k, v in evaluation.columns.items() if k not in ROW_FIELDS})
+    row["prediction"] = evaluation.prediction
+    row["score"] = float(evaluation.score)
+    row["scores"] = {k: float(v) for k, v in evaluation.scores.items()}
+    row.update(status="ok", error=None)
 
 
 def sampled_row_id(sample_id: str, index: int) -> str:

@@ -230,6 +230,11 @@ class RunSpec:
                 "asks one (Task.multi_question() is false); use protocol=query_aware or context_only"
             )
         generation = GenerationSpec.from_config(cfg.get("generation"))
+        if generation.do_sample and not task.generates:
+            raise ValueError(
+                f"generation.do_sample=true samples answers, but task {name!r} generates none (it scores "
+                "given text); use generation.do_sample=false"
+            )
         if generation.do_sample and protocol in protocols.SHARED:
             raise ValueError(
                 f"generation.do_sample=true runs protocol=query_aware or context_only, got protocol={protocol}"

@@ -16,6 +16,7 @@ from snapkv.generation import (
     generate_ids,
     generate_samples,
     sample_ids,
+    teacher_force,
 )
 from snapkv.headwise import HeadwiseLayer
 from snapkv.hooks import apply, hooks_installed, session
@@ -48,4 +49,5 @@ __all__ = [
     "register",
     "session",
     "stop_token_ids",
+    "teacher_force",
 ]

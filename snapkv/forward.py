@@ -80,11 +80,13 @@ def step(
     prompt_pads: torch.Tensor | None = None,
     session: Session | None = None,
     cache_arg: str | None = None,
+    logits_to_keep: int = 1,
     **model_kwargs: Any,
 ) -> Any:
     """Feed `ids` `[batch, q]` (moved to the model's device) on `cache`: positions continue from
-    `cache.get_seq_length()`, `use_cache=True`, logits of the last position only; `model_kwargs`
-    go to the forward.
+    `cache.get_seq_length()`, `use_cache=True`, logits of the last `logits_to_keep` positions (1 by
+    default; 0: every position, transformers' convention, for teacher forcing); `model_kwargs` go to
+    the forward.
 
     prompt_pads `[batch]`: the leading pad slots of a left-padded batch's rows (a padded row's
     positions count its real tokens only, its pads stay masked); the mask is also handed to the
@@ -106,7 +108,7 @@ def step(
         input_ids=ids.to(device),
         position_ids=pos,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=logits_to_keep,
         **model_kwargs,
         **{cache_arg or cache_kwarg(model): cache},
     )

@@ -40,7 +40,9 @@ so the next question sees exactly the compressed context again, at the same posi
 `answer(..., rollback=False)` leaves the question and the answer in the cache (a conversation's
 next turn follows them; `next_turn_text` renders that turn), and `generate(..., on_compressed=f)`
 hands the cache to `f` right after compression (e.g. to `checkpoint()` it and ask further questions
-on the query-aware cache once the first answer is out).
+on the query-aware cache once the first answer is out). `teacher_force()` feeds given tokens on a
+compressed context in one forward and returns every position's logits (fidelity to the full cache:
+the same continuation scored on the full and on a compressed cache).
 """
 
 from __future__ import annotations
@@ -546,6 +548,44 @@ def answer(
             held = cache.rollback(mark) if mark is not None else 0
     tpot_s = statistics.median(d.steps) if d.steps else None
     return Answer(d.ids, d.logits, "eos" if d.eos else "length", held, ttft_s, tpot_s)
+
+
+@torch.inference_mode()
+def teacher_force(
+    model,
+    cache: CompressedCache,
+    ids: torch.Tensor,
+    method: Method | None = None,
+    *,
+    rollback: bool = True,
+) -> torch.Tensor:
+    """Feed `ids` `[batch, q]` on a compressed context in one forward and return the logits of every
+    position, `[batch, q, vocab]` (fp32, on the model's device): row i is the model's distribution of
+    the token after `ids[:, i]` given the cache and `ids[:, :i+1]`.
+
+    `cache` comes from `compress_context` (with the same `method`). The tokens go through the cache as
+    `answer` feeds a question (phase "decode", positions continuing from the cache), so a method that
+    evicts while decoding does so after this forward, as it would after a multi-token question; inside
+    the forward every one of the q tokens attends to the compressed context and to the tokens before
+    it. rollback: checkpoint the cache first and restore it after (also when the forward raises);
+    False leaves the q tokens in it.
+    """
+    method = method if method is not None else build_method("full")
+    ids = ids.to(model.device)
+    if ids.dim() != 2 or ids.shape[1] == 0:
+        raise ValueError(f"ids must be [batch, q>=1], got shape {tuple(ids.shape)}")
+    prompt_pads = next(
+        (layer.prompt_pads for _, layer in cache.compressible_layers() if layer.prompt_pads is not None), None
+    )
+    mark = cache.checkpoint() if rollback else None
+    with hooks.session(model, method, cache) as s:
+        s.phase = "decode"
+        forward = stepper(model, cache, prompt_pads=prompt_pads, session=s, logits_to_keep=0)
+        try:
+            return forward(ids).logits.float()
+        finally:
+            if mark is not None:
+                cache.rollback(mark)
 
 
 def generate(

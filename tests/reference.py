@@ -85,9 +85,12 @@ def masked_attention(visible_by_layer: dict):
         AttentionMaskInterface._global_mapping.pop("ref_masked", None)
 
 
-def masked_reference_logits(model, prompt_chunks: list[torch.Tensor], fed: list[torch.Tensor], records):
+def masked_reference_logits(
+    model, prompt_chunks: list[torch.Tensor], fed: list[torch.Tensor], records, every_position: bool = False
+):
     """Teacher-forced full-cache run: the prompt chunks (attended in full, as the compressed run's
-    prefill was) then each `fed` input masked to `records[i]`; last-position logits per forward."""
+    prefill was) then each `fed` input masked to `records[i]`; last-position logits `[batch, vocab]`
+    per forward (every_position: all of them, `[batch, q, vocab]`)."""
     impl = model.config._attn_implementation
     visible: dict = {}
     cache = DynamicCache(config=model.config)
@@ -106,7 +109,7 @@ def masked_reference_logits(model, prompt_chunks: list[torch.Tensor], fed: list[
                     input_ids=ids, position_ids=p, use_cache=True, **{forward.cache_kwarg(model): cache}
                 )
                 pos += ids.shape[1]
-                outs.append(out.logits[:, -1].float())
+                outs.append(out.logits.float() if every_position else out.logits[:, -1].float())
         finally:
             model.set_attn_implementation(impl)
     return outs

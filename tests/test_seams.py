@@ -66,7 +66,9 @@ def test_task_registry_is_lazy_and_reports_are_registered_apart():
     assert task_report("no_such_task") is TaskReport  # rows of an unregistered task: generic tables
     with pytest.raises(ValueError, match="not a subclass of eval.tasks.base.TaskReport"):
         register_report("other", Task)
-    with pytest.raises(ValueError, match="unknown task 'bogus'; known tasks: kv_retrieval, longbench"):
+    with pytest.raises(
+        ValueError, match="unknown task 'bogus'; known tasks: fidelity, kv_retrieval, longbench"
+    ):
         task_class("bogus")
 
 

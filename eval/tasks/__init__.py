@@ -4,7 +4,7 @@
 run time with `register_task` / `register_report`), and `conf/task/<name>.yaml`. Importing this
 package loads no task: the registry imports a task's module when it is first asked for."""
 
-from eval.tasks.base import ReportOptions, Sample, Task, TaskReport
+from eval.tasks.base import EvalContext, Evaluation, ReportOptions, Sample, Task, TaskReport
 from eval.tasks.registry import (
     REPORTS,
     TASKS,
@@ -18,6 +18,8 @@ from eval.tasks.registry import (
 __all__ = [
     "REPORTS",
     "TASKS",
+    "EvalContext",
+    "Evaluation",
     "ReportOptions",
     "Sample",
     "Task",

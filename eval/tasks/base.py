@@ -13,6 +13,13 @@ strata) is the task's `TaskReport`, in its own module (`eval/tasks/<benchmark>/r
 task code imports: running a task never loads the report's plotting. The runner, the store and the
 report only call these hooks; the `TaskReport` defaults give any new task a per-dataset score
 table. Register both with `eval.tasks.register_task` / `register_report`.
+
+Most tasks generate (lm-eval's `generate_until`): the runner generates each sample's answer and the
+task scores the text. A task that measures something else on a model (lm-eval's loglikelihood
+requests; here the fidelity of a compressed cache to the full one) sets `generates = False` and
+runs each sample itself in `evaluate`, given the model, the method and where it may cache what
+several runs share (`EvalContext`); it returns the row's score, metrics and measurements
+(`Evaluation`). The runner still owns the rows, resume, failures and the timing of the machine.
 """
 
 from __future__ import annotations
@@ -20,11 +27,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pandas as pd
 
 from eval.tables import score_table
+
+if TYPE_CHECKING:
+    from snapkv import Method, ProgressCallback
 
 
 @dataclass
@@ -61,6 +71,40 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class EvalContext:
+    """What a task that runs its own samples (`Task.evaluate`) is given besides the sample.
+
+    model / tokenizer: the loaded model; method: the run's compression method; chunk_size: the run's
+    prefill chunk (None: one forward); model_id: what identifies the loaded model across runs (its
+    name, tokenizer, dtype, attention implementation and device: a result computed under one id is
+    valid for every run with the same id); cache_dir: a folder of the results dir where such results
+    may be kept between runs (created on first use); on_progress: the sample's progress callback.
+    """
+
+    model: Any
+    tokenizer: Any
+    method: Method
+    chunk_size: int | None
+    model_id: dict[str, Any]
+    cache_dir: Path
+    on_progress: ProgressCallback | None = None
+
+
+@dataclass
+class Evaluation:
+    """One sample run by its task (`Task.evaluate`): `score` (the main metric in [0, 1]), `scores`
+    (further metrics in [0, 1]), `fields` (the generic measurement columns of `eval.store.ROW_SCHEMA`
+    it measured: input_tokens, kv_tokens, prefill_s, ...), `columns` (the task's own measured
+    columns, beside its `row_metadata`) and `prediction` (the row's text, None when none)."""
+
+    score: float
+    scores: dict[str, float] = field(default_factory=dict)
+    fields: dict[str, Any] = field(default_factory=dict)
+    columns: dict[str, Any] = field(default_factory=dict)
+    prediction: str | None = None
+
+
+@dataclass(frozen=True)
 class ReportOptions:
     """What the report's caller decides for every task's tables and plots."""
 
@@ -76,13 +120,16 @@ class Task:
     handling change; part of the results file's hash), `selection_keys` (config keys that only choose
     WHICH samples run, left out of the hash so a grid can grow without recomputing stored samples),
     `hash_defaults` (config keys added after results were stored, each with its default: left out
-    of the hash while they hold it, so the results of every earlier config keep their file).
+    of the hash while they hold it, so the results of every earlier config keep their file),
+    `generates` (False: the task runs each sample itself in `evaluate` instead of the runner
+    generating an answer for `score`).
     """
 
     name: ClassVar[str] = ""
     version: ClassVar[int | None] = None
     selection_keys: ClassVar[tuple[str, ...]] = ()
     hash_defaults: ClassVar[dict[str, Any]] = {}
+    generates: ClassVar[bool] = True
 
     def hash_params(self, config: dict[str, Any]) -> dict[str, Any]:
         """The task config as it enters the config hash: minus `selection_keys`, and minus each
@@ -115,6 +162,11 @@ class Task:
     def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
         """Every metric of one prediction, in [0, 1] (the row's `scores`); default: none besides `score`."""
         return {}
+
+    def evaluate(self, sample: Sample, context: EvalContext) -> Evaluation:
+        """Run one sample on the model and measure it (tasks with `generates = False`); raising
+        marks the sample's row as failed, as a failing generation does."""
+        raise NotImplementedError(f"task {self.name!r} generates: the runner generates its samples")
 
     def row_metadata(self, sample: Sample) -> dict[str, Any]:
         """Task columns of the sample's row (default: `sample.extra`); generic columns win on a clash,

@@ -15,6 +15,7 @@ from typing import Any
 from eval.tasks.base import Task, TaskReport
 
 TASKS: dict[str, str | type[Task]] = {
+    "fidelity": "eval.tasks.fidelity.task:FidelityTask",
     "kv_retrieval": "eval.tasks.kv_retrieval.task:KVRetrievalTask",
     "longbench": "eval.tasks.longbench.task:LongBenchTask",
     "needle": "eval.tasks.needle.task:NeedleTask",
@@ -22,6 +23,7 @@ TASKS: dict[str, str | type[Task]] = {
     "ruler": "eval.tasks.ruler.task:RulerTask",
 }
 REPORTS: dict[str, str | type[TaskReport]] = {
+    "fidelity": "eval.tasks.fidelity.report:FidelityReport",
     "kv_retrieval": "eval.tasks.kv_retrieval.report:KVRetrievalReport",
     "longbench": "eval.tasks.longbench.report:LongBenchReport",
     "needle": "eval.tasks.needle.report:NeedleReport",

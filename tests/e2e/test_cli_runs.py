@@ -105,6 +105,27 @@ def test_debug_experiment_on_the_default_model(tmp_path):
     assert set(ROW_FIELDS) <= set(row)
 
 
+def test_fidelity_on_the_default_model(tmp_path):
+    """`python run.py task=fidelity` on the real SmolLM2 (cached; the offline noise haystack): the
+    method and the full cache in one run sharing one stored reference; KL exactly 0 for the full
+    cache, above 0 where SnapKV compressed; the report's fidelity table."""
+    results = tmp_path / "results"
+    proc = _cli(
+        tmp_path, "task=fidelity", "task.haystack=noise", "task.num_samples=1", "task.context_tokens=512",
+        "task.continuation_tokens=32", "method=snapkv", "budget=128", "compare=[full]",
+        f"results_dir={results}", f"hydra.run.dir={tmp_path}/h", timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["method"]: r for p in result_files(results) for r in read_rows(p)}
+    assert set(rows) == {"snapkv", "full"} and all(fields_missing(r) == [] for r in rows.values())
+    assert rows["full"]["kl"] == 0.0 and rows["full"]["score"] == 1.0
+    snap = rows["snapkv"]
+    assert snap["compressed"] is True and snap["kv_tokens"] == 128 and snap["kl"] > 0
+    assert snap["ppl_full"] == rows["full"]["ppl_full"]
+    assert len(list((results / ".cache" / "fidelity").rglob("*.pt"))) == 1
+    assert "## Fidelity to the full cache" in (results / "report.md").read_text()
+
+
 def test_two_identical_processes_write_one_row_per_sample(tiny_dir, tmp_path):
     results = tmp_path / "results"
     args = [*tiny_overrides(tiny_dir, results), "task.lengths=[150,250,350]", "compare=[]"]

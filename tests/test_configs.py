@@ -22,7 +22,7 @@ from eval.tasks import TASKS
 from eval.tasks.longbench.task import model_max_length
 from snapkv import METHODS, Method, build_method
 from snapkv.methods.base import DecodeSchedule
-from snapkv.models import DTYPES, RANDOM_SHAPES
+from snapkv_models.loading import DTYPES, RANDOM_SHAPES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MODEL_KEYS = {"key", "name", "tokenizer", "dtype", "device", "attn_implementation", "context", "max_prompt_tokens", "chat_template"}  # fmt: skip

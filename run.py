@@ -9,7 +9,9 @@
 The work is done by `eval.compare.run_with_compare(cfg)` (the run and its `compare` methods);
 this file only turns bad input into one line on stderr
 (`error: ...`, exit code 2) instead of a traceback, before any model loads: an unknown config
-group option (`method=bogus`) is refused before Hydra composes the config. A run whose samples all
+group option (`method=bogus`) is refused before Hydra composes the config, and an override of a key
+the config does not have (`method.nope=1`, `task.nope=1`, `nope=1`) once the groups it chooses are
+composed (in a sweep: every combination of the groups it sweeps). A run whose samples all
 failed exits 1. In a sweep (`-m`) a bad point is recorded and the sweep goes on; after the last job
 the report is written and the failed points are listed (exit code 2). Rows already written are
 always kept, and rerunning the command resumes.
@@ -17,6 +19,7 @@ always kept, and rerunning the command resumes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import sys
@@ -42,6 +45,9 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, OmegaConfBaseException)
 # Config groups whose options are files conf/<group>/<option>.yaml, checked before Hydra composes.
 CHECKED_GROUPS = ("model", "method", "task", "experiment")
+# Hydra's options that compose another config, or none: the key check leaves such commands to Hydra.
+OTHER_CONFIG = ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "-h", "--help",
+                "--hydra-help", "-i", "--info", "-sc", "--shell-completion", "--experimental-rerun")  # fmt: skip
 logger = logging.getLogger("run")
 
 
@@ -68,6 +74,56 @@ def check_group_options(args: list[str]) -> None:
         for v in values:
             if v is not None and str(v) not in known:
                 raise ValueError(f"unknown {o.key_or_group} {str(v)!r}; known: {', '.join(known)}")
+
+
+def check_override_keys(args: list[str]) -> None:
+    """ValueError naming an override of a key the composed config does not have (`method.nope=1`;
+    Hydra's struct mode would refuse it with its own message and exit code 1) and the keys that its
+    parent has. The config is composed with the command's group choices only, once per combination
+    of the groups a sweep (`-m`) chooses; additions (`+key=`) and deletions (`~key`) are Hydra's."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.types import OverrideType
+
+    from eval.conf import is_group, missing_key
+
+    if any(a.partition("=")[0] in OTHER_CONFIG for a in args):
+        return
+    try:
+        parsed = OverridesParser.create().parse_overrides(
+            [a for a in args if "=" in a and not a.startswith("-")]
+        )
+    except Exception:  # noqa: BLE001 - a syntax error: Hydra reports it itself
+        return
+    groups = [o for o in parsed if is_group(o.key_or_group)]
+    keys = [o for o in parsed if not is_group(o.key_or_group) and o.type == OverrideType.CHANGE]
+    if not keys:
+        return
+    sweep = "-m" in args or "--multirun" in args
+    choices = [
+        [f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()]
+        if sweep and o.is_sweep_override()
+        else [o.input_line]
+        for o in groups
+    ]
+    points = list(itertools.product(*choices))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        for point in points:
+            try:
+                cfg = compose("config", overrides=list(point), return_hydra_config=True)
+            except Exception:  # noqa: BLE001 - groups Hydra cannot compose: it reports them itself
+                continue
+            for o in keys:
+                if (missing := missing_key(cfg, o.key_or_group)) is None:
+                    continue
+                parent, known = missing
+                swept = [c for c, options in zip(point, choices) if len(options) > 1]
+                at = f" (with {' '.join(swept)})" if swept else ""
+                where = f"known keys of {parent}" if parent else "known top-level keys"
+                if not known:  # an empty dict (hydra.job.env_set): its entries are added with +
+                    raise ValueError(
+                        f"unknown config key {o.key_or_group!r}{at}; add it with +{o.input_line}"
+                    )
+                raise ValueError(f"unknown config key {o.key_or_group!r}{at}; {where}: {', '.join(known)}")
 
 
 def _fail(message: str, code: int) -> None:
@@ -105,6 +161,7 @@ def main(cfg: DictConfig) -> None:
 def cli() -> None:
     try:
         check_group_options(sys.argv[1:])
+        check_override_keys(sys.argv[1:])
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -6,7 +6,8 @@ every other field comes from `method_fields(cls)`, registered in Hydra's ConfigS
 `method_fields_<name>` (`register_method_configs`, called by the `hydra_plugins.snapkv_bench`
 plugin, so every Hydra app and `compose` of this checkout has them) and extended by the file's
 defaults list. Every field is thereby in the composed config: `method.window=16` needs no `+`,
-and a typo (`method.windw=16`) is refused by Hydra's struct mode.
+and a typo (`method.windw=16`) is refused by Hydra's struct mode (run.py refuses it first, in one
+line naming the keys there are: `missing_key`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,30 @@ FIELDS_CONFIG = "method_fields_{}"
 def options(group: str) -> list[str]:
     """The option names of a config group, sorted: `options("method")` -> ["adakv", ...]."""
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def is_group(name: str) -> bool:
+    """Whether a command-line `name=value` chooses a config group option (`method=full`,
+    `hydra/launcher=joblib`) rather than setting a key: a folder of conf/, or a path of groups."""
+    return "/" in name or (CONF_DIR / name).is_dir()
+
+
+def missing_key(cfg: DictConfig, key: str) -> tuple[str, list[str]] | None:
+    """Where the dotted `key` leaves the composed config `cfg` as Hydra's struct mode refuses an
+    override: `(parent, the keys parent has)` for the first part a struct dict lacks (`method.nope`
+    -> `("method", ["budget", ...])`, `nope` -> `("", [top-level keys])`), else None. A path that runs
+    into anything else (a list, a value, a dict open to new keys) is None: Hydra decides there.
+    Nothing is resolved on the way (interpolations, `???` values)."""
+    node, path = cfg, []
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or not OmegaConf.is_struct(node):
+            return None
+        children = dict(node.items_ex(resolve=False))
+        if part not in children:
+            return ".".join(path), sorted(str(k) for k in children)
+        node = children[part]
+        path.append(part)
+    return None
 
 
 def load_option(group: str, name: str) -> DictConfig:

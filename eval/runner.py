@@ -80,9 +80,10 @@ from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, safe_name, sha256_h
 from eval.tasks import EvalContext, Evaluation, Sample, Task
 from snapkv import ProgressCallback, generate, generate_ids, generate_samples
 from snapkv.errors import first_line, one_line
-from snapkv.hub import cache_only_kwargs
-from snapkv.models import EMBEDDED, fetch_embedded, load_model
 from snapkv.prompts import render_prompt
+from snapkv_models.embedded import EMBEDDED, fetch_embedded
+from snapkv_models.hub import cache_only_kwargs
+from snapkv_models.loading import load_model
 
 logger = logging.getLogger(__name__)
 

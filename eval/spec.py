@@ -28,7 +28,7 @@ from eval.store import config_hash, model_key, result_path, safe_name
 from eval.tasks import Task, build_task, task_class
 from snapkv import Sampling, build_method
 from snapkv.methods import Method
-from snapkv.models import DTYPES
+from snapkv_models.loading import DTYPES
 
 # Task-node keys the runner consumes (job sharding) rather than the task.
 RUN_KEYS = ("name", "shard", "num_shards")
@@ -140,7 +140,7 @@ class GenerationSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The `model` node: what to load and how (`snapkv.models.load_model`)."""
+    """The `model` node: what to load and how (`snapkv_models.loading.load_model`)."""
 
     name: str  # embedded name, local dir, .gguf file, Hub id or random:<shape>
     key: str  # short name: results folder and the rows' `model`

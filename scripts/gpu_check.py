@@ -10,7 +10,7 @@ C. Exactness at length: every registered method (budget 1024, window 32 where it
    one 32K-token input on a small random fp32 Llama on the device and on this machine's CPU; the
    kept positions of every layer and head are compared (exact, and the fraction that agree).
 
-Only the library API (`snapkv.models.load_model`, `snapkv.generate_ids`) is used: no Hydra /
+Only the library API (`snapkv_models.loading.load_model`, `snapkv.generate_ids`) is used: no Hydra /
 OmegaConf, so the GPU machine needs nothing beyond its image (pytest for the test step comes from
 the carry kit where missing). Inputs are random token ids; EOS is off, every run decodes `--decode`
 tokens. A run that raises CUDA out-of-memory becomes a row with status=oom (the memory it reached
@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snapkv import METHODS, CompressedCache, build_method, prefill, session  # noqa: E402
-from snapkv.models import DTYPES, load_model  # noqa: E402
+from snapkv_models.loading import DTYPES, load_model  # noqa: E402
 
 COLUMNS = ["part", "method", "budget", "window", "kernel_size", "batch_size", "input_tokens", "status",
            "prefill_s", "ttft_s", "tpot_s", "tpot_q1_s", "tpot_q3_s", "decode_tokens", "peak_mem_bytes", "weights_bytes", "kv_bytes",

@@ -143,7 +143,8 @@ def pytest_collection_modifyitems(config, items):
 def _project_loggers_enabled():
     """An in-process Hydra run (logging.config.dictConfig) disables the loggers that existed before
     it; every test starts with the project's loggers enabled, whatever ran before it."""
+    project = ("eval", "snapkv", "snapkv_models", "run")
     for name, logger in logging.root.manager.loggerDict.items():
-        if name.split(".")[0] in ("eval", "snapkv", "run") and isinstance(logger, logging.Logger):
+        if name.split(".")[0] in project and isinstance(logger, logging.Logger):
             logger.disabled = False
     yield

@@ -13,7 +13,7 @@ huggingface_hub checks:
   `cdn_host` names the CDN in that redirect: "127.0.0.1" (default: the Hub's host on another port,
   as a local or on-prem Hub whose storage listens on a port of its own) or "localhost" (another
   host name, as huggingface.co -> cdn-lfs.hf.co). huggingface_hub 1.30-1.x took the first for a
-  redirect within the Hub and followed it (fixed by `snapkv.hub.origin_aware_redirects`).
+  redirect within the Hub and followed it (fixed by `snapkv_models.hub.origin_aware_redirects`).
 - A missing file: 404 `X-Error-Code: EntryNotFound` (with `X-Repo-Commit`); a missing repo: 401
   `RepoNotFound` (what the Hub answers for missing, private and gated repos alike); an unknown
   revision: 404 `RevisionNotFound`.

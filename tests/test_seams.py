@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import pytest
 
-import snapkv.models
+import snapkv_models.loading
 from eval import provenance
 from eval.tasks import (
     TASKS,
@@ -29,7 +29,7 @@ from eval.tasks.longbench.score import main as score_main
 from snapkv.errors import first_line, one_line
 from snapkv.methods import METHODS, register
 from snapkv.methods.snapkv import SnapKV
-from snapkv.paths import cache_root
+from snapkv_models.paths import cache_root
 
 
 # ---------------------------------------------------------------------------------------- registries
@@ -109,7 +109,7 @@ def test_one_cache_root(monkeypatch, tmp_path):
         assert haystack.paul_graham_dir() == expected / "haystacks" / "paul_graham"
         assert longbench.cache_dir() == expected / "longbench"
 
-    assert snapkv.models.cache_root is cache_root  # the model cache uses the same lookup
+    assert snapkv_models.loading.cache_root is cache_root  # the model cache uses the same lookup
 
 
 def test_first_line():

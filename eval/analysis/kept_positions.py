@@ -36,8 +36,8 @@ from eval.tasks.needle.task import NeedleTask
 from snapkv import CompressedCache, build_method
 from snapkv.forward import prefill
 from snapkv.hooks import session
-from snapkv.models import load_model
 from snapkv.prompts import encode_prompt
+from snapkv_models.loading import load_model
 
 log = logging.getLogger(__name__)
 

@@ -67,7 +67,6 @@ from eval.runner import load_tokenizer
 from eval.tasks.haystack import fetch_paul_graham, load_haystack, repeat_text
 from eval.tasks.longbench.task import find_data_file, read_jsonl
 from snapkv.errors import first_line
-from snapkv.models import load_model
 from snapkv.observe import (
     attended,
     common_prefix,
@@ -82,6 +81,7 @@ from snapkv.observe import (
     voted,
 )
 from snapkv.prompts import prompt_token_ids, stop_token_ids
+from snapkv_models.loading import load_model
 
 logger = logging.getLogger(__name__)
 

@@ -508,7 +508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from transformers.utils import logging as hf_logging
 
     from snapkv import build_method
-    from snapkv.models import load_model
+    from snapkv_models.loading import load_model
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()

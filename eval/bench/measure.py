@@ -21,7 +21,7 @@ from eval.bench.clock import PhaseProbe, Reference
 from eval.machine import CpuNoise, thread_settings
 from snapkv import build_method, generate_ids
 from snapkv.errors import first_line
-from snapkv.models import load_model
+from snapkv_models.loading import load_model
 
 log = logging.getLogger(__name__)
 

@@ -40,7 +40,8 @@ from eval.conf import CONF_DIR, method_config, options
 from eval.machine import THREAD_ENV
 from snapkv import METHODS, build_method
 from snapkv.errors import first_line
-from snapkv.models import EMBEDDED, RANDOM_SHAPES
+from snapkv_models.embedded import EMBEDDED
+from snapkv_models.loading import RANDOM_SHAPES
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str
         head, _, rest = key.partition(".")
         if key == "model" and value not in _model_options():
             _check_model_name(value)
-            hydra_args.append(f"model.name={value}")  # any name snapkv.models.load_model takes
+            hydra_args.append(f"model.name={value}")  # any name snapkv_models.loading.load_model takes
         elif key in MODEL_ALIASES:
             hydra_args.append(f"model.{key}={value}")
         elif head in METHODS and rest:

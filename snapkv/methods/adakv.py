@@ -59,8 +59,7 @@ import torch
 
 from snapkv.headwise import LAYOUTS, HeadwiseLayer
 from snapkv.methods.checks import number, one_of
-from snapkv.methods.compose import ScorerWrapper
-from snapkv.methods.pyramidkv import PYRAMID_CHECKS, check_pyramid, pyramid_layer_budget
+from snapkv.methods.pyramidkv import LayerBudgets
 from snapkv.methods.registry import register
 
 BASES = ("snapkv", "pyramidkv")
@@ -144,7 +143,7 @@ HEAD_ALLOCATION_CHECKS = {
 
 @register
 @dataclass
-class AdaKV(ScorerWrapper):
+class AdaKV(LayerBudgets):
     name = "adakv"
 
     budget: int | None = 1024  # mean entries per KV head per layer (x kv_heads = the layer's total)
@@ -173,19 +172,14 @@ class AdaKV(ScorerWrapper):
         return super().upgrade_params(params)
 
     checks = {
-        **PYRAMID_CHECKS,
         "base": one_of(BASES),
         **HEAD_ALLOCATION_CHECKS,
         "normalize": one_of(NORMALIZE),
     }
 
-    def validate(self) -> None:
-        super().validate()
-        if self.base == "pyramidkv":  # `beta` only matters (and is only checked) under the pyramid
-            check_pyramid(self)
-
-    def layer_budget(self, layer) -> int | None:
-        return pyramid_layer_budget(self, layer) if self.base == "pyramidkv" else self.budget
+    @property
+    def pyramid(self) -> bool:
+        return self.base == "pyramidkv"
 
     def cache_layer(self, index: int, num_layers: int) -> HeadwiseLayer:
         return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)

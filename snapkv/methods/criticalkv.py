@@ -54,8 +54,7 @@ from snapkv.methods.adakv import (
     protect,
 )
 from snapkv.methods.checks import number, one_of
-from snapkv.methods.compose import ScorerWrapper
-from snapkv.methods.pyramidkv import PYRAMID_CHECKS, check_pyramid, pyramid_layer_budget
+from snapkv.methods.pyramidkv import LayerBudgets
 from snapkv.methods.registry import register
 from snapkv.methods.snapkv import SnapKV
 
@@ -122,7 +121,7 @@ def projected_value_norms(values: torch.Tensor, out_proj: torch.Tensor) -> torch
 
 @register
 @dataclass
-class CriticalKV(ScorerWrapper):
+class CriticalKV(LayerBudgets):
     name = "criticalkv"
 
     budget: int | None = 1024  # entries per KV head per layer, window included (pyramidkv / adakv: the mean)
@@ -134,9 +133,7 @@ class CriticalKV(ScorerWrapper):
     beta: float = 20  # base=pyramidkv only
     schedule: str = "exact"  # base=pyramidkv only: exact | floor
     short_prompt: str = "uniform"  # base=pyramidkv only: uniform (KVCache-Factory) | clip
-    base: str = (
-        "snapkv"  # snapkv | pyramidkv | adakv: the budgets stage 1 and 2 fill (uniform | pyramid | heads)
-    )
+    base: str = "snapkv"  # snapkv | pyramidkv | adakv: the budgets the two stages fill (layers, heads)
     alpha: float = 0.2  # base=adakv only: floor share of each head
     allocation: str = "adakv"  # base=adakv only: adakv | exact | kvpress (CriticalAdaKVPress's)
     normalize: bool | str = False  # base=adakv only: False | True | "sum"
@@ -148,7 +145,6 @@ class CriticalKV(ScorerWrapper):
     _out_proj = None
 
     checks = {
-        **PYRAMID_CHECKS,
         "base": one_of(CRITICAL_BASES),
         **HEAD_ALLOCATION_CHECKS,
         "normalize": one_of(NORMALIZE),
@@ -156,17 +152,13 @@ class CriticalKV(ScorerWrapper):
         "epsilon": number(0),
     }
 
-    def validate(self) -> None:
-        super().validate()
-        if self.base == "pyramidkv":  # `beta` only matters (and is only checked) under the pyramid
-            check_pyramid(self)
+    @property
+    def pyramid(self) -> bool:
+        return self.base == "pyramidkv"
 
     def post_init_from_model(self, model) -> None:
         super().post_init_from_model(model)
         self._out_proj = output_projections(model)
-
-    def layer_budget(self, layer) -> int | None:
-        return pyramid_layer_budget(self, layer) if self.base == "pyramidkv" else self.budget
 
     def cache_layer(self, index: int, num_layers: int) -> CompressibleLayer:
         if self.base == "adakv":

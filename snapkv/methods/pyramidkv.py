@@ -96,39 +96,6 @@ def pyramid_budgets(
     return tuple(k + window for k in prefix)
 
 
-def check_pyramid(method) -> None:
-    """ValueError when `method`'s pyramid cannot run: `beta` not a number >= 1, or a budget that
-    leaves the last layer no entry beside the protected ones (`budget - protected >= beta`).
-    `method`: a `ScorerWrapper` with `budget`, `beta` (PyramidKV, Ada-KV / CriticalKV with
-    `base=pyramidkv`)."""
-    if isinstance(method.beta, bool) or not isinstance(method.beta, int | float) or not method.beta >= 1:
-        raise ValueError(f"beta must be a number >= 1, got beta={method.beta!r}")
-    first, last = method.protected()
-    if method.budget - (first + last) < method.beta:
-        raise ValueError(
-            f"budget too small for the protected entries across the pyramid: the last layer would keep "
-            f"(budget - {first + last}) / beta = ({method.budget} - {first + last}) / {method.beta} < 1 "
-            f"entry beyond them ({method.protected_entries()}); need budget >= {first + last} + beta, "
-            f"got budget={method.budget}, beta={method.beta}"
-        )
-
-
-def pyramid_layer_budget(method, layer) -> int | None:
-    """PyramidKV's budget for `layer` (`CompressibleLayer`: its rank among the compressible layers
-    and the tokens it has seen) under `method`'s `budget`, `beta`, `schedule` and `short_prompt`;
-    the protected entries (`method.protected()`: SnapKV's window) are kept in every layer and
-    counted in each budget, as the window is in the paper's."""
-    kept = sum(method.protected())
-    if layer.seen <= method.budget:
-        return method.budget  # short prompts stay uncompressed, as with SnapKV
-    if method.short_prompt == "uniform" and layer.seen < 2 * (method.budget - kept):
-        return method.budget  # KVCache-Factory's fallback: SnapKV's uniform budgets
-    budgets = pyramid_budgets(
-        method.budget, kept, layer.num_compressible, method.beta, layer.seen, method.schedule
-    )
-    return budgets[layer.rank]
-
-
 # The parameters of PyramidKV's layer budgets, for every method that takes them (`Method.checks`).
 PYRAMID_CHECKS = {
     "budget": integer(needed=True),
@@ -137,9 +104,55 @@ PYRAMID_CHECKS = {
 }
 
 
+@dataclass
+class LayerBudgets(ScorerWrapper):
+    """The layer-budget policy around a scorer: PyramidKV's pyramid where `pyramid` says so (here:
+    always; Ada-KV and CriticalKV: their `base` switch), else every layer keeps `budget`. The
+    scorer's protected entries (`protected()`: SnapKV's window) are kept in every layer and
+    counted in each budget, as the window is in the paper's."""
+
+    beta: float = 20  # the last layer keeps (budget - window) / beta selectable entries
+    schedule: str = "exact"  # exact (mean == budget) | floor (KVCache-Factory's, overspends)
+    short_prompt: str = "uniform"  # budget < L < 2(budget - window): uniform (KVCache-Factory) | clip
+
+    checks = PYRAMID_CHECKS
+
+    @property
+    def pyramid(self) -> bool:
+        """Whether layer budgets follow the pyramid (Ada-KV's and CriticalKV's `base`)."""
+        return True
+
+    def validate(self) -> None:
+        super().validate()
+        # `beta` only matters (and is only checked) where the layer budgets follow the pyramid.
+        if not self.pyramid:
+            return
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not self.beta >= 1:
+            raise ValueError(f"beta must be a number >= 1, got beta={self.beta!r}")
+        kept = sum(self.protected())
+        if self.budget - kept < self.beta:
+            raise ValueError(
+                f"budget too small for the protected entries across the pyramid: the last layer would "
+                f"keep (budget - {kept}) / beta = ({self.budget} - {kept}) / {self.beta} < 1 entry beyond "
+                f"them ({self.protected_entries()}); need budget >= {kept} + beta, got "
+                f"budget={self.budget}, beta={self.beta}"
+            )
+
+    def layer_budget(self, layer) -> int | None:
+        if not self.pyramid or layer.seen <= self.budget:
+            return self.budget  # short prompts stay uncompressed, as with SnapKV
+        kept = sum(self.protected())
+        if self.short_prompt == "uniform" and layer.seen < 2 * (self.budget - kept):
+            return self.budget  # KVCache-Factory's fallback: SnapKV's uniform budgets
+        budgets = pyramid_budgets(
+            self.budget, kept, layer.num_compressible, self.beta, layer.seen, self.schedule
+        )
+        return budgets[layer.rank]
+
+
 @register
 @dataclass
-class PyramidKV(ScorerWrapper):
+class PyramidKV(LayerBudgets):
     name = "pyramidkv"
 
     budget: int | None = 1024  # MEAN entries per KV head over the compressible layers, window included
@@ -154,12 +167,3 @@ class PyramidKV(ScorerWrapper):
 
     # Rows written before these switches existed: pool-then-reduce, and a clipped pyramid on short prompts.
     legacy_params: ClassVar[dict[str, Any]] = {"gqa_order": "pool_first", "short_prompt": "clip"}
-
-    checks = PYRAMID_CHECKS
-
-    def validate(self) -> None:
-        super().validate()
-        check_pyramid(self)
-
-    def layer_budget(self, layer) -> int | None:
-        return pyramid_layer_budget(self, layer)

@@ -21,7 +21,7 @@ wrappers' own flat fields, as they always were: they configure the `snapkv` scor
 scorer they must stay at their defaults. Another scorer's parameters are `scorer_params` (a mapping,
 e.g. `{"keep_last": True}` for TOVA); its `budget` is the wrapper's. `scorer` and `scorer_params`
 are left out of `params()` at their defaults (`snapkv`, empty), so every SnapKV-scored config keeps
-its hash.
+its hash; with another scorer, SnapKV's fields are left out instead (they do not run).
 """
 
 from __future__ import annotations
@@ -131,9 +131,20 @@ class ScorerWrapper(Method):
         params = super().params()
         if self.scorer == "snapkv":
             params.pop("scorer")  # the default: the hash of every config written before it existed
+        else:
+            for k in SNAPKV_FIELDS:  # at their defaults (validate): not what this config runs
+                params.pop(k)
         if not self.scorer_params:
             params.pop("scorer_params")
         return params
+
+    @classmethod
+    def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        upgraded = super().upgrade_params(params)
+        if params.get("scorer", "snapkv") != "snapkv":
+            # Another scorer's rows name no SnapKV field (`params`), and no legacy SnapKV value ran.
+            upgraded = {k: v for k, v in upgraded.items() if k not in SNAPKV_FIELDS or k in params}
+        return upgraded
 
     def validate_schedule(self, schedule) -> None:
         if type(self.scorer_method).compress_decode is not Method.compress_decode:
@@ -148,6 +159,12 @@ class ScorerWrapper(Method):
     # ---- the scorer's part -------------------------------------------------------------------
     def post_init_from_model(self, model) -> None:
         self.scorer_method.post_init_from_model(model)
+
+    def check_model_generate(self) -> None:
+        self.scorer_method.check_model_generate()
+
+    def post_init_from_tokenizer(self, tokenizer, chat_template: bool) -> None:
+        self.scorer_method.post_init_from_tokenizer(tokenizer, chat_template)
 
     @property
     def min_last_chunk(self) -> int:

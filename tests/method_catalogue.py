@@ -75,6 +75,11 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
             budget=40, window=W, chunk_length=10, chunk_score="mean", reuse_layers=2, gqa_order="pool_first"
         ),
     ),
+    # The wrappers around a scorer other than SnapKV (snapkv.methods.compose)
+    ("pyramidkv", dict(budget=40, scorer="knorm")),
+    ("adakv", dict(budget=40, scorer="knorm", allocation="kvpress", layout="padded")),
+    ("criticalkv", dict(budget=40, base="adakv", scorer="expected_attention")),
+    ("chunkkv", dict(budget=40, chunk_length=5, scorer="tova", scorer_params=dict(keep_last=True))),
 ]
 
 # Decode schedules (`Method.decode_schedule`): with the tests' 8 new tokens, every entry compresses
@@ -85,6 +90,7 @@ SCHEDULED: list[tuple[str, dict[str, Any]]] = [
     ("pyramidkv", dict(budget=40, window=W, kernel_size=5, decode_schedule=dict(interval=3))),
     ("criticalkv", dict(budget=40, window=W, decode_schedule=dict(interval=2, target=0.4))),
     ("chunkkv", dict(budget=40, window=W, chunk_length=5, decode_schedule=dict(interval=2, target=36))),
+    ("pyramidkv", dict(budget=40, scorer="tova", decode_schedule=dict(interval=2, target=36, window=4))),
     ("expected_attention", dict(budget=40, decode_schedule=dict(interval=2, target=36, window=4))),
     ("knorm", dict(budget=40, decode_schedule=dict(interval=2, target=36))),
     ("tova", dict(budget=40, evict_during_decode=False, decode_schedule=dict(interval=2, target=36))),

@@ -132,7 +132,9 @@ def test_every_method_field_takes_a_command_line_value(name):
     fields = method_fields(METHODS[name])
     schedule = fields.pop("decode_schedule")
     value = {None: "null", True: "true", False: "false"}
-    overrides = [f"method.{k}={value.get(v, v) if not isinstance(v, list) else v}" for k, v in fields.items()]
+    overrides = [
+        f"method.{k}={value.get(v, v) if not isinstance(v, list | dict) else v}" for k, v in fields.items()
+    ]
     overrides += [f"method.decode_schedule.{k}={value.get(v, v)}" for k, v in schedule.items()]
     cfg = compose_cfg([f"method={name}", *overrides])  # no `+`: every field is there to override
     assert OmegaConf.to_container(cfg.method) == {**fields, "decode_schedule": schedule}
@@ -169,6 +171,7 @@ def test_method_parameters_from_the_command_line(name):
             "method.alpha=0.5",
             "method.layout=padded",
             "method.normalize=true",
+            "method.scorer=tova",
         ],  # fmt: skip
         "criticalkv": [
             "budget=256",
@@ -209,6 +212,7 @@ def test_method_parameters_from_the_command_line(name):
             "method.chunk_length=20",
             "method.chunk_score=mean",
             "method.reuse_layers=2",
+            "method.scorer=knorm",
         ],
         "kvzip": [
             "budget=256",

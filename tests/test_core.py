@@ -48,7 +48,7 @@ from snapkv.methods.base import GQA_ORDERS, GQA_REDUCTIONS, KEPT_ORDERS
 from snapkv.methods.chunkkv import CHUNK_SCORES
 from snapkv.methods.criticalkv import CRITICAL_BASES
 from snapkv.methods.kvzip import REPEAT_PROMPTS, SELECTIONS
-from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS
+from snapkv.methods.pyramidkv import SCHEDULES, SHORT_PROMPTS, pyramid_budgets
 from snapkv.rope import rerotate
 
 PROMPT = 96
@@ -489,6 +489,17 @@ def test_readme_example_method_is_at_most_thirty_lines_and_keeps_the_smallest_no
         ref = masked_reference_logits(model, [ids], fed, records)
         for a, b in zip(res.logits, ref):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        # The guide's scorer, once registered, runs inside a wrapper: PyramidKV's layer budgets
+        # filled with its smallest-norm keys.
+        wrapped = build_method("pyramidkv", budget=32, beta=4, scorer="knorm")
+        assert type(wrapped.scorer_method) is METHODS["knorm"]
+        cache = _prefilled_cache(model, ids, wrapped)
+        budgets = pyramid_budgets(32, 0, model.config.num_hidden_layers, 4, PROMPT)
+        assert len(set(budgets)) > 1
+        for i, layer in cache.compressible_layers():
+            norms = full.layers[i].keys.norm(dim=-1)
+            want = norms.argsort(dim=-1)[..., : budgets[i]].sort(dim=-1).values
+            assert torch.equal(layer.positions, want), f"layer {i}"
     finally:
         METHODS.pop("knorm", None)
         if registered is not None:

@@ -40,6 +40,13 @@ Supported: `snapkv.generate` / `generate_ids`, chunked prefill, query-aware and 
 `model.generate` inside `snapkv.apply` for greedy / sampling decoding (beam search and batch
 re-indexing raise ValueError). The cache must come from `method.cache_layer`
 (`CompressedCache(config, layer_factory=method.cache_layer)`; `apply` and `generate` do this).
+
+A budget policy around any scorer (`snapkv.methods.compose`, kvpress' `AdaKVPress(press)`):
+`scorer` (default `snapkv`) names the method whose scores the heads' allocation ranks, e.g.
+`scorer="tova"` or `"expected_attention"` (`adakv_expected_attention` is that composition with its
+own flat parameters and defaults); `window` above is then the scorer's protected entries
+(`protected()`), which every head keeps and each head's budget counts. `base` chooses the layer
+budgets the heads split: uniform (`snapkv`) or PyramidKV's (`pyramidkv`), whatever the scorer.
 """
 
 from __future__ import annotations
@@ -52,7 +59,7 @@ import torch
 
 from snapkv.headwise import LAYOUTS, HeadwiseLayer
 from snapkv.methods.checks import number, one_of
-from snapkv.methods.pyramidkv import PyramidKV
+from snapkv.methods.pyramidkv import LayerBudgets
 from snapkv.methods.registry import register
 
 BASES = ("snapkv", "pyramidkv")
@@ -136,7 +143,7 @@ HEAD_ALLOCATION_CHECKS = {
 
 @register
 @dataclass
-class AdaKV(PyramidKV):
+class AdaKV(LayerBudgets):
     name = "adakv"
 
     budget: int | None = 1024  # mean entries per KV head per layer (x kv_heads = the layer's total)
@@ -148,7 +155,7 @@ class AdaKV(PyramidKV):
     beta: float = 20  # base=pyramidkv only
     schedule: str = "exact"  # base=pyramidkv only: exact | floor
     short_prompt: str = "clip"  # base=pyramidkv only: clip (AdaKV) | uniform (KVCache-Factory)
-    base: str = "snapkv"  # snapkv | pyramidkv: the layer budgets
+    base: str = "snapkv"  # snapkv | pyramidkv: the layer budgets (uniform | PyramidKV's pyramid)
     alpha: float = 0.2  # floor share: each head keeps >= alpha * (layer budget - window) + window
     allocation: str = "adakv"  # adakv: int floor, per-head round | exact: ceil floor, exact total | kvpress
     normalize: bool | str = False  # True: AdaKV's top-P mass ratio | "sum": divide by the sum
@@ -164,7 +171,11 @@ class AdaKV(PyramidKV):
             params = {**params, "normalize": "sum"}
         return super().upgrade_params(params)
 
-    checks = {"base": one_of(BASES), **HEAD_ALLOCATION_CHECKS, "normalize": one_of(NORMALIZE)}
+    checks = {
+        "base": one_of(BASES),
+        **HEAD_ALLOCATION_CHECKS,
+        "normalize": one_of(NORMALIZE),
+    }
 
     @property
     def pyramid(self) -> bool:
@@ -174,11 +185,14 @@ class AdaKV(PyramidKV):
         return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)
 
     def prune(self, layer, scores: torch.Tensor, budget: int) -> None:
-        length, w = scores.shape[-1], self.window  # scores [b, kv, L]; the window's entries: 0
-        prefix = scores[..., : length - w]
-        counts = head_budgets(prefix, budget - w, self.alpha, self.normalize, self.allocation, w)  # [b, kv]
-        # Per head: its top counts[b, h] prefix entries, then the whole window.
-        keep_top_per_head(layer, protect(scores, 0, w), counts + w)
+        # scores [b, kv, L]; the scorer's protected entries (SnapKV's window: the last `window`)
+        # are kept by every head and counted in its budget, the rest is split across the heads.
+        first, last = self.protected()
+        selectable = scores[..., first : scores.shape[-1] - last]
+        kept = first + last
+        counts = head_budgets(selectable, budget - kept, self.alpha, self.normalize, self.allocation, kept)
+        # Per head: its top counts[b, h] selectable entries, then the protected ones.
+        keep_top_per_head(layer, protect(scores, first, last), counts + kept)
 
 
 def protect(scores: torch.Tensor, first: int, last: int) -> torch.Tensor:

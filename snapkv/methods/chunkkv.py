@@ -35,36 +35,42 @@ The authors' code is kvpress' `ChunkKVPress` (NVIDIA/kvpress @
 
 Kept entries are stored in position order (kvpress sorts them too); attention does not depend on
 the order of the keys, and ascending positions are what the rest of the cache expects.
+
+A selection rule around any scorer (`snapkv.methods.compose`, kvpress' `ChunkKVPress(press)`):
+`scorer` (default `snapkv`, the paper's) names the method whose per-entry scores the chunks sum,
+e.g. `scorer="knorm"`; `window` above is then the scorer's protected entries (`protected()`:
+trailing ones as the window, leading ones such as Expected Attention's sinks kept before the first
+chunk, which starts after them).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import torch
 
 from snapkv.methods.checks import integer, one_of
+from snapkv.methods.compose import ScorerWrapper
 from snapkv.methods.registry import register
-from snapkv.methods.snapkv import SnapKV
 from snapkv.padding import keep_rows
 
 CHUNK_SCORES = ("sum", "mean")
 
 
 def chunk_selection(
-    scores: torch.Tensor, window: int, chunk_length: int, n_chunks: int, how: str = "sum"
+    scores: torch.Tensor, window: int, chunk_length: int, n_chunks: int, how: str = "sum", first: int = 0
 ) -> list[torch.Tensor]:
     """ChunkKV's kept indices, one ascending `[n_r]` tensor per batch row.
 
-    scores `[batch, kv_heads, L]` (the window's own entries last); the prefix is cut into chunks of
-    `chunk_length` from position 0 (the last one may be shorter), each scored by the sum (or mean)
-    of its positions' scores over all heads; the `n_chunks` best (stable: ties to the earlier chunk)
-    and the window are kept.
+    scores `[batch, kv_heads, L]` (the window's own entries last; `first`: leading protected
+    entries, e.g. a scorer's sinks, kept like the window); the entries between them are cut into
+    chunks of `chunk_length` from position `first` (the last one may be shorter), each scored by
+    the sum (or mean) of its positions' scores over all heads; the `n_chunks` best (stable: ties to
+    the earlier chunk), the first `first` entries and the window are kept.
     """
     b, _, length = scores.shape
-    prefix = length - window
-    per_pos = scores[..., :prefix].float().sum(dim=1)  # [b, P]
+    prefix = length - window - first
+    per_pos = scores[..., first : length - window].float().sum(dim=1)  # [b, P]
     chunk_of = torch.arange(prefix, device=scores.device) // chunk_length  # [P]
     n_total = -(-prefix // chunk_length)
     chunk = per_pos.new_zeros(b, n_total).index_add_(1, chunk_of, per_pos)  # [b, C]
@@ -72,13 +78,13 @@ def chunk_selection(
         chunk = chunk / torch.bincount(chunk_of, minlength=n_total).to(chunk.dtype)
     best = chunk.sort(dim=-1, descending=True, stable=True).indices[:, :n_chunks]  # [b, n]
     chosen = torch.zeros(b, n_total, dtype=torch.bool, device=scores.device).scatter_(1, best, True)
-    kept = torch.cat([chosen[:, chunk_of], chosen.new_ones(b, window)], dim=-1)  # [b, L]
+    kept = torch.cat([chosen.new_ones(b, first), chosen[:, chunk_of], chosen.new_ones(b, window)], dim=-1)
     return [row.nonzero().flatten() for row in kept]
 
 
 @register
 @dataclass
-class ChunkKV(SnapKV):
+class ChunkKV(ScorerWrapper):
     name = "chunkkv"
 
     budget: int | None = 1024  # entries per KV head per layer, window included; whole chunks are kept
@@ -91,24 +97,21 @@ class ChunkKV(SnapKV):
     chunk_score: str = "sum"  # sum (paper) | mean (kvpress)
     reuse_layers: int = 1  # layer-wise index reuse: layers per group sharing the first one's chunks
 
-    legacy_params: ClassVar[dict[str, Any]] = {}  # no row predates any of these switches
-
     checks = {
         "budget": integer(needed=True),
         "chunk_length": integer(),
         "chunk_score": one_of(CHUNK_SCORES),
-        # SnapKV's top-k storage order is kvpress' SnapKVPress layout alone (not this method's).
-        "kept_order": one_of(("position",)),
         "reuse_layers": integer(),
     }
 
     def validate(self) -> None:
         super().validate()
-        c = self.chunk_length
-        if self.budget - self.window < c:
+        c, (first, last) = self.chunk_length, self.protected()
+        if self.budget - first - last < c:
             raise ValueError(
-                f"the budget keeps no whole chunk beside the window: need budget - window >= "
-                f"chunk_length, got budget={self.budget}, window={self.window}, chunk_length={c}"
+                f"the budget keeps no whole chunk beside the protected entries: need budget - "
+                f"{first + last} >= chunk_length ({self.protected_entries()}), got budget={self.budget}, "
+                f"chunk_length={c}"
             )
 
     def compress(self, layer, query, key, module, budget: int) -> None:
@@ -120,9 +123,10 @@ class ChunkKV(SnapKV):
                 raise RuntimeError(f"layer {layer.index}: no selection of its reuse group's first layer")
         else:
             scores = self.score(layer, query, key, module)
+            first, last = self.protected()
             rows = chunk_selection(
-                scores, self.window, self.chunk_length, (budget - self.window) // self.chunk_length,
-                self.chunk_score,
+                scores, last, self.chunk_length, (budget - first - last) // self.chunk_length,
+                self.chunk_score, first,
             )  # fmt: skip
             if self.reuse_layers > 1:
                 layer.shared[group] = rows

@@ -33,6 +33,12 @@ default here is Ada-KV's own (`allocation="adakv"`, as `adakv`).
 computed in fp32 in blocks of entries (the original: in the model's dtype, one head at a time).
 Head budgets are per batch row (the original's `CriticalAdaKVPress` sums the heads' counts over
 the batch). Nothing is evicted while decoding.
+
+A selection rule around any scorer (`snapkv.methods.compose`, kvpress' `CriticalKVPress(press)`):
+`scorer` (default `snapkv`) names the method whose scores are the base score, e.g.
+`scorer="tova"`; its protected entries (`protected()`; SnapKV's window) rank first in stage 1 and
+stay, and a scorer other than SnapKV keeps its own scale (epsilon is added to its score as it is).
+`base` then only chooses the budgets (uniform, PyramidKV's layer pyramid, Ada-KV's head split).
 """
 
 from __future__ import annotations
@@ -40,16 +46,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
 
 import torch
 
 from snapkv.cache import CompressibleLayer
 from snapkv.headwise import HeadwiseLayer
-from snapkv.methods.adakv import AdaKV, head_budgets, keep_top_per_head, protect
-from snapkv.methods.base import Method
+from snapkv.methods.adakv import (
+    HEAD_ALLOCATION_CHECKS,
+    NORMALIZE,
+    head_budgets,
+    keep_top_per_head,
+    protect,
+)
 from snapkv.methods.checks import number, one_of
+from snapkv.methods.pyramidkv import LayerBudgets
 from snapkv.methods.registry import register
+from snapkv.methods.snapkv import SnapKV
 
 CRITICAL_BASES = ("snapkv", "pyramidkv", "adakv")
 # fp32 bytes of one block of projected values `[batch, heads, entries, hidden]`: on CPU a block
@@ -114,7 +126,7 @@ def projected_value_norms(values: torch.Tensor, out_proj: torch.Tensor) -> torch
 
 @register
 @dataclass
-class CriticalKV(AdaKV):
+class CriticalKV(LayerBudgets):
     name = "criticalkv"
 
     budget: int | None = 1024  # entries per KV head per layer, window included (pyramidkv / adakv: the mean)
@@ -126,7 +138,7 @@ class CriticalKV(AdaKV):
     beta: float = 20  # base=pyramidkv only
     schedule: str = "exact"  # base=pyramidkv only: exact | floor
     short_prompt: str = "uniform"  # base=pyramidkv only: uniform (KVCache-Factory) | clip
-    base: str = "snapkv"  # snapkv | pyramidkv | adakv: whose scores and budgets stage 1 uses
+    base: str = "snapkv"  # snapkv | pyramidkv | adakv: the budgets the two stages fill (layers, heads)
     alpha: float = 0.2  # base=adakv only: floor share of each head
     allocation: str = "adakv"  # base=adakv only: adakv | exact | kvpress (CriticalAdaKVPress's)
     normalize: bool | str = False  # base=adakv only: False | True | "sum"
@@ -134,18 +146,23 @@ class CriticalKV(AdaKV):
     first_stage_ratio: float = 0.5  # share of each head's budget chosen by the base score alone
     epsilon: float = 1e-4  # stage 2 ranks by (score + epsilon) x ||v W_o||_1
 
-    legacy_params: ClassVar[dict[str, Any]] = {}
-
-    @classmethod
-    def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
-        return Method.upgrade_params.__func__(cls, params)  # no rows predate the method
-
     # Each layer's output projection weight (not a field: taken from the model).
     _out_proj = None
 
-    checks = {"base": one_of(CRITICAL_BASES), "first_stage_ratio": number(0, 1), "epsilon": number(0)}
+    checks = {
+        "base": one_of(CRITICAL_BASES),
+        **HEAD_ALLOCATION_CHECKS,
+        "normalize": one_of(NORMALIZE),
+        "first_stage_ratio": number(0, 1),
+        "epsilon": number(0),
+    }
+
+    @property
+    def pyramid(self) -> bool:
+        return self.base == "pyramidkv"
 
     def post_init_from_model(self, model) -> None:
+        super().post_init_from_model(model)
         self._out_proj = output_projections(model)
 
     def cache_layer(self, index: int, num_layers: int) -> CompressibleLayer:
@@ -159,26 +176,34 @@ class CriticalKV(AdaKV):
                 f"criticalkv has no output projection for layer {layer.index}: it runs inside "
                 "snapkv.generate / snapkv.apply (post_init_from_model)"
             )
-        length, w = scores.shape[-1], self.window
+        length = scores.shape[-1]
         b, kv = scores.shape[:2]
-        base = scores / w  # SnapKV's summed votes -> the window mean (the original's scale)
+        first_kept, last_kept = self.protected()
+        kept = first_kept + last_kept
+        if isinstance(self.scorer_method, SnapKV):
+            base = scores / self.window  # SnapKV's summed votes -> the window mean (the original's scale)
+        else:
+            base = scores  # the scorer's own scale: epsilon is added to it
         if self.base == "adakv":
-            prefix = base[..., : length - w]
-            counts = head_budgets(prefix, budget - w, self.alpha, self.normalize, self.allocation, w) + w
+            selectable = base[..., first_kept : length - last_kept]
+            counts = head_budgets(
+                selectable, budget - kept, self.alpha, self.normalize, self.allocation, kept
+            )
+            counts = counts + kept
         else:
             counts = torch.full((b, kv), budget, dtype=torch.long, device=scores.device)
-        # Stage 1: per head, its top int(ratio x n) entries by the base score (the window first).
+        # Stage 1: per head, its top int(ratio x n) entries by the base score (the protected first).
         first = (counts.double() * self.first_stage_ratio).floor().long()
         if self.base == "adakv" and self.allocation == "kvpress":
             # The original's safeguard: each head's top int(alpha x budget) entries are in already.
             first = first.clamp(min=int(budget * self.alpha))
-        ranked = protect(base, 0, w).sort(dim=-1, descending=True, stable=True).indices
+        ranked = protect(base, first_kept, last_kept).sort(dim=-1, descending=True, stable=True).indices
         stage1 = torch.arange(length, device=scores.device) < first[..., None]  # [b, kv, L] by rank
         chosen = torch.zeros_like(stage1).scatter_(-1, ranked, stage1)
-        # Stage 2: the rest by (score + epsilon) x ||v W_o||_1; stage 1's entries and the window stay.
+        # Stage 2: the rest by (score + epsilon) x ||v W_o||_1; stage 1's entries and the protected stay.
         norms = projected_value_norms(layer.values, self._out_proj[layer.index])
         final = ((base.float() + self.epsilon) * norms).masked_fill(chosen, math.inf)
-        final = protect(final, 0, w)
+        final = protect(final, first_kept, last_kept)
         if self.base == "adakv":
             keep_top_per_head(layer, final, counts)
         else:

@@ -29,6 +29,11 @@ steepness: the last layer keeps P/beta selectable entries; paper/code default 20
 `schedule`, `short_prompt` and SnapKV's `window`, `kernel_size`, `pooling`, `gqa_reduce`,
 `gqa_order`. `budget - window >= beta` is required so that every layer keeps at least one entry
 beyond the window. Prompts with L <= budget are not compressed. The realised per-layer budgets are `GenerationResult.kv_tokens_per_layer`.
+
+A budget policy around any scorer (`snapkv.methods.compose`): `scorer` (default `snapkv`, the
+paper's) names the method whose scores each layer's top-k ranks, e.g. `scorer="tova"`; `window`
+above is then the scorer's protected entries (`protected()`: none for TOVA, Expected Attention's
+sinks), which every layer keeps and each budget counts.
 """
 
 from __future__ import annotations
@@ -39,8 +44,8 @@ from fractions import Fraction
 from typing import Any, ClassVar
 
 from snapkv.methods.checks import integer, one_of
+from snapkv.methods.compose import ScorerWrapper
 from snapkv.methods.registry import register
-from snapkv.methods.snapkv import SnapKV
 
 
 def _largest_remainder(reals: list[Fraction], total: int) -> list[int]:
@@ -91,9 +96,63 @@ def pyramid_budgets(
     return tuple(k + window for k in prefix)
 
 
+# The parameters of PyramidKV's layer budgets, for every method that takes them (`Method.checks`).
+PYRAMID_CHECKS = {
+    "budget": integer(needed=True),
+    "schedule": one_of(SCHEDULES),
+    "short_prompt": one_of(SHORT_PROMPTS),
+}
+
+
+@dataclass
+class LayerBudgets(ScorerWrapper):
+    """The layer-budget policy around a scorer: PyramidKV's pyramid where `pyramid` says so (here:
+    always; Ada-KV and CriticalKV: their `base` switch), else every layer keeps `budget`. The
+    scorer's protected entries (`protected()`: SnapKV's window) are kept in every layer and
+    counted in each budget, as the window is in the paper's."""
+
+    beta: float = 20  # the last layer keeps (budget - window) / beta selectable entries
+    schedule: str = "exact"  # exact (mean == budget) | floor (KVCache-Factory's, overspends)
+    short_prompt: str = "uniform"  # budget < L < 2(budget - window): uniform (KVCache-Factory) | clip
+
+    checks = PYRAMID_CHECKS
+
+    @property
+    def pyramid(self) -> bool:
+        """Whether layer budgets follow the pyramid (Ada-KV's and CriticalKV's `base`)."""
+        return True
+
+    def validate(self) -> None:
+        super().validate()
+        # `beta` only matters (and is only checked) where the layer budgets follow the pyramid.
+        if not self.pyramid:
+            return
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not self.beta >= 1:
+            raise ValueError(f"beta must be a number >= 1, got beta={self.beta!r}")
+        kept = sum(self.protected())
+        if self.budget - kept < self.beta:
+            raise ValueError(
+                f"budget too small for the protected entries across the pyramid: the last layer would "
+                f"keep (budget - {kept}) / beta = ({self.budget} - {kept}) / {self.beta} < 1 entry beyond "
+                f"them ({self.protected_entries()}); need budget >= {kept} + beta, got "
+                f"budget={self.budget}, beta={self.beta}"
+            )
+
+    def layer_budget(self, layer) -> int | None:
+        if not self.pyramid or layer.seen <= self.budget:
+            return self.budget  # short prompts stay uncompressed, as with SnapKV
+        kept = sum(self.protected())
+        if self.short_prompt == "uniform" and layer.seen < 2 * (self.budget - kept):
+            return self.budget  # KVCache-Factory's fallback: SnapKV's uniform budgets
+        budgets = pyramid_budgets(
+            self.budget, kept, layer.num_compressible, self.beta, layer.seen, self.schedule
+        )
+        return budgets[layer.rank]
+
+
 @register
 @dataclass
-class PyramidKV(SnapKV):
+class PyramidKV(LayerBudgets):
     name = "pyramidkv"
 
     budget: int | None = 1024  # MEAN entries per KV head over the compressible layers, window included
@@ -108,41 +167,3 @@ class PyramidKV(SnapKV):
 
     # Rows written before these switches existed: pool-then-reduce, and a clipped pyramid on short prompts.
     legacy_params: ClassVar[dict[str, Any]] = {"gqa_order": "pool_first", "short_prompt": "clip"}
-
-    checks = {
-        "budget": integer(needed=True),
-        "schedule": one_of(SCHEDULES),
-        "short_prompt": one_of(SHORT_PROMPTS),
-        # SnapKV's top-k storage order is kvpress' SnapKVPress layout alone (not this method's).
-        "kept_order": one_of(("position",)),
-    }
-
-    @property
-    def pyramid(self) -> bool:
-        """Whether layer budgets follow the pyramid (Ada-KV's base=snapkv: uniform)."""
-        return True
-
-    def validate(self) -> None:
-        super().validate()
-        # `beta` only matters (and is only checked) where the layer budgets follow the pyramid.
-        if not self.pyramid:
-            return
-        if isinstance(self.beta, bool) or not isinstance(self.beta, int | float) or not self.beta >= 1:
-            raise ValueError(f"beta must be a number >= 1, got beta={self.beta!r}")
-        if self.budget - self.window < self.beta:
-            raise ValueError(
-                f"budget too small for the window across the pyramid: the last layer would keep "
-                f"(budget - window) / beta = ({self.budget} - {self.window}) / {self.beta} < 1 entry "
-                f"beyond the window; need budget >= window + beta, got budget={self.budget}, "
-                f"window={self.window}, beta={self.beta}"
-            )
-
-    def layer_budget(self, layer) -> int | None:
-        if not self.pyramid or layer.seen <= self.budget:
-            return self.budget  # short prompts stay uncompressed, as with SnapKV
-        if self.short_prompt == "uniform" and layer.seen < 2 * (self.budget - self.window):
-            return self.budget  # KVCache-Factory's fallback: SnapKV's uniform budgets
-        budgets = pyramid_budgets(
-            self.budget, self.window, layer.num_compressible, self.beta, layer.seen, self.schedule
-        )
-        return budgets[layer.rank]

@@ -79,6 +79,36 @@ CASES = [
     ("chunkkv", dict(budget=40, window=8, chunk_score="max"), "chunk_score='max'"),
     ("chunkkv", dict(budget=40, window=8, reuse_layers=0), "reuse_layers=0"),
     ("chunkkv", dict(budget=None, window=8), "budget=None"),
+    # The scorer inside a wrapper (snapkv.methods.compose)
+    *[
+        (name, dict(budget=64, scorer="h2o"), "scorer='h2o'")
+        for name in ("pyramidkv", "adakv", "criticalkv", "chunkkv")
+    ],
+    ("adakv", dict(budget=64, scorer="pyramidkv"), "scorer='pyramidkv'"),  # a wrapper is not a scorer
+    ("adakv", dict(budget=64, scorer="tova", window=16), "window=16"),  # SnapKV's, not TOVA's
+    ("pyramidkv", dict(budget=64, scorer="knorm", kernel_size=5), "kernel_size=5"),
+    ("adakv", dict(budget=64, scorer="tova", scorer_params=dict(keep_lst=True)), "keep_lst"),
+    ("adakv", dict(budget=64, scorer="tova", scorer_params=dict(keep_last="yes")), "keep_last='yes'"),
+    ("chunkkv", dict(budget=64, scorer="tova", scorer_params=dict(budget=8)), "budget"),
+    ("chunkkv", dict(budget=64, scorer_params=dict(window=8)), "window"),  # a flat field of the snapkv scorer
+    (
+        "criticalkv",
+        dict(budget=64, scorer="knorm", scorer_params=dict(evict_during_decode=True)),
+        "evict_during_decode",
+    ),
+    ("criticalkv", dict(budget=64, scorer="tova", scorer_params=[("keep_last", True)]), "scorer_params"),
+    ("pyramidkv", dict(budget=4, scorer="expected_attention"), "n_sink=4"),  # the scorer's own rule
+    ("pyramidkv", dict(budget=20, scorer="expected_attention", beta=20), "budget too small"),  # 4 sinks + 20
+    (
+        "chunkkv",
+        dict(budget=12, scorer="expected_attention", chunk_length=10),
+        "chunk_length=10",
+    ),  # 4 sinks + 10
+    (
+        "pyramidkv",
+        dict(budget=64, scorer="expected_attention", decode_schedule=dict(interval=4)),
+        "scorer='expected_attention'",
+    ),
     # Decode schedules
     ("snapkv", dict(budget=64, decode_schedule=dict(interval=-1)), "interval=-1"),
     ("snapkv", dict(budget=64, decode_schedule=dict(interval=2.5)), "interval=2.5"),
@@ -94,9 +124,11 @@ CASES = [
     ("snapkv", dict(budget=64, kept_order="slot"), "kept_order='slot'"),
     ("snapkv_d", dict(budget=64, kept_order="score"), "kept_order='score'"),
     ("rkv", dict(budget=64, kept_order=None), "kept_order=None"),
-    ("pyramidkv", dict(budget=64, kept_order="topk"), "kept_order='topk'"),
-    ("adakv", dict(budget=64, kept_order="topk"), "kept_order='topk'"),
-    ("chunkkv", dict(budget=64, kept_order="topk"), "kept_order='topk'"),
+    ("pyramidkv", dict(budget=64, kept_order="topk"), r"unknown parameter.*kept_order"),
+    ("adakv", dict(budget=64, kept_order="topk"), r"unknown parameter.*kept_order"),
+    ("chunkkv", dict(budget=64, kept_order="topk"), r"unknown parameter.*kept_order"),
+    # a wrapper stores its own selection in position order: the scorer's storage order cannot apply
+    ("adakv", dict(budget=64, scorer_params=dict(kept_order="topk")), "kept_order='topk'"),
     # Top-k order votes with the tokens appended since the last compression only: 32 > interval 4
     ("snapkv", dict(budget=64, kept_order="topk", decode_schedule=dict(interval=4)), "interval=4"),
     (

@@ -2,8 +2,9 @@
 
 A method (kvpress style) is a small dataclass: its fields are the hyper-parameters, and it says how
 to score the cached entries of one layer. This base class owns everything else: protection of the
-leading (sink) / trailing (window, recent) entries, top-k, gather, decode-time eviction and the
-bookkeeping on the cache layer. Shapes follow transformers: queries `[batch, heads, q, head_dim]`,
+leading (sink) / trailing (window, recent) entries and of the prompt's protected tail (`protect`:
+the chat template's generation prompt, or the whole question), top-k, gather, decode-time eviction
+and the bookkeeping on the cache layer. Shapes follow transformers: queries `[batch, heads, q, head_dim]`,
 keys `[batch, kv_heads, k, head_dim]`, scores `[batch, kv_heads, k]`.
 """
 
@@ -19,13 +20,17 @@ import torch
 import torch.nn.functional as F
 
 from snapkv.cache import CompressibleLayer
-from snapkv.methods.checks import Check, check_all, integer
+from snapkv.methods.checks import Check, check_all, integer, one_of
 
 GQA_REDUCTIONS = ("mean", "max", "sum")
 # Where pooling goes relative to the GQA group reduction (SnapKV-family scores, see methods/snapkv.py).
 GQA_ORDERS = ("reduce_first", "pool_first")
 # Pooling of the scores along the sequence (`pool`).
 POOLINGS = ("max", "avg", "none")
+# What of the prompt's end is never evicted (`Method.protect`): nothing, the chat template's
+# generation prompt (what follows the user's content: end of turn, assistant header), or the whole
+# question part (the question and the generation prompt).
+PROTECTS = ("none", "generation_prompt", "question")
 
 
 @dataclass
@@ -120,15 +125,30 @@ class Method:
     # What each parameter's values may be (see snapkv.methods.checks), checked before `validate()`;
     # merged along the class hierarchy (`param_checks`): a subclass replaces an entry by naming it,
     # and drops it with None.
-    checks: ClassVar[dict[str, Check | None]] = {"budget": integer(none=True)}
+    checks: ClassVar[dict[str, Check | None]] = {"budget": integer(none=True), "protect": one_of(PROTECTS)}
+
+    # Whether `protect` may be other than "none": a method whose cache is its protected entries alone
+    # (StreamingLLM: the sinks and the most recent tokens, exactly the budget) says no.
+    protectable: ClassVar[bool] = True
 
     budget: int | None = None
     # Compression while generating (see DecodeSchedule); keyword-only, so it never shifts positional
     # arguments. Left out of `params()` while off: configs without a schedule keep their hashes.
     decode_schedule: DecodeSchedule | None = field(default=None, kw_only=True)
+    # The end of the prompt that is never evicted (PROTECTS; see `protected_tail`): the prompt's
+    # last tokens as the entry points mark them (`CompressedCache.protect`), kept like the window
+    # and the sinks, within the budget. Keyword-only; left out of `params()` at "none", so configs
+    # that protect nothing keep their hashes. A method whose original never compresses the
+    # generation prompt redeclares the default (docs/methods.md).
+    protect: str = field(default="none", kw_only=True)
 
     def __post_init__(self) -> None:
         check_all(self.param_checks(), self, self.name)
+        if self.protect != "none" and not self.protectable:
+            raise ValueError(
+                f"{self.name} keeps exactly its sinks and most recent tokens (its budget): protect must "
+                f"be none, got protect={self.protect!r}"
+            )
         self.validate()
         schedule = self.decode_schedule
         if schedule is None:
@@ -291,7 +311,31 @@ class Method:
         params = dataclasses.asdict(self)
         if not self.decode_schedule.on:
             params.pop("decode_schedule")  # off: the hash of a config without a schedule
+        if self.protect == "none":
+            params.pop("protect")  # nothing protected: the hash of a config without the switch
         return params
+
+    def protected_tail(self, question: int, generation_prompt: int) -> int:
+        """How many of the prompt's last tokens `protect` keeps, given the question part's length
+        `question` (the question and the template's generation prompt: `encode_prompt`'s second
+        part) and the generation prompt's `generation_prompt` (0 without a chat template)."""
+        if self.protect == "question":
+            return max(question, generation_prompt)
+        if self.protect == "generation_prompt":
+            return generation_prompt
+        return 0
+
+    def shield(self, layer: CompressibleLayer, scores: torch.Tensor) -> torch.Tensor:
+        """`scores` `[batch, kv_heads, stored]` with the entries of the layer's protected span
+        (`CompressibleLayer.protected_span`, positions `[start, end)`) at +inf, so every selection
+        keeps them (the rank-based ones as the window's entries); `scores` itself without a span.
+        Every base-class path that prunes passes its scores through here."""
+        span = layer.protected_span
+        if span is None:
+            return scores
+        positions = layer.positions
+        inside = (positions >= span[0]) & (positions < span[1])
+        return scores.float().masked_fill(inside, math.inf)
 
     @property
     def schedule_window(self) -> int:
@@ -324,10 +368,12 @@ class Method:
     ) -> None:
         """Score the stored entries with `query` and keep `budget` per KV head (the step both
         `compress_prefill` and `compress_decode` take; ChunkKV keeps whole chunks)."""
-        self.prune(layer, self.score(layer, query, key, module), budget)
+        self.prune(layer, self.shield(layer, self.score(layer, query, key, module)), budget)
 
     def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep."""
+        """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep: the protected
+        ones (`protected()`, and those `shield` set to +inf), then the top-scored. ValueError when
+        the protected entries alone exceed `budget`."""
         n = scores.shape[-1]
         first, last = self.protected()
         scores = scores.float().clone()
@@ -335,6 +381,12 @@ class Method:
             scores[..., :first] = math.inf
         if last:
             scores[..., max(n - last, 0) :] = math.inf
+        held = int((scores == math.inf).sum(dim=-1).max()) if n > budget else 0
+        if held > budget:
+            raise ValueError(
+                f"{self.name} protects {held} entries (sinks / window, and protect={self.protect!r}), "
+                f"more than its budget: budget must be at least {held}, got budget={budget}"
+            )
         # A stable sort, not topk: ties (frequent after max-pooling) go to the earlier position on
         # every device, so selections are reproducible.
         order = scores.sort(dim=-1, descending=True, stable=True).indices
@@ -368,17 +420,28 @@ class Method:
         """`[batch, kv_heads]` (or one int: the same slot in every row and head): the entry
         `select(scores, stored - 1)` would drop, found by position rather than by index (in-place
         evictions leave the entries out of position order); see `victim_by_position`."""
-        return self.victim_by_position(self.decode_score(layer), layer.positions, layer.seen)
+        return self.victim_by_position(
+            self.decode_score(layer), layer.positions, layer.seen, layer.protected_span
+        )
 
-    def victim_by_position(self, scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
+    def victim_by_position(
+        self,
+        scores: torch.Tensor,
+        positions: torch.Tensor,
+        seen: int,
+        span: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """`[..., n]` scores and positions -> `[...]` the slot to drop: the protected first / last
         entries are the oldest / newest positions (the protected ones are never evicted, so
-        positions `[0, first)` and `[seen - last, seen)` are all present); of the lowest-scored of
-        the rest, the newest (the stable sort keeps the earlier of a tie)."""
+        positions `[0, first)` and `[seen - last, seen)` are all present), and those of the
+        protected `span` `[start, end)` (`CompressibleLayer.protected_span`); of the lowest-scored
+        of the rest, the newest (the stable sort keeps the earlier of a tie)."""
         first, last = self.protected()
         protected = positions >= seen - last
         if first:
             protected |= positions < first
+        if span is not None:
+            protected |= (positions >= span[0]) & (positions < span[1])
         s = scores.float().masked_fill(protected, math.inf)
         low = s.amin(dim=-1, keepdim=True)
         return torch.where(s == low, positions, -1).argmax(dim=-1)
@@ -393,7 +456,7 @@ class Method:
         if in_place and layer.stored == budget + 1 and layer.pads is None and self.evicts_in_place:
             layer.evict_in_place(self.victims(layer))
         else:
-            self.prune(layer, self.decode_score(layer), budget)
+            self.prune(layer, self.shield(layer, self.decode_score(layer)), budget)
         layer.compressed = True
 
 

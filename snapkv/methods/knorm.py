@@ -49,6 +49,8 @@ class KNorm(Method):
     skip_layers: list[int] = field(default_factory=list)  # model layers never pruned (authors: [0] or [0, 1])
     prune_after: int = 0  # layers holding fewer entries are not pruned (l2_compress: 2048)
     evict_during_decode: bool = False  # True: re-prune after every decoding step (authors' LM loop)
+    # kvpress compresses the context alone: the template's generation prompt is never evicted.
+    protect: str = field(default="generation_prompt", kw_only=True)
 
     checks = {
         "budget": integer(needed=True),

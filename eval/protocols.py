@@ -236,7 +236,7 @@ class _Shared:
             a = answer(
                 self.model, cache, torch.tensor([ids]), self.method,
                 max_new_tokens=s.max_new_tokens, stop_ids=self.stops, rollback=rollback,
-                generation_prompt=generation_prompt_length(self.tokenizer, ids, self.chat_template),
+                generation_prompt=generation_prompt_length(self.tokenizer, ids),
             )  # fmt: skip
         fields = {
             **self.shared,

@@ -632,7 +632,7 @@ def _generate_text(
     method = method if method is not None else build_method("full")
     head, tail = encode_prompt(tokenizer, context, question, cfg.chat_template)
     method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, cfg.chat_template))
-    cfg = replace(cfg, generation_prompt=generation_prompt_length(tokenizer, head + tail, cfg.chat_template))
+    cfg = replace(cfg, generation_prompt=generation_prompt_length(tokenizer, head + tail))
     stops = (
         set()
         if cfg.ignore_eos

@@ -95,23 +95,31 @@ def generation_prompt_text(tokenizer, chat_template: bool = True) -> str:
     return rendered[at + len(content) :]
 
 
-def generation_prompt_length(tokenizer, ids: Sequence[int], chat_template: bool = True) -> int:
-    """How many of the last tokens of `ids` (a prompt, or a later turn's feed) are the chat
-    template's generation prompt (`generation_prompt_text`): its own tokens where `ids` end with
-    them; else (a tokenizer that merges the question's last characters into the template's first
-    token) the fewest last tokens whose text ends with it, the merged token included; 0 without a
-    template or when `ids` do not end with it (a task that renders its own template and answer
-    prefix)."""
-    text = generation_prompt_text(tokenizer, chat_template)
+def generation_prompt_length(tokenizer, ids: Sequence[int]) -> int:
+    """How many of the last tokens of `ids` (a prompt, or a later turn's feed) are the tokenizer's
+    chat template's generation prompt (`generation_prompt_text`) and what follows it: its own
+    tokens where `ids` end with them; else (a tokenizer that merges the question's last characters
+    into the template's first token) the fewest last tokens whose text ends with it, the merged
+    token included; else the tokens from its last occurrence on (a task that renders the template
+    itself and starts the assistant's turn with an answer prefix, RULER: the prefix is protected
+    with it). 0 for a tokenizer without a chat template, or `ids` without the generation prompt (a
+    raw prompt)."""
+    text = generation_prompt_text(tokenizer)
     if not text or not ids:
         return 0
     ids = list(ids)
     own = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-    if own and ids[-len(own) :] == own:
-        return len(own)
-    for k in range(1, min(len(ids), len(own) + 2) + 1):
+    m = len(own)
+    if not m:
+        return 0
+    if ids[-m:] == own:
+        return m
+    for k in range(1, min(len(ids), m + 2) + 1):
         if tokenizer.decode(ids[-k:]).endswith(text):
             return k
+    for start in range(len(ids) - m, -1, -1):
+        if ids[start] == own[0] and ids[start : start + m] == own:
+            return len(ids) - start
     return 0
 
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from eval.tasks import haystack as hs
 from snapkv import METHODS, build_method, generate
 from snapkv.generation import answer, compress_context
-from snapkv.prompts import encode_prompt, generation_prompt_length, generation_prompt_text
+from snapkv.prompts import encode_prompt, generation_prompt_length, generation_prompt_text, render_prompt
 
 QUESTION = " What is the magic number mentioned above?"
 GENERATION_PROMPT = "<|im_end|>\n<|im_start|>assistant\n"
@@ -71,8 +71,13 @@ def test_generation_prompt_is_what_follows_the_users_content(chat):
     head, tail, n = prompt_parts(tokenizer)
     assert tokenizer.decode((head + tail)[-n:]) == GENERATION_PROMPT
     assert tokenizer.decode((head + tail)[-n - 1 :]) != GENERATION_PROMPT  # no more than that
-    assert generation_prompt_length(tokenizer, head + tail, chat_template=False) == 0
-    assert generation_prompt_length(tokenizer, head) == 0  # the context alone does not end with it
+    raw_head, raw_tail = encode_prompt(tokenizer, context_text(), QUESTION, chat_template=False)
+    assert generation_prompt_length(tokenizer, raw_head + raw_tail) == 0  # no template rendered
+    assert generation_prompt_length(tokenizer, head) == 0  # the context alone holds none
+    # A task that renders the template and starts the assistant's turn with an answer prefix
+    # (RULER): the prefix is protected with the generation prompt.
+    prefix = tokenizer(" The magic number is", add_special_tokens=False)["input_ids"]
+    assert generation_prompt_length(tokenizer, head + tail + prefix) == n + len(prefix)
 
 
 @pytest.mark.parametrize("name", QUERY_AGNOSTIC)
@@ -92,6 +97,31 @@ def test_query_agnostic_methods_keep_the_generation_prompt_by_default(chat, name
     assert all(gen <= kept for kept in kept_sets(cache))
     bare, _ = compressed_cache(model, tokenizer, build_method(name, budget=budget, protect="none"))
     assert any(not gen <= kept for kept in kept_sets(bare))
+
+
+def test_a_prompt_its_task_rendered_keeps_its_generation_prompt_and_answer_prefix(chat):
+    """RULER renders the template itself and appends the answer prefix (`chat_template=False` for
+    the generator): K-norm's default keeps both."""
+    model, tokenizer = chat
+    rendered = render_prompt(tokenizer, context_text() + QUESTION)
+    split = rendered.index(QUESTION)
+    context, question = rendered[:split], rendered[split:] + " The magic number is"
+    head, tail = encode_prompt(tokenizer, context, question, chat_template=False)
+    length, n = len(head) + len(tail), generation_prompt_length(tokenizer, head + tail)
+    prefix = len(tokenizer(" The magic number is", add_special_tokens=False)["input_ids"])
+    assert n == len(tokenizer(GENERATION_PROMPT, add_special_tokens=False)["input_ids"]) + prefix
+    end = set(range(length - n, length))
+
+    def kept(**params):
+        held = {}
+        generate(
+            model, tokenizer, context=context, question=question, method=build_method("knorm", **params),
+            chat_template=False, max_new_tokens=1, on_compressed=lambda cache: held.update(cache=cache),
+        )  # fmt: skip
+        return kept_sets(held["cache"])
+
+    assert all(end <= k for k in kept(budget=40))
+    assert any(not end <= k for k in kept(budget=40, protect="none"))
 
 
 def test_protect_question_keeps_the_whole_question_part(chat):

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CHATML, byte_level_bpe
+from conftest import CHATML, byte_level_bpe, random_ids, tiny_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from eval.tasks import haystack as hs
-from snapkv import METHODS, build_method, generate
+from snapkv import METHODS, build_method, generate, generate_ids
 from snapkv.generation import answer, compress_context
 from snapkv.prompts import encode_prompt, generation_prompt_length, generation_prompt_text, render_prompt
 
@@ -193,3 +193,46 @@ def test_hashes_move_only_where_the_default_protects():
 def test_streamingllm_refuses_protection():
     with pytest.raises(ValueError, match="streamingllm keeps exactly .* got protect='question'"):
         build_method("streamingllm", budget=64, protect="question")
+
+
+# Every scoring method with `protect=question` on a question longer than its window (16 > 8): the
+# question's entries are in every (layer, batch row, KV head) right after compression.
+QUESTION_PROTECTED = [
+    ("snapkv", dict(window=8, kernel_size=5)),
+    ("pyramidkv", dict(window=8, kernel_size=5, budget=64)),  # its top layer's budget holds the 16
+    ("adakv", dict(window=8)),
+    ("adakv", dict(window=8, normalize=True)),
+    ("adakv", dict(window=8, normalize="sum", allocation="exact")),
+    ("adakv", dict(window=8, allocation="kvpress")),
+    ("criticalkv", dict(window=8)),
+    ("criticalkv", dict(window=8, base="adakv")),
+    ("chunkkv", dict(window=8, chunk_length=5)),
+    ("h2o", dict(recent=8)),
+    ("tova", dict()),
+    ("knorm", dict()),
+    ("expected_attention", dict()),
+    ("adakv_expected_attention", dict()),
+    ("kvzip", dict(repeat_chunk=32)),
+    ("kvzip", dict(repeat_chunk=32, selection="head")),
+    ("snapkv_d", dict(window=8)),
+    ("rkv", dict(window=8)),
+]
+
+
+@pytest.mark.parametrize("name,params", QUESTION_PROTECTED, ids=[f"{n}-{p}" for n, p in QUESTION_PROTECTED])
+def test_every_method_keeps_the_question_ids_it_protects(name, params):
+    model = tiny_model("llama")
+    ids = random_ids(96, batch=2)
+    ctx, q = ids[:, :80], ids[:, 80:]
+    question = set(range(80, 96))
+
+    def kept(protect: str) -> list[set[int]]:
+        held = {}
+        method = build_method(name, protect=protect, **{"budget": 40, **params})
+        generate_ids(
+            model, ctx, q, method, max_new_tokens=1, on_compressed=lambda cache: held.update(cache=cache)
+        )
+        return kept_sets(held["cache"])
+
+    assert all(question <= k for k in kept("question"))
+    assert any(not question <= k for k in kept("none"))  # the method's own scores evict some

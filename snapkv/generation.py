@@ -327,6 +327,7 @@ def _generate(
     # The prompt's protected end (`Method.protect`), compressed with the prompt (query-aware) or
     # fed after it: kept at the end of prefill and by every eviction while decoding.
     tail = min(method.protected_tail(asked, cfg.generation_prompt), input_tokens)
+    method.check_protected(tail)
     cache.protect(input_tokens - tail, input_tokens)
     stop = torch.tensor(sorted(cfg.stop_ids or ()), dtype=torch.long, device=device)
     forward = stepper(model, cache)
@@ -542,11 +543,13 @@ def answer(
     )
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
     pick = TokenPicker(sampling, seed, device)
+    q = question_ids.shape[1]
+    tail = min(method.protected_tail(q, cfg.generation_prompt), q)
+    method.check_protected(tail)
     mark = cache.checkpoint() if rollback else None
     layers = cache.compressible_layers()
     if layers:  # the question's protected end, at the positions it is fed to (the rollback clears it)
-        start, q = layers[0][1].seen, question_ids.shape[1]
-        tail = min(method.protected_tail(q, cfg.generation_prompt), q)
+        start = layers[0][1].seen
         cache.protect(start + q - tail, start + q)
     with hooks.session(model, method, cache) as s:
         s.phase = "decode"

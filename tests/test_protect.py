@@ -190,6 +190,19 @@ def test_hashes_move_only_where_the_default_protects():
         )
 
 
+def test_per_step_eviction_needs_room_beside_the_protected_entries(chat):
+    """H2O keeps its `recent` tokens and the protected question beside them while decoding: a
+    budget without room for one more is refused before the prompt is fed."""
+    model, tokenizer = chat
+    _, tail, _ = prompt_parts(tokenizer)
+    method = build_method("h2o", budget=len(tail) + 7, recent=8, protect="question")
+    with pytest.raises(ValueError, match=rf"h2o protects {len(tail) + 8} entries while decoding"):
+        compressed_cache(model, tokenizer, method)
+    compressed_cache(
+        model, tokenizer, build_method("h2o", budget=len(tail) + 8, recent=8, protect="question")
+    )
+
+
 def test_streamingllm_refuses_protection():
     with pytest.raises(ValueError, match="streamingllm keeps exactly .* got protect='question'"):
         build_method("streamingllm", budget=64, protect="question")

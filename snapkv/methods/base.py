@@ -325,6 +325,24 @@ class Method:
             return generation_prompt
         return 0
 
+    def check_protected(self, tail: int) -> None:
+        """ValueError when `tail` protected prompt tokens and the sinks / recent tokens leave no entry
+        to evict while decoding (per-step eviction drops one unprotected entry per step; once the
+        prompt's end is older than the recent tokens they no longer overlap). Compressions through
+        `select` check the same at every prune."""
+        first, last = self.protected()
+        if (
+            tail
+            and self.evicts_during_decode
+            and self.budget is not None
+            and first + last + tail > self.budget
+        ):
+            raise ValueError(
+                f"{self.name} protects {first + last + tail} entries while decoding ({first} sinks, "
+                f"{last} recent, {tail} for protect={self.protect!r}): budget must be at least that, "
+                f"got budget={self.budget}"
+            )
+
     def shield(self, layer: CompressibleLayer, scores: torch.Tensor) -> torch.Tensor:
         """`scores` `[batch, kv_heads, stored]` with the entries of the layer's protected span
         (`CompressibleLayer.protected_span`, positions `[start, end)`) at +inf, so every selection

@@ -2,10 +2,10 @@
 
 A method (kvpress style) is a small dataclass: its fields are the hyper-parameters, and it says how
 to score the cached entries of one layer. This base class owns everything else: protection of the
-leading (sink) / trailing (window, recent) entries and of the prompt's protected tail (`protect`:
+leading (sink) / trailing (window, recent) entries and of the prompt's protected end (`protect`:
 the chat template's generation prompt, or the whole question), top-k, gather, decode-time eviction
-and the bookkeeping on the cache layer. Shapes follow transformers: queries `[batch, heads, q, head_dim]`,
-keys `[batch, kv_heads, k, head_dim]`, scores `[batch, kv_heads, k]`.
+and the bookkeeping on the cache layer. Shapes follow transformers: queries
+`[batch, heads, q, head_dim]`, keys `[batch, kv_heads, k, head_dim]`, scores `[batch, kv_heads, k]`.
 """
 
 from __future__ import annotations

@@ -249,3 +249,15 @@ def test_every_method_keeps_the_question_ids_it_protects(name, params):
 
     assert all(question <= k for k in kept("question"))
     assert any(not question <= k for k in kept("none"))  # the method's own scores evict some
+
+
+@pytest.mark.parametrize("name", ["knorm", "adakv", "kvzip"])
+def test_a_question_longer_than_the_budget_is_refused_on_every_layout(name):
+    """Uniform (K-norm) and per-head (Ada-KV, KVzip) storage: a protected span longer than the
+    budget is a ValueError naming both, not a silent eviction of part of it."""
+    model = tiny_model("llama")
+    ids = random_ids(96)
+    params = {"window": 8} if name == "adakv" else {}
+    method = build_method(name, budget=12, protect="question", **params)
+    with pytest.raises(ValueError, match=r"protects 16 entries .*got budget=12"):
+        generate_ids(model, ids[:, :80], ids[:, 80:], method, max_new_tokens=1)

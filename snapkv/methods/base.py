@@ -343,16 +343,23 @@ class Method:
                 f"got budget={self.budget}"
             )
 
-    def shield(self, layer: CompressibleLayer, scores: torch.Tensor) -> torch.Tensor:
+    def shield(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """`scores` `[batch, kv_heads, stored]` with the entries of the layer's protected span
         (`CompressibleLayer.protected_span`, positions `[start, end)`) at +inf, so every selection
         keeps them (the rank-based ones as the window's entries); `scores` itself without a span.
-        Every base-class path that prunes passes its scores through here."""
+        Every path that prunes passes its scores through here. ValueError when the span alone
+        holds more entries than `budget` (`select` also counts the sinks / window)."""
         span = layer.protected_span
         if span is None:
             return scores
         positions = layer.positions
         inside = (positions >= span[0]) & (positions < span[1])
+        held = int(inside.sum(dim=-1).max())
+        if held > budget:
+            raise ValueError(
+                f"{self.name} protects {held} entries (protect={self.protect!r}), more than its budget: "
+                f"budget must be at least {held}, got budget={budget}"
+            )
         return scores.float().masked_fill(inside, math.inf)
 
     @property
@@ -386,7 +393,7 @@ class Method:
     ) -> None:
         """Score the stored entries with `query` and keep `budget` per KV head (the step both
         `compress_prefill` and `compress_decode` take; ChunkKV keeps whole chunks)."""
-        self.prune(layer, self.shield(layer, self.score(layer, query, key, module)), budget)
+        self.prune(layer, self.shield(layer, self.score(layer, query, key, module), budget), budget)
 
     def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep: the protected
@@ -474,7 +481,7 @@ class Method:
         if in_place and layer.stored == budget + 1 and layer.pads is None and self.evicts_in_place:
             layer.evict_in_place(self.victims(layer))
         else:
-            self.prune(layer, self.shield(layer, self.decode_score(layer)), budget)
+            self.prune(layer, self.shield(layer, self.decode_score(layer), budget), budget)
         layer.compressed = True
 
 

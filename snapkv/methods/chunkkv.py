@@ -111,7 +111,7 @@ class ChunkKV(SnapKV):
             if rows is None or len(rows) != layer.dims[0] or int(max(r[-1] for r in rows)) >= layer.stored:
                 raise RuntimeError(f"layer {layer.index}: no selection of its reuse group's first layer")
         else:
-            scores = self.shield(layer, self.score(layer, query, key, module))
+            scores = self.shield(layer, self.score(layer, query, key, module), budget)
             rows = chunk_selection(
                 scores, self.window, self.chunk_length, (budget - self.window) // self.chunk_length,
                 self.chunk_score,

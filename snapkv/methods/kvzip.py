@@ -379,7 +379,7 @@ class KVzip(Method):
         """Prune every compressible layer from its reconstruction scores."""
         # [layers, b, kv, n]; with n_sink (kvpress) the template prefix past the sinks was never
         # scored: 0, evicted first.
-        stacked = torch.stack([self.shield(layer, scores[idx]) for idx, layer in layers])
+        stacked = torch.stack([self.shield(layer, scores[idx], self.budget) for idx, layer in layers])
         counts = self.counts(stacked[..., protected:], protected)
         stacked[..., :protected] = math.inf
         for (_, layer), s, c in zip(layers, stacked, counts):

@@ -80,6 +80,18 @@ def test_generation_prompt_is_what_follows_the_users_content(chat):
     assert generation_prompt_length(tokenizer, head + tail + prefix) == n + len(prefix)
 
 
+def test_a_generation_prompt_merged_into_the_question_counts_the_merged_token():
+    """A template whose generation prompt is plain text ("ers:") merges with a question ending in
+    "Answ" into " Answers": the merged token is counted with the rest."""
+    template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}ers:{% endif %}"
+    )
+    tokenizer = byte_level_bpe(["Answers: yes. Answers: no."] * 20, 300, ["<s>"], chat_template=template)
+    ids = tokenizer(render_prompt(tokenizer, "Question. Answ"), add_special_tokens=False)["input_ids"]
+    assert [tokenizer.decode([i]) for i in ids[-2:]] == [" Answers", ":"]
+    assert generation_prompt_length(tokenizer, ids) == 2
+
+
 @pytest.mark.parametrize("name", QUERY_AGNOSTIC)
 def test_query_agnostic_methods_keep_the_generation_prompt_by_default(chat, name):
     """Query-aware, with a budget of a tenth of the prompt: by default every (layer, head) keeps the

@@ -41,7 +41,13 @@ from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, clock
 from snapkv.generation import answer, compress_context, generate
 from snapkv.methods import Method
-from snapkv.prompts import chat_templated, encode_prompt, next_turn_text, stop_token_ids
+from snapkv.prompts import (
+    chat_templated,
+    encode_prompt,
+    generation_prompt_length,
+    next_turn_text,
+    stop_token_ids,
+)
 
 PROTOCOLS: tuple[str, ...] = ("query_aware", "context_only", "first_question", "multi_request", "multi_turn")
 # Protocols that compress a context once and ask all of its questions on that cache.
@@ -230,6 +236,7 @@ class _Shared:
             a = answer(
                 self.model, cache, torch.tensor([ids]), self.method,
                 max_new_tokens=s.max_new_tokens, stop_ids=self.stops, rollback=rollback,
+                generation_prompt=generation_prompt_length(self.tokenizer, ids),
             )  # fmt: skip
         fields = {
             **self.shared,

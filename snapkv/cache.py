@@ -58,6 +58,10 @@ class LayerState:
     # Per-layer state a method keeps beside its scores (an object of the method's own type,
     # e.g. Expected Attention's `QueryStats`); None until the method sets it.
     method_state: object | None = None
+    # Positions `[start, end)` of the latest prompt's end that are never evicted (`Method.protect`,
+    # set by `CompressedCache.protect` before the prompt is fed); None: nothing beyond the method's
+    # own sinks / window.
+    protected_span: tuple[int, int] | None = None
 
     def snapshot(self) -> LayerState:
         """A copy that later changes of this state cannot reach: the lists copied (the hooks append
@@ -574,6 +578,15 @@ class CompressedCache(DynamicCache):
         self.rollback_bytes = 0
         # Seconds of the method's own pass after the prefill (`Method.after_prefill`, KVzip).
         self.scoring_s = 0.0
+
+    def protect(self, start: int, end: int) -> None:
+        """Keep the entries at positions `[start, end)` (stored positions: a left-padded batch's
+        pads included) of every compressible layer from eviction from now on (`Method.shield`):
+        the end of the prompt about to be fed that the method's `protect` names. Replaces an earlier
+        span (a checkpoint restores the one it marked); an empty range clears it."""
+        span = (start, end) if end > start else None
+        for _, layer in self.compressible_layers():
+            layer.protected_span = span
 
     # ---- compress once, ask many -----------------------------------------------------------------
     def checkpoint(self) -> CacheMark:

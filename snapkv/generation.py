@@ -58,7 +58,7 @@ from snapkv import hooks
 from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, cache_kwarg, clock, prefill, stepper
 from snapkv.methods import Method, build_method
-from snapkv.prompts import chat_templated, encode_prompt, stop_token_ids
+from snapkv.prompts import chat_templated, encode_prompt, generation_prompt_length, stop_token_ids
 from snapkv.sampling import Sampling, TokenPicker
 
 
@@ -201,7 +201,10 @@ class GenerationConfig:
     chat_template / ignore_eos (text entry points only): render through the tokenizer's chat template
     / no stop tokens (speed runs); on_progress(stage, done, total): told where generation is (module
     doc), never inside a timing; on_compressed(cache): runs once, right after the prefill's
-    compression (before any question or decode token is fed), also off the clock.
+    compression (before any question or decode token is fed), also off the clock;
+    generation_prompt: how many of the prompt's last tokens are the chat template's generation
+    prompt, what `Method.protect="generation_prompt"` keeps (the text entry points count them,
+    `snapkv.prompts.generation_prompt_length`; the id entry points take the count given, 0: none).
     """
 
     query_aware: bool = True
@@ -214,10 +217,14 @@ class GenerationConfig:
     ignore_eos: bool = False
     on_progress: ProgressCallback | None = None
     on_compressed: Callable[[CompressedCache], None] | None = None
+    generation_prompt: int = 0
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got max_new_tokens={self.max_new_tokens}")
+        g = self.generation_prompt
+        if isinstance(g, bool) or not isinstance(g, int) or g < 0:
+            raise ValueError(f"generation_prompt must be an integer >= 0, got generation_prompt={g!r}")
 
     @classmethod
     def of(cls, config: GenerationConfig | None, options: dict[str, Any]) -> GenerationConfig:
@@ -310,6 +317,7 @@ def _generate(
     device = model.device
     context_ids = context_ids.to(device)
     question_ids = question_ids.to(device) if question_ids is not None and question_ids.numel() else None
+    asked = question_ids.shape[1] if question_ids is not None else 0
     if cfg.query_aware and question_ids is not None:
         context_ids, question_ids = torch.cat([context_ids, question_ids], dim=1), None
     if context_ids.shape[1] == 0:
@@ -318,6 +326,11 @@ def _generate(
     pickers = [TokenPicker(cfg.sampling, seed, device) for seed in seeds]  # checks the seeds first
 
     cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    # The prompt's protected end (`Method.protect`), compressed with the prompt (query-aware) or
+    # fed after it: kept at the end of prefill and by every eviction while decoding.
+    tail = min(method.protected_tail(asked, cfg.generation_prompt), input_tokens)
+    method.check_protected(tail)
+    cache.protect(input_tokens - tail, input_tokens)
     stop = torch.tensor(sorted(cfg.stop_ids or ()), dtype=torch.long, device=device)
     forward = stepper(model, cache)
 
@@ -503,7 +516,9 @@ def answer(
     sampled with `sampling` and `seed`) like `generate_ids(..., query_aware=False)` (the method may
     evict while decoding), then `cache.rollback()`s, also when a forward raises. The options are
     `GenerationConfig`'s fields that apply once the context is compressed: max_new_tokens,
-    stop_ids, keep_logits, sampling (the others are refused, naming them).
+    stop_ids, keep_logits, sampling, generation_prompt (the last tokens of `question_ids` that are
+    the chat template's generation prompt; the question's entries `method.protect` names are kept
+    from eviction while it decodes); the others are refused, naming them.
 
     rollback=False: no checkpoint and no rollback; the question and every generated token but the
     last (never fed: decoding stops once it is out) stay in the cache, for a conversation's next turn.
@@ -530,7 +545,14 @@ def answer(
     )
     stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
     pick = TokenPicker(sampling, seed, device)
+    q = question_ids.shape[1]
+    tail = min(method.protected_tail(q, cfg.generation_prompt), q)
+    method.check_protected(tail)
     mark = cache.checkpoint() if rollback else None
+    layers = cache.compressible_layers()
+    if layers:  # the question's protected end, at the positions it is fed to (the rollback clears it)
+        start = layers[0][1].seen
+        cache.protect(start + q - tail, start + q)
     with hooks.session(model, method, cache) as s:
         s.phase = "decode"
         forward = stepper(model, cache, prompt_pads=prompt_pads, session=s)
@@ -653,6 +675,7 @@ def _generate_text(
     method = method if method is not None else build_method("full")
     head, tail = encode_prompt(tokenizer, context, question, cfg.chat_template)
     method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, cfg.chat_template))
+    cfg = replace(cfg, generation_prompt=generation_prompt_length(tokenizer, head + tail))
     stops = (
         set()
         if cfg.ignore_eos

@@ -1,7 +1,8 @@
 """The text a model sees and the tokens it is fed: a prompt through the tokenizer's chat template
 (`render_prompt`, `prompt_token_ids`), split into context and question ids (`encode_prompt`), the
-next turn of a conversation the cache already holds (`next_turn_text`), and the stop tokens
-(`stop_token_ids`: the model's EOS and the chat end-of-turn tokens its tokenizer knows)."""
+template's generation prompt at the prompt's end (`generation_prompt_length`), the next turn of a
+conversation the cache already holds (`next_turn_text`), and the stop tokens (`stop_token_ids`:
+the model's EOS and the chat end-of-turn tokens its tokenizer knows)."""
 
 from __future__ import annotations
 
@@ -78,6 +79,48 @@ def encode_prompt(tokenizer, context: str, question: str, chat_template: bool) -
         ids_head = tokenizer(context).input_ids  # the tokenizer's own BOS handling
         ids_tail = tokenizer(question, add_special_tokens=False).input_ids if question else []
     return ids_head, ids_tail
+
+
+def generation_prompt_text(tokenizer, chat_template: bool = True) -> str:
+    """What the chat template renders after a user turn's content when asked for the generation
+    prompt: the end of the turn and the assistant header (ChatML: `<|im_end|>\n<|im_start|>assistant\n`),
+    "" when the prompt does not go through a template (`chat_templated`)."""
+    if not chat_templated(tokenizer, chat_template):
+        return ""
+    content = "generation prompt probe"
+    rendered = render_prompt(tokenizer, content)
+    at = rendered.rfind(content)
+    if at < 0:
+        raise ValueError("the chat template changed the prompt text; cannot find its generation prompt")
+    return rendered[at + len(content) :]
+
+
+def generation_prompt_length(tokenizer, ids: Sequence[int]) -> int:
+    """How many of the last tokens of `ids` (a prompt, or a later turn's feed) are the tokenizer's
+    chat template's generation prompt (`generation_prompt_text`) and what follows it: its own
+    tokens where `ids` end with them; else (a tokenizer that merges the question's last characters
+    into the template's first token) the fewest last tokens whose text ends with it, the merged
+    token included; else the tokens from its last occurrence on (a task that renders the template
+    itself and starts the assistant's turn with an answer prefix, RULER: the prefix is protected
+    with it). 0 for a tokenizer without a chat template, or `ids` without the generation prompt (a
+    raw prompt)."""
+    text = generation_prompt_text(tokenizer)
+    if not text or not ids:
+        return 0
+    ids = list(ids)
+    own = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    m = len(own)
+    if not m:
+        return 0
+    if ids[-m:] == own:
+        return m
+    for k in range(1, min(len(ids), m + 2) + 1):
+        if tokenizer.decode(ids[-k:]).endswith(text):
+            return k
+    for start in range(len(ids) - m, -1, -1):
+        if ids[start] == own[0] and ids[start : start + m] == own:
+            return len(ids) - start
+    return 0
 
 
 def next_turn_text(

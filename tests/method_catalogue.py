@@ -59,6 +59,11 @@ CATALOGUE: list[tuple[str, dict[str, Any]]] = [
     ("knorm", dict(budget=40, skip_layers=[0], prune_after=50, evict_during_decode=True)),
     # The authors' l2_compress rule: ceil(0.5 x n) of the n entries each time a layer is pruned.
     ("knorm", dict(budget=40, keep_ratio=0.5, skip_layers=[1], prune_after=48, evict_during_decode=True)),
+    # The question ids (the tests' last 16 prompt tokens) kept: at the end of prefill (query-aware)
+    # or by the per-step eviction after they are fed (context-only); Ada-KV's normalised head
+    # budgets over a question longer than the window.
+    ("knorm", dict(budget=40, evict_during_decode=True, protect="question")),
+    ("adakv", dict(budget=40, window=W, normalize=True, protect="question")),
     # Without a tokenizer the reconstruction inputs are the carried tokens and the chunk alone.
     ("kvzip", dict(budget=40, repeat_chunk=32)),  # the authors': threshold over all layers and heads
     (

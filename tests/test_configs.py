@@ -149,7 +149,7 @@ def test_method_fields_of_a_dataclass():
         required: int = dataclasses.field(default=0, init=False)
 
     assert method_fields(Toy) == {
-        "name": "toy", "budget": None, "ratio": 20, "layers": [0, 1],
+        "name": "toy", "budget": None, "protect": "none", "ratio": 20, "layers": [0, 1],
         "decode_schedule": {
             "interval": None, "buffer": 0, "target": None, "window": None, "count_from": "prefill"
         },

@@ -634,9 +634,12 @@ def test_method_label_leaves_tova_knorm_chunkkv_switches_at_their_defaults_out()
     assert label("tova", keep_last=True, evict_during_decode=False) == (
         "tova b=128 evict_during_decode=false keep_last=true"
     )
-    assert label("knorm") == "knorm b=128"  # its own default (false), not H2O's and TOVA's (true)
+    # evict_during_decode at its own default (false), not H2O's and TOVA's (true); `protect` at
+    # its default shown: rows from before the switch (nothing protected) are another config.
+    assert label("knorm") == "knorm b=128 protect=generation_prompt"
+    assert label("knorm", protect="none") == "knorm b=128"
     assert label("knorm", skip_layers=[0, 1], prune_after=2048, evict_during_decode=True) == (
-        "knorm b=128 evict_during_decode=true prune_after=2048 skip_layers=0,1"
+        "knorm b=128 evict_during_decode=true protect=generation_prompt prune_after=2048 skip_layers=0,1"
     )
     assert label("chunkkv") == "chunkkv b=128 w=32 k=7 chunk_length=10 max"
     assert label("chunkkv", chunk_score="mean", reuse_layers=4) == (
@@ -652,4 +655,6 @@ def test_method_label_writes_a_decode_schedule_compactly():
 
     assert label("snapkv") == "snapkv b=128 w=32 k=7 max"  # off: not in params, not in the label
     assert label("snapkv", interval=64) == "snapkv b=128 w=32 k=7 decode=64 max"
-    assert label("knorm", interval=16, target=64, buffer=8) == "knorm b=128 decode=16,buffer=8,target=64"
+    assert label("knorm", interval=16, target=64, buffer=8) == (
+        "knorm b=128 decode=16,buffer=8,target=64 protect=generation_prompt"
+    )

@@ -86,11 +86,13 @@ def head_budgets(
     b, h, n = scores.shape
     s = scores.float()
     tiny = torch.finfo(torch.float32).tiny
+    # Protected entries (+inf, `Method.shield`) stay first; the normalisations weigh the others.
+    mass = s.masked_fill(s == math.inf, 0)
     if normalize is True:
-        top_mass = s.sort(dim=-1, descending=True).values[..., :per_head].sum(dim=-1, keepdim=True)
-        s = s * (top_mass / s.sum(dim=-1, keepdim=True).clamp_min(tiny))
+        top_mass = mass.sort(dim=-1, descending=True).values[..., :per_head].sum(dim=-1, keepdim=True)
+        s = s * (top_mass / mass.sum(dim=-1, keepdim=True).clamp_min(tiny))
     elif normalize == "sum":
-        s = s / s.sum(dim=-1, keepdim=True).clamp_min(tiny)
+        s = s / mass.sum(dim=-1, keepdim=True).clamp_min(tiny)
     if allocation == "kvpress":
         # Each head's own top `floor` entries are in first (kvpress's safeguard), then the global top.
         floor = max(int((per_head + protected) * alpha) - protected, 0)

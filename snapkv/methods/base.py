@@ -2,9 +2,10 @@
 
 A method (kvpress style) is a small dataclass: its fields are the hyper-parameters, and it says how
 to score the cached entries of one layer. This base class owns everything else: protection of the
-leading (sink) / trailing (window, recent) entries, top-k, gather, decode-time eviction and the
-bookkeeping on the cache layer. Shapes follow transformers: queries `[batch, heads, q, head_dim]`,
-keys `[batch, kv_heads, k, head_dim]`, scores `[batch, kv_heads, k]`.
+leading (sink) / trailing (window, recent) entries and of the prompt's protected end (`protect`:
+the chat template's generation prompt, or the whole question), top-k, gather, decode-time eviction
+and the bookkeeping on the cache layer. Shapes follow transformers: queries
+`[batch, heads, q, head_dim]`, keys `[batch, kv_heads, k, head_dim]`, scores `[batch, kv_heads, k]`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ POOLINGS = ("max", "avg", "none")
 KEPT_ORDERS = ("position", "topk")
 # What a decode schedule's `interval` counts (`DecodeSchedule.count_from`).
 SCHEDULE_COUNTS = ("prefill", "start")
+# What of the prompt's end is never evicted (`Method.protect`): nothing, the chat template's
+# generation prompt (what follows the user's content: end of turn, assistant header), or the whole
+# question part (the question and the generation prompt).
+PROTECTS = ("none", "generation_prompt", "question")
 
 
 @dataclass
@@ -135,15 +140,30 @@ class Method:
     # What each parameter's values may be (see snapkv.methods.checks), checked before `validate()`;
     # merged along the class hierarchy (`param_checks`): a subclass replaces an entry by naming it,
     # and drops it with None.
-    checks: ClassVar[dict[str, Check | None]] = {"budget": integer(none=True)}
+    checks: ClassVar[dict[str, Check | None]] = {"budget": integer(none=True), "protect": one_of(PROTECTS)}
+
+    # Whether `protect` may be other than "none": a method whose cache is its protected entries alone
+    # (StreamingLLM: the sinks and the most recent tokens, exactly the budget) says no.
+    protectable: ClassVar[bool] = True
 
     budget: int | None = None
     # Compression while generating (see DecodeSchedule); keyword-only, so it never shifts positional
     # arguments. Left out of `params()` while off: configs without a schedule keep their hashes.
     decode_schedule: DecodeSchedule | None = field(default=None, kw_only=True)
+    # The end of the prompt that is never evicted (PROTECTS; see `protected_tail`): the prompt's
+    # last tokens as the entry points mark them (`CompressedCache.protect`), kept like the window
+    # and the sinks, within the budget. Keyword-only; left out of `params()` at "none", so configs
+    # that protect nothing keep their hashes. A method whose original never compresses the
+    # generation prompt redeclares the default (docs/methods.md).
+    protect: str = field(default="none", kw_only=True)
 
     def __post_init__(self) -> None:
         check_all(self.param_checks(), self, self.name)
+        if self.protect != "none" and not self.protectable:
+            raise ValueError(
+                f"{self.name} keeps exactly its sinks and most recent tokens (its budget): protect must "
+                f"be none, got protect={self.protect!r}"
+            )
         self.validate()
         schedule = self.decode_schedule
         if schedule is None:
@@ -319,7 +339,56 @@ class Method:
             # Switches added after rows were written: at their default, those rows keep their hashes.
             if params.get(name) == type(self).__dataclass_fields__[name].default:
                 params.pop(name)
+        if self.protect == "none":
+            params.pop("protect")  # nothing protected: the hash of a config without the switch
         return params
+
+    def protected_tail(self, question: int, generation_prompt: int) -> int:
+        """How many of the prompt's last tokens `protect` keeps, given the question part's length
+        `question` (the question and the template's generation prompt: `encode_prompt`'s second
+        part) and the generation prompt's `generation_prompt` (0 without a chat template)."""
+        if self.protect == "question":
+            return max(question, generation_prompt)
+        if self.protect == "generation_prompt":
+            return generation_prompt
+        return 0
+
+    def check_protected(self, tail: int) -> None:
+        """ValueError when `tail` protected prompt tokens and the sinks / recent tokens leave no entry
+        to evict while decoding (per-step eviction drops one unprotected entry per step; once the
+        prompt's end is older than the recent tokens they no longer overlap). Compressions through
+        `select` check the same at every prune."""
+        first, last = self.protected()
+        if (
+            tail
+            and self.evicts_during_decode
+            and self.budget is not None
+            and first + last + tail > self.budget
+        ):
+            raise ValueError(
+                f"{self.name} protects {first + last + tail} entries while decoding ({first} sinks, "
+                f"{last} recent, {tail} for protect={self.protect!r}): budget must be at least that, "
+                f"got budget={self.budget}"
+            )
+
+    def shield(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """`scores` `[batch, kv_heads, stored]` with the entries of the layer's protected span
+        (`CompressibleLayer.protected_span`, positions `[start, end)`) at +inf, so every selection
+        keeps them (the rank-based ones as the window's entries); `scores` itself without a span.
+        Every path that prunes passes its scores through here. ValueError when the span alone
+        holds more entries than `budget` (`select` also counts the sinks / window)."""
+        span = layer.protected_span
+        if span is None:
+            return scores
+        positions = layer.positions
+        inside = (positions >= span[0]) & (positions < span[1])
+        held = int(inside.sum(dim=-1).max())
+        if held > budget:
+            raise ValueError(
+                f"{self.name} protects {held} entries (protect={self.protect!r}), more than its budget: "
+                f"budget must be at least {held}, got budget={budget}"
+            )
+        return scores.float().masked_fill(inside, math.inf)
 
     @property
     def schedule_window(self) -> int:
@@ -352,10 +421,12 @@ class Method:
     ) -> None:
         """Score the stored entries with `query` and keep `budget` per KV head (the step both
         `compress_prefill` and `compress_decode` take; ChunkKV keeps whole chunks)."""
-        self.prune(layer, self.score(layer, query, key, module), budget)
+        self.prune(layer, self.shield(layer, self.score(layer, query, key, module), budget), budget)
 
     def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep."""
+        """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep: the protected
+        ones (`protected()`, and those `shield` set to +inf), then the top-scored. ValueError when
+        the protected entries alone exceed `budget`."""
         n = scores.shape[-1]
         first, last = self.protected()
         scores = scores.float().clone()
@@ -363,6 +434,12 @@ class Method:
             scores[..., :first] = math.inf
         if last:
             scores[..., max(n - last, 0) :] = math.inf
+        held = int((scores == math.inf).sum(dim=-1).max()) if n > budget else 0
+        if held > budget:
+            raise ValueError(
+                f"{self.name} protects {held} entries (sinks / window, and protect={self.protect!r}), "
+                f"more than its budget: budget must be at least {held}, got budget={budget}"
+            )
         # A stable sort, not topk: ties (frequent after max-pooling) go to the earlier position on
         # every device, so selections are reproducible.
         order = scores.sort(dim=-1, descending=True, stable=True).indices
@@ -396,17 +473,28 @@ class Method:
         """`[batch, kv_heads]` (or one int: the same slot in every row and head): the entry
         `select(scores, stored - 1)` would drop, found by position rather than by index (in-place
         evictions leave the entries out of position order); see `victim_by_position`."""
-        return self.victim_by_position(self.decode_score(layer), layer.positions, layer.seen)
+        return self.victim_by_position(
+            self.decode_score(layer), layer.positions, layer.seen, layer.protected_span
+        )
 
-    def victim_by_position(self, scores: torch.Tensor, positions: torch.Tensor, seen: int) -> torch.Tensor:
+    def victim_by_position(
+        self,
+        scores: torch.Tensor,
+        positions: torch.Tensor,
+        seen: int,
+        span: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """`[..., n]` scores and positions -> `[...]` the slot to drop: the protected first / last
         entries are the oldest / newest positions (the protected ones are never evicted, so
-        positions `[0, first)` and `[seen - last, seen)` are all present); of the lowest-scored of
-        the rest, the newest (the stable sort keeps the earlier of a tie)."""
+        positions `[0, first)` and `[seen - last, seen)` are all present), and those of the
+        protected `span` `[start, end)` (`CompressibleLayer.protected_span`); of the lowest-scored
+        of the rest, the newest (the stable sort keeps the earlier of a tie)."""
         first, last = self.protected()
         protected = positions >= seen - last
         if first:
             protected |= positions < first
+        if span is not None:
+            protected |= (positions >= span[0]) & (positions < span[1])
         s = scores.float().masked_fill(protected, math.inf)
         low = s.amin(dim=-1, keepdim=True)
         return torch.where(s == low, positions, -1).argmax(dim=-1)
@@ -421,7 +509,7 @@ class Method:
         if in_place and layer.stored == budget + 1 and layer.pads is None and self.evicts_in_place:
             layer.evict_in_place(self.victims(layer))
         else:
-            self.prune(layer, self.decode_score(layer), budget)
+            self.prune(layer, self.shield(layer, self.decode_score(layer), budget), budget)
         layer.compressed = True
 
 

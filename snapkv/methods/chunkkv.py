@@ -122,7 +122,7 @@ class ChunkKV(ScorerWrapper):
             if rows is None or len(rows) != layer.dims[0] or int(max(r[-1] for r in rows)) >= layer.stored:
                 raise RuntimeError(f"layer {layer.index}: no selection of its reuse group's first layer")
         else:
-            scores = self.score(layer, query, key, module)
+            scores = self.shield(layer, self.score(layer, query, key, module), budget)
             first, last = self.protected()
             rows = chunk_selection(
                 scores, last, self.chunk_length, (budget - first - last) // self.chunk_length,

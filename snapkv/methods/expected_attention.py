@@ -32,7 +32,7 @@ in `snapkv.methods.adakv`; default `kvpress`, the entry's own rule) on per-head 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +86,8 @@ class ExpectedAttention(Method):
     use_covariance: bool = True  # the quadratic term s^2/2 k^T Sigma k
     use_vnorm: bool = True  # (expected attention + epsilon) x ||v||_2
     epsilon: float = 0.0  # added before the value-norm rescaling
+    # kvpress compresses the context alone: the template's generation prompt is never evicted.
+    protect: str = field(default="generation_prompt", kw_only=True)
 
     # The model's rotary embedding (not a field: taken from the model, `post_init_from_model`).
     _rotary = None

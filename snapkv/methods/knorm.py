@@ -67,6 +67,8 @@ class KNorm(Method):
     prune_after: int = 0  # layers holding fewer entries are not pruned (l2_compress: 2048)
     evict_during_decode: bool = False  # True: re-prune after every decoding step (authors' LM loop)
     keep_ratio: float | None = None  # r: keep ceil(r x entries) instead of `budget` (l2_compress)
+    # kvpress compresses the context alone: the template's generation prompt is never evicted.
+    protect: str = field(default="generation_prompt", kw_only=True)
 
     checks = {
         "budget": integer(needed=True),

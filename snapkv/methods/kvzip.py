@@ -207,6 +207,8 @@ class KVzip(Method):
     carry: int = 8  # the previous chunk's last tokens repeated in a later chunk's instruction
     kvzip_plus: bool = False  # KVzip+: weights / ||h|| x ||v W_o^h|| (kvpress's normalisation)
     layout: str = "varlen"  # varlen | padded (per-head storage; not used by selection="head")
+    # Both originals compress the context alone: the template's generation prompt is never evicted.
+    protect: str = field(default="generation_prompt", kw_only=True)
 
     legacy_params: ClassVar[dict[str, Any]] = {}
     # Its scores come from a reconstruction pass over the whole context, not from the latest
@@ -377,7 +379,7 @@ class KVzip(Method):
         """Prune every compressible layer from its reconstruction scores."""
         # [layers, b, kv, n]; with n_sink (kvpress) the template prefix past the sinks was never
         # scored: 0, evicted first.
-        stacked = torch.stack([scores[idx] for idx, _ in layers])
+        stacked = torch.stack([self.shield(layer, scores[idx], self.budget) for idx, layer in layers])
         counts = self.counts(stacked[..., protected:], protected)
         stacked[..., :protected] = math.inf
         for (_, layer), s, c in zip(layers, stacked, counts):

@@ -25,6 +25,7 @@ class StreamingLLM(Method):
     name = "streamingllm"
     evict_during_decode = True  # a rolling cache: always (not a field, so not a switch)
     schedulable = False  # see Method.schedulable
+    protectable = False  # sinks + the most recent tokens are the whole budget (Method.protectable)
 
     budget: int | None = 1024
     n_sink: int = 4

@@ -25,6 +25,11 @@ CASES = [
     ("snapkv", dict(budget=-3), "budget=-3"),
     ("snapkv", dict(budget=64, windw=4), "windw"),  # a misspelt parameter
     *[("snapkv", dict(span=bad), re.escape(f"span={bad!r}")) for bad in (0, -2, 2.5, "8")],
+    # `protect`, on every method; StreamingLLM's cache is its sinks and recent tokens alone
+    ("snapkv", dict(budget=64, protect="all"), "protect='all'"),
+    ("knorm", dict(budget=64, protect=None), "protect=None"),
+    ("full", dict(protect="answer"), "protect='answer'"),
+    ("streamingllm", dict(budget=64, protect="generation_prompt"), "protect='generation_prompt'"),
     # H2O, StreamingLLM
     ("h2o", dict(budget=8, recent=8), "recent=8"),
     ("streamingllm", dict(budget=4, n_sink=4), "n_sink=4"),

@@ -20,6 +20,7 @@ TASKS: dict[str, str | type[Task]] = {
     "needle": "eval.tasks.needle.task:NeedleTask",
     "reasoning": "eval.tasks.reasoning.task:ReasoningTask",
     "ruler": "eval.tasks.ruler.task:RulerTask",
+    "scbench": "eval.tasks.scbench.task:SCBenchTask",
 }
 REPORTS: dict[str, str | type[TaskReport]] = {
     "kv_retrieval": "eval.tasks.kv_retrieval.report:KVRetrievalReport",

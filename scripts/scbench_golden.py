@@ -1,0 +1,133 @@
+"""Score the SCBench golden cases with SCBench's own code: writes tests/data/scbench_scores.json.
+
+    python scripts/scbench_golden.py /path/to/MInference   # a checkout of microsoft/MInference
+
+Runs `scbench/compute_scores.py`'s `get_score_one` (under the InfiniteBench task name SCBench maps
+each config to, `Multiturnbench_to_Infinitebench`) on labels built by `scbench/eval_utils.py`'s
+`get_ground_truth`, for the hand-written predictions below. Both files are loaded from the
+checkout; what they import at module level and the scorers never call (`evaluate`'s ROUGE, the
+argument parser, RepoQA's utilities, torch) is stubbed, and only `get_ground_truth` is taken from
+eval_utils.py. `tests/test_scbench.py` checks that `eval.tasks.scbench` gives every case the same
+score.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import sys
+import types
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "scbench_scores.json"
+
+CHOICE = {"options": ["the red house", "a boat", "Paris", "nothing at all"], "answer": "Paris"}
+CASES: list[tuple[str, dict, list[str]]] = [
+    (
+        "scbench_kv",
+        {"input": 'Key: "a1"\nThe value associated with the specified key is:', "answer": "9f3e-77ab"},
+        ["9f3e-77ab", 'The value is "9f3e-77ab".', "9F3E-77AB", "9f3e-77a", "", "  9f3e-77ab\n"],
+    ),
+    (
+        "scbench_prefix_suffix",
+        {"input": "Which string starts with 'abc' and ends with 'xyz'?", "answer": "abcQWExyz"},
+        ["abcQWExyz", "It is abcQWExyz.", "abcqwexyz", "abcQWE"],
+    ),
+    (
+        "scbench_vt",
+        {
+            "input": "Find all variables that are assigned the value 12345.",
+            "answer": ["VAR ABCDE", "VAR QWERT", "VAR ZZZZZ"],
+        },
+        ["VAR ABCDE, VAR QWERT, VAR ZZZZZ", "var abcde and var qwert", "VAR ZZZZZ", "none", ""],
+    ),
+    (
+        "scbench_qa_eng",
+        {"input": "Who wrote the letter?", "answer": "Elizabeth Bennet"},
+        ["Elizabeth Bennet", "It was elizabeth bennet who wrote it.", "Elizabeth", "Mr. Darcy", ""],
+    ),
+    (
+        "scbench_choice_eng",
+        {"input": "Where did they go?", **CHOICE},
+        [
+            "C",
+            "C. Paris",
+            "A",
+            "Paris",
+            "The answer is C",
+            "The answer is: Paris",
+            "answer is",
+            "I think option is C.",
+            "Maybe B or C",
+            "They went to Paris.",
+            "",
+            "  D\n",
+            "the answer: B",
+            "AB",
+            "xyz",
+        ],
+    ),
+    (
+        "scbench_many_shot",
+        {"input": "Q: is the sentence sarcastic?\nA:", "answer": "(A)"},
+        ["(A)", "(B)", "A", "b", "no idea", "", "(c"],
+    ),
+    (
+        "scbench_mf",
+        {
+            "input": "What is the largest number in the list above? The largest number of the list is",
+            "answer": 97,
+        },
+        ["97", "The answer is 97.", "97.9", "-97", "9 7", "no number", "097", "98"],
+    ),
+]
+
+# compute_scores.Multiturnbench_to_Infinitebench, restated to pick the task name per config.
+TASK_NAMES = {
+    "scbench_kv": "kv_retrieval",
+    "scbench_prefix_suffix": "kv_retrieval",
+    "scbench_vt": "scbench_vt",
+    "scbench_qa_eng": "longdialogue_qa_eng",
+    "scbench_choice_eng": "longbook_choice_eng",
+    "scbench_many_shot": "scbench_many_shot",
+    "scbench_mf": "math_find",
+}
+
+
+def load(minference: Path):
+    src = minference / "scbench"
+    for name in ("evaluate", "args", "repo_qa_utils"):
+        stub = types.ModuleType(name)
+        stub.load = lambda *a, **k: None  # evaluate.load("rouge"): only the summary scorer uses it
+        stub.parse_args = lambda: None
+        stub.compute_score = None
+        sys.modules[name] = stub
+    scores = types.ModuleType("scbench_compute_scores")
+    exec(
+        compile((src / "compute_scores.py").read_text(), str(src / "compute_scores.py"), "exec"),
+        scores.__dict__,
+    )
+    tree = ast.parse((src / "eval_utils.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_ground_truth")
+    ns: dict = {}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), str(src / "eval_utils.py"), "exec"), ns)
+    return scores.get_score_one, ns["get_ground_truth"]
+
+
+def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    get_score_one, get_ground_truth = load(Path(sys.argv[1]))
+    rows = []
+    for config, turn, predictions in CASES:
+        (label,) = get_ground_truth({"multi_turns": [turn]}, config)
+        for prediction in predictions:
+            score = get_score_one(prediction, label, TASK_NAMES[config], "model")
+            rows.append({"config": config, "turn": turn, "prediction": prediction, "score": score})
+    lines = ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows)  # one case per line
+    OUT.write_text(f"[\n{lines}\n]\n", encoding="utf-8")
+    print(f"{len(rows)} cases -> {OUT}")
+
+
+if __name__ == "__main__":
+    main()

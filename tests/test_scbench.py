@@ -1,0 +1,343 @@
+"""task=scbench: SCBench's records as contexts with several questions, its prompts and truncation,
+its metrics against the scores of SCBench's own code (tests/data/scbench_scores.json, written by
+scripts/scbench_golden.py), local jsonl / parquet data, the refusals, and runs under the shared
+protocols on a tiny model. The Hub path runs against the Hub look-alike in tests/e2e/test_scbench_hub.py.
+
+Offline: a byte-level BPE tokenizer trained in code with a ChatML-like template; data files are
+written to tmp_path.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from conftest import CHATML, byte_level_bpe
+from hydra import compose, initialize_config_dir
+
+from eval.spec import RunSpec
+from eval.tasks import build_task
+from eval.tasks.scbench import metrics
+from eval.tasks.scbench.prompts import CONFIGS, NOT_SUPPORTED, SUPPORTED
+from eval.tasks.scbench.task import SCBenchTask, mf_prefix
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = json.loads((ROOT / "tests" / "data" / "scbench_scores.json").read_text(encoding="utf-8"))
+WORDS = " ".join(f"line {i} of the book tells of gardens and rivers." for i in range(40))
+
+KV = {
+    "id": 7,
+    "context": '{"k1": "v1", "k2": "v2", "k3": "v3"}',
+    "multi_turns": [
+        {"input": 'Key: "k2"\nThe value associated with the specified key is:', "answer": "v2"},
+        {"input": 'Key: "k3"\nThe value associated with the specified key is:', "answer": "v3"},
+    ],
+}
+CHOICE = {
+    "id": 1,
+    "context": WORDS,
+    "multi_turns": [
+        {"input": "Where?", "answer": "rivers", "options": ["gardens", "rivers", "hills", "sea"]},
+        {"input": "What?", "answer": "book", "options": ["book", "film", "song", "play"]},
+    ],
+}
+MF = {
+    "id": 3,
+    "context": [4, 97, 12],
+    "multi_turns": [
+        {
+            "input": "What is the largest number in the list above? The largest number of the list is",
+            "answer": 97,
+        },
+        {
+            "input": "What is the smallest number in the list above? The smallest number of the list is",
+            "answer": 4,
+        },
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    corpus = [WORDS, json.dumps(KV), json.dumps(CHOICE), json.dumps(MF)] + [g["prediction"] for g in GOLDEN]
+    corpus += ["Extract the value corresponding to the specified key in the JSON object below."] * 3
+    return byte_level_bpe(corpus, 600, ["<s>", "<|im_start|>", "<|im_end|>"], chat_template=CHATML)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def compose_cfg(overrides: list[str]):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+# ------------------------------------------------------------------------------------------ metrics
+@pytest.mark.parametrize("case", GOLDEN, ids=lambda g: f"{g['config']}:{g['prediction'][:20]!r}")
+def test_scores_match_scbench(case, tok):
+    """Each golden case, asked as a one-turn record through the task, scores as SCBench's code does."""
+    task = SCBenchTask(configs=[case["config"]], max_prompt_tokens=4000)
+    record = {"context": "some context", "multi_turns": [case["turn"]]}
+    (sample,) = task.record_samples(case["config"], 0, record, tok, templated=True)
+    assert task.score(sample, case["prediction"]) == case["score"]
+
+
+def test_golden_covers_every_supported_config():
+    assert {g["config"] for g in GOLDEN} == set(SUPPORTED)
+    for config in SUPPORTED:  # each config's cases include a right and a wrong prediction
+        assert {g["score"] for g in GOLDEN if g["config"] == config} >= {0.0, 1.0}
+
+
+def test_many_shot_whole_answer_metric(tok):
+    task = SCBenchTask(configs=["scbench_many_shot"])
+    record = {"context": "x", "multi_turns": [{"input": "Q:", "answer": "(A)"}], "task": "snarks"}
+    (s,) = task.record_samples("scbench_many_shot", 0, record, tok, templated=True)
+    assert s.extra["subtask"] == "snarks"
+    assert task.score(s, "no idea") == 1.0  # SCBench's per-character test (metrics docstring)
+    assert task.score_all(s, "no idea") == {"answer_in_prediction": 0.0}
+    assert task.score_all(s, "it is (a).") == {"answer_in_prediction": 1.0}
+
+
+def test_choice_label_needs_the_answer_among_the_options():
+    with pytest.raises(ValueError, match="not one of its options"):
+        metrics.label("scbench_choice_eng", {"input": "q", "answer": "x", "options": ["a", "b", "c", "d"]})
+
+
+# ------------------------------------------------------------------------------------------ prompts
+def test_kv_samples_share_the_context(tmp_path, tok):
+    task = SCBenchTask(configs=["scbench_kv"], data_files=str(write_jsonl(tmp_path / "kv.jsonl", [KV, KV])))
+    assert task.num_samples() == 4 and task.multi_question()
+    samples = list(task.samples(tok))
+    assert [s.sample_id for s in samples] == [
+        "scbench_kv-0/q0",
+        "scbench_kv-0/q1",
+        "scbench_kv-1/q0",
+        "scbench_kv-1/q1",
+    ]
+    a, b = samples[:2]
+    assert (
+        a.context
+        == b.context
+        == (
+            "Extract the value corresponding to the specified key in the JSON object below.\n\n"
+            + KV["context"]
+        )
+    )
+    assert (a.context_id, a.question_index, b.question_index) == ("scbench_kv-0", 0, 1)
+    assert a.question == "\n\n" + KV["multi_turns"][0]["input"]
+    assert b.turn == (KV["multi_turns"][1]["input"], "")  # a later chat turn: the query alone
+    assert (a.answers, a.max_new_tokens, a.dataset) == (["v2"], 150, "scbench_kv")
+    assert a.extra == {
+        "prompt_tokens": a.extra["prompt_tokens"],
+        "truncated": False,
+        "record_id": 7,
+        "turns": 2,
+    }
+
+
+def test_choice_and_mf_prompts(tmp_path, tok):
+    write_jsonl(tmp_path / "scbench_choice_eng.jsonl", [CHOICE])
+    write_jsonl(tmp_path / "scbench_mf.jsonl", [MF])
+    task = SCBenchTask(configs=["scbench_choice_eng", "scbench_mf"], data_files=str(tmp_path))
+    choice, _, mf0, mf1 = task.samples(tok)
+    assert choice.context == "Read the book and answer the question.\n\n" + WORDS
+    assert choice.question == (
+        "\n\nQuestion: Where?\nA. gardens\nB. rivers\nC. hills\nD. sea\n\nThe the correct answer is"
+    )
+    assert choice.answers == ["rivers", "B"] and choice.max_new_tokens == 40
+    assert mf0.context == "What is the largest number of the list?\n\n[4, 97, 12]"
+    assert mf1.question == "\n\nWhat is the smallest number of the list?\n\n" + MF["multi_turns"][1]["input"]
+    assert (mf0.answers, mf0.max_new_tokens) == (["97"], 5)
+    assert task.score(mf1, "It is 4.") == 1.0 and task.score(mf0, "4") == 0.0
+
+
+def test_mf_prefix_needs_its_phrase():
+    assert mf_prefix("... The sum of the list is") == "What is the sum of the list?"
+    with pytest.raises(ValueError, match="scbench_mf input has no"):
+        mf_prefix("no phrase here")
+
+
+def test_without_chat_template(tmp_path, tok):
+    data = str(write_jsonl(tmp_path / "kv.jsonl", [KV]))
+    plain = list(SCBenchTask(configs=["scbench_kv"], data_files=data, chat_template=False).samples(tok))
+    assert [s.turn for s in plain] == [None, None] and not plain[0].chat_template
+
+
+def test_middle_truncation(tmp_path, tok):
+    record = {
+        "context": WORDS,
+        "multi_turns": [{"input": "Q1", "answer": "a"}, {"input": "Q2", "answer": "b"}],
+    }
+    data = str(write_jsonl(tmp_path / "qa.jsonl", [record]))
+    full = list(SCBenchTask(configs=["scbench_qa_eng"], data_files=data, max_prompt_tokens=4000).samples(tok))
+    n = full[0].extra["prompt_tokens"]
+    assert not full[0].extra["truncated"]
+    budget = 30
+    cut = list(
+        SCBenchTask(configs=["scbench_qa_eng"], data_files=data, max_prompt_tokens=budget + 2 * 40).samples(
+            tok
+        )
+    )  # 2 turns x 40 new tokens are reserved
+    assert cut[0].extra == {**full[0].extra, "truncated": True} and cut[0].context == cut[1].context
+    ids = tok(full[0].context)["input_ids"]
+    assert len(ids) == n > budget
+    head, tail = tok.decode(ids[: budget // 2]), tok.decode(ids[-(budget // 2) :])
+    assert cut[0].context == head + tail
+    with pytest.raises(ValueError, match="leaves no room"):
+        list(SCBenchTask(configs=["scbench_qa_eng"], data_files=data, max_prompt_tokens=81).samples(tok))
+
+
+# ------------------------------------------------------------------------------------------ data
+def test_local_parquet_layouts(tmp_path, tok):
+    table = pa.Table.from_pylist([KV])
+    pq.write_table(table, tmp_path / "scbench_kv.parquet")
+    (tmp_path / "hub" / "scbench_kv").mkdir(parents=True)
+    pq.write_table(table, tmp_path / "hub" / "scbench_kv" / "test-00000-of-00001.parquet")
+    for data_files in (tmp_path / "scbench_kv.parquet", tmp_path, tmp_path / "hub"):
+        task = SCBenchTask(configs=["scbench_kv"], data_files=str(data_files), limit=1)
+        assert task.records("scbench_kv") == [KV], data_files
+        assert [s.answers for s in task.samples(tok)] == [["v2"], ["v3"]]
+
+
+def test_local_data_errors(tmp_path):
+    with pytest.raises(
+        FileNotFoundError, match=r"scbench_vt not found in task.data_files=.*microsoft/SCBench"
+    ):
+        SCBenchTask(configs=["scbench_vt"], data_files=str(tmp_path)).num_samples()
+    one = write_jsonl(tmp_path / "kv.jsonl", [KV])
+    with pytest.raises(ValueError, match="is one file but 2 SCBench configs"):
+        SCBenchTask(configs=["scbench_kv", "scbench_vt"], data_files=str(one)).num_samples()
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"context": "x", "multi_turns": []}])
+    with pytest.raises(ValueError, match="scbench_kv record 0: expected a 'context' and a non-empty list"):
+        SCBenchTask(configs=["scbench_kv"], data_files=str(bad)).num_samples()
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"configs": ["scbench_repoqa"]}, "'scbench_repoqa' is not supported yet"),
+        ({"configs": ["scbench_summary"]}, "'scbench_summary' is not supported yet"),
+        ({"configs": ["scbench_nope"]}, "unknown SCBench config 'scbench_nope'; known: scbench_kv"),
+        ({"configs": []}, "configs must not be empty"),
+        ({"configs": ["scbench_kv", "scbench_kv"]}, "listed twice"),
+        ({"limit": 0}, "limit=0"),
+        ({"max_prompt_tokens": 1}, "max_prompt_tokens=1"),
+        ({"chat_template": "yes"}, "chat_template='yes'"),
+        ({"split": ""}, "split=''"),
+    ],
+)
+def test_bad_values(kw, match):
+    with pytest.raises(ValueError, match=match):
+        SCBenchTask(**kw)
+
+
+def test_every_hub_config_is_supported_or_refused():
+    assert set(SUPPORTED) | set(NOT_SUPPORTED) == set(CONFIGS) and not set(SUPPORTED) & set(NOT_SUPPORTED)
+
+
+# ------------------------------------------------------------------------------------------ config, CLI
+def test_config_builds_the_task_and_selection_keeps_the_hash():
+    spec = RunSpec.from_config(compose_cfg(["task=scbench"]))
+    assert isinstance(spec.task, SCBenchTask) and spec.task.configs == list(SUPPORTED)
+    fewer = RunSpec.from_config(compose_cfg(["task=scbench", "task.configs=[scbench_kv]", "task.limit=2"]))
+    assert fewer.method_hash == spec.method_hash
+    assert build_task("scbench", configs="scbench_vt").configs == ["scbench_vt"]
+
+
+def _cli(monkeypatch, tmp_path, capsys, *overrides: str) -> tuple[int, list[str]]:
+    import eval.runner as runner
+    import run as run_module
+
+    def no_model(*a, **k):
+        raise AssertionError("the model was loaded although the data is missing")
+
+    monkeypatch.setattr(runner, "load_model", no_model)
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "run.py", f"hydra.run.dir={tmp_path}/hydra", "hydra.output_subdir=null",
+            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
+            f"results_dir={tmp_path}/results", "task=scbench", *overrides,
+        ],
+    )  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        run_module.cli()
+    return exc.value.code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_offline_without_data_files_exits_2_before_the_model_loads(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
+    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_kv]")
+    assert code == 2 and len(err) == 1, err
+    for part in ("error: ", "scbench_kv", "microsoft/SCBench", "task.data_files="):
+        assert part in err[0], err
+    assert not (tmp_path / "results").exists()
+
+
+def test_unsupported_config_exits_2(monkeypatch, tmp_path, capsys):
+    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_kv,scbench_repoqa_and_kv]")
+    assert code == 2 and len(err) == 1 and "'scbench_repoqa_and_kv' is not supported yet" in err[0], err
+
+
+# ------------------------------------------------------------------------------------------ runs
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, tok) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    out = tmp_path_factory.mktemp("models") / "tiny-llama-scb"
+    tok.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        eos_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return str(out)
+
+
+def test_runs_under_each_protocol_and_reports(tiny_dir, tmp_path):
+    import eval.runner as runner
+    from eval.report import build_report
+    from eval.store import ResultStore
+
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "scbench_kv.jsonl", [KV])
+    write_jsonl(tmp_path / "data" / "scbench_choice_eng.jsonl", [CHOICE])
+    results = tmp_path / "runs"
+    common = [
+        f"model.name={tiny_dir}", "budget=64", f"results_dir={results}", "progress=false", "report=false",
+        "task=scbench", "task.configs=[scbench_kv,scbench_choice_eng]", f"task.data_files={tmp_path / 'data'}",
+    ]  # fmt: skip
+    protocols = ("query_aware", "multi_request", "multi_turn")
+    for protocol in protocols:
+        runner.run(compose_cfg(common + [f"protocol={protocol}"]))
+    df = ResultStore.load_dir(results)
+    assert set(df["status"]) == {"ok"}, df["error"].tolist()
+    assert len(df) == 4 * len(protocols) and set(df["protocol"]) == set(protocols)
+    for _, part in df.groupby("protocol"):
+        part = part.sort_values("sample_id")
+        assert part["sample_id"].tolist() == [
+            "scbench_choice_eng-0/q0", "scbench_choice_eng-0/q1", "scbench_kv-0/q0", "scbench_kv-0/q1",
+        ]  # fmt: skip
+        assert part["question_index"].tolist() == [0, 1, 0, 1]
+        assert set(part["dataset"]) == {"scbench_kv", "scbench_choice_eng"}
+    shared = df[df["protocol"] == "multi_turn"].sort_values("sample_id")
+    assert (shared["questions_in_context"] == 2).all()
+    assert shared["input_tokens"].iloc[1] > shared["input_tokens"].iloc[0]  # turn 2 follows turn 1
+    build_report(results)
+    report = (results / "report.md").read_text()
+    for heading in ("### scbench — tiny-llama-scb", "### Score per question — scbench — tiny-llama-scb",
+                    "### Reuse penalty — scbench — tiny-llama-scb"):  # fmt: skip
+        assert heading in report, heading

@@ -320,7 +320,7 @@ def test_runs_under_each_protocol_and_reports(tiny_dir, tmp_path):
         f"model.name={tiny_dir}", "budget=64", f"results_dir={results}", "progress=false", "report=false",
         "task=scbench", "task.configs=[scbench_kv,scbench_choice_eng]", f"task.data_files={tmp_path / 'data'}",
     ]  # fmt: skip
-    protocols = ("query_aware", "multi_request", "multi_turn")
+    protocols = ("query_aware", "context_only", "first_question", "multi_request", "multi_turn")
     for protocol in protocols:
         runner.run(compose_cfg(common + [f"protocol={protocol}"]))
     df = ResultStore.load_dir(results)

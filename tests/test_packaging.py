@@ -37,7 +37,19 @@ DISTRIBUTION = {
 RUNTIME_ONLY = {"gguf", "accelerate"}
 # Installed by hand next to a pinned transformers for the comparison (docs/benchmarking.md).
 BY_HAND = {"kvpress"}
-HARNESS = {"hydra-core", "pandas", "scipy", "matplotlib", "nltk", "rouge", "wonderwords", "filelock", "tqdm"}
+HARNESS = {
+    "hydra-core",
+    "pandas",
+    "scipy",
+    "matplotlib",
+    "nltk",
+    "rouge",
+    "wonderwords",
+    "filelock",
+    "tqdm",
+    "datasets",
+    "pyarrow",
+}
 # Hidden while the library runs: the harness' packages that the library's dependencies do not
 # import themselves (huggingface_hub imports filelock and torch imports tqdm, so any install has
 # those two; test_library_dependencies_are_what_snapkv_imports keeps snapkv/ from importing them).

@@ -47,6 +47,16 @@ CASES: list[tuple[str, dict, list[str]]] = [
         ["Elizabeth Bennet", "It was elizabeth bennet who wrote it.", "Elizabeth", "Mr. Darcy", ""],
     ),
     (
+        "scbench_qa_chn",
+        {"input": "谁写了这封信？", "answer": "伊丽莎白"},
+        ["伊丽莎白", "是伊丽莎白写的。", "伊丽", "达西先生", "", "Elizabeth 伊丽莎白！"],
+    ),
+    (
+        "scbench_qa_chn",
+        {"input": "他们去了哪里？", "answer": ["北京", "北京市"]},
+        ["北京", "他们去了北京市。", "上海", ""],
+    ),
+    (
         "scbench_choice_eng",
         {"input": "Where did they go?", **CHOICE},
         [
@@ -88,6 +98,7 @@ TASK_NAMES = {
     "scbench_prefix_suffix": "kv_retrieval",
     "scbench_vt": "scbench_vt",
     "scbench_qa_eng": "longdialogue_qa_eng",
+    "scbench_qa_chn": "longbook_qa_chn",
     "scbench_choice_eng": "longbook_choice_eng",
     "scbench_many_shot": "scbench_many_shot",
     "scbench_mf": "math_find",

@@ -102,6 +102,20 @@ def test_many_shot_whole_answer_metric(tok):
     assert task.score(s, "no idea") == 1.0  # SCBench's per-character test (metrics docstring)
     assert task.score_all(s, "no idea") == {"answer_in_prediction": 0.0}
     assert task.score_all(s, "it is (a).") == {"answer_in_prediction": 1.0}
+    assert "subtask" in task.row_metadata(s) and "label" not in task.row_metadata(s)
+
+
+def test_qa_chn_whole_answer_metric(tok):
+    task = SCBenchTask(configs=["scbench_qa_chn"])
+    record = {
+        "context": "书",
+        "multi_turns": [{"input": "谁？", "answer": "伊丽莎白"}, {"input": "哪里？", "answer": ["北京"]}],
+    }
+    s, listed = task.record_samples("scbench_qa_chn", 0, record, tok, templated=True)
+    assert s.context == "阅读以下书籍然后回答问题。\n\n书" and s.question == "\n\n问题：谁？\n答案："
+    assert task.score(s, "伊丽莎白") == 0.4  # SCBench's per-character labels (metrics docstring)
+    assert task.score_all(s, "伊丽莎白") == {"f1_whole_answer": 1.0}
+    assert task.score(listed, "北京") == 1.0 and task.score_all(listed, "北京") == {}
 
 
 def test_choice_label_needs_the_answer_among_the_options():
@@ -134,11 +148,13 @@ def test_kv_samples_share_the_context(tmp_path, tok):
     assert b.turn == (KV["multi_turns"][1]["input"], "")  # a later chat turn: the query alone
     assert (a.answers, a.max_new_tokens, a.dataset) == (["v2"], 150, "scbench_kv")
     assert a.extra == {
+        "label": "v2",
         "prompt_tokens": a.extra["prompt_tokens"],
         "truncated": False,
         "record_id": 7,
         "turns": 2,
     }
+    assert "label" not in task.row_metadata(a)  # the rows hold `answers`
 
 
 def test_choice_and_mf_prompts(tmp_path, tok):
@@ -223,6 +239,7 @@ def test_local_data_errors(tmp_path):
     [
         ({"configs": ["scbench_repoqa"]}, "'scbench_repoqa' is not supported yet"),
         ({"configs": ["scbench_summary"]}, "'scbench_summary' is not supported yet"),
+        ({"configs": ["scbench_repoqa_and_kv"]}, "'scbench_repoqa_and_kv' is not supported yet"),
         ({"configs": ["scbench_nope"]}, "unknown SCBench config 'scbench_nope'; known: scbench_kv"),
         ({"configs": []}, "configs must not be empty"),
         ({"configs": ["scbench_kv", "scbench_kv"]}, "listed twice"),

@@ -8,19 +8,24 @@ SCBench scores most configs with InfiniteBench's scorers (`Multiturnbench_to_Inf
 | scbench_kv, scbench_prefix_suffix | `kv_retrieval`: the label is a substring of the prediction (case-sensitive) | the answer |
 | scbench_vt | `string_match_all`: share of the labels contained (case-insensitive), rounded to 2 decimals | the answer list |
 | scbench_qa_eng | `longdialogue_qa_eng`: 1 if any label, upper-cased, is in the upper-cased prediction | [answer] |
+| scbench_qa_chn | `longbook_qa_chn`: the best character F1 (lower-cased, punctuation and spaces removed) over the labels | the answer as it is |
 | scbench_choice_eng | `longbook_choice_eng`: the first letter, else an answer prefix, else the first A-D word | [answer, its letter] |
 | scbench_many_shot | `longdialogue_qa_eng` | the answer as it is |
 | scbench_mf | `math_find`: the first number of the prediction equals the label | the answer (int or float) |
 
-Fidelity: scbench_many_shot passes the answer string itself where `longdialogue_qa_eng` loops over
-a list of labels, so SCBench counts a prediction that contains any one character of the answer
-(upper-cased) as right. `score` reproduces that, to compare with SCBench's numbers;
-`answer_in_prediction` (in `SCBenchTask.score_all`) is the whole answer's containment.
+Fidelity: scbench_many_shot and scbench_qa_chn pass a string answer itself where the scorer loops
+over a list of labels, so SCBench scores each character of the answer as a label of its own: a
+many-shot prediction that contains any one character of the answer (upper-cased) counts as right,
+and a Chinese answer scores the best F1 of the prediction against one of its characters. `score`
+reproduces that, to compare with SCBench's numbers; `SCBenchTask.score_all` adds the metric over
+the whole answer (`answer_in_prediction`, `f1_whole_answer`).
 """
 
 from __future__ import annotations
 
 import re
+import string
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -88,6 +93,32 @@ def math_find(prediction: str, label: int | float) -> float:
     return float(float(number) == label)
 
 
+# normalize_zh_answer's punctuation: ASCII and Chinese.
+CN_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
+ZH_PUNCTUATION = frozenset(string.punctuation + CN_PUNCTUATION)
+
+
+def normalize_zh(text: str) -> str:
+    """`normalize_zh_answer`: lower-cased, punctuation removed, every whitespace removed."""
+    return "".join("".join(ch for ch in text.lower() if ch not in ZH_PUNCTUATION).split())
+
+
+def f1(prediction: Sequence[str], reference: Sequence[str]) -> float:
+    """Token F1 of two token lists (`f1_score`'s first value)."""
+    same = sum((Counter(prediction) & Counter(reference)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(prediction), same / len(reference)
+    return 2 * precision * recall / (precision + recall)
+
+
+def qa_f1_zh(prediction: str, labels: Sequence[str] | str) -> float:
+    """`qa_f1_score_zh`: the best character F1 of the normalised prediction over the normalised
+    items of `labels` (a string label is looped over character by character)."""
+    pred = list(normalize_zh(prediction))
+    return max((f1(pred, list(normalize_zh(item))) for item in labels), default=0.0)
+
+
 def label(config: str, turn: dict[str, Any]) -> Any:
     """SCBench's label of one turn (`get_ground_truth`)."""
     answer = turn["answer"]
@@ -106,6 +137,7 @@ SCORERS: dict[str, Callable[[str, Any], float]] = {
     "scbench_prefix_suffix": kv_retrieval,
     "scbench_vt": string_match_all,
     "scbench_qa_eng": longdialogue_qa,
+    "scbench_qa_chn": qa_f1_zh,
     "scbench_choice_eng": longbook_choice,
     "scbench_many_shot": longdialogue_qa,
     "scbench_mf": math_find,

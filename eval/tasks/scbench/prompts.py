@@ -35,6 +35,7 @@ SUPPORTED: tuple[str, ...] = (
     "scbench_prefix_suffix",
     "scbench_vt",
     "scbench_qa_eng",
+    "scbench_qa_chn",
     "scbench_choice_eng",
     "scbench_many_shot",
     "scbench_mf",
@@ -45,7 +46,6 @@ NOT_SUPPORTED: dict[str, str] = {
     "scbench_repoqa_and_kv": "RepoQA's scorer (tree-sitter function matching, pass@1 at similarity 0.8)",
     "scbench_summary": "ROUGE-Lsum of the `evaluate` package",
     "scbench_summary_with_needles": "ROUGE-Lsum of the `evaluate` package",
-    "scbench_qa_chn": "the Chinese character F1 over a label SCBench iterates as given",
 }
 
 # DATA_NAME_TO_MAX_NEW_TOKENS
@@ -54,6 +54,7 @@ MAX_NEW_TOKENS: dict[str, int] = {
     "scbench_prefix_suffix": 150,
     "scbench_vt": 30,
     "scbench_qa_eng": 40,
+    "scbench_qa_chn": 40,
     "scbench_choice_eng": 40,
     "scbench_many_shot": 10,
     "scbench_mf": 5,
@@ -68,6 +69,7 @@ CONTEXT_TEMPLATES: dict[str, str] = {
     "scbench_prefix_suffix": "{context}",
     "scbench_vt": "{context}",
     "scbench_qa_eng": BOOK_INSTRUCTION + " Be very concise in your answer.\n\n{context}",
+    "scbench_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}",
     "scbench_choice_eng": BOOK_INSTRUCTION + "\n\n{context}",
     "scbench_many_shot": "{context}",
     # {prefix}: "What is <target>?" of the record's FIRST turn (`mf_prefix`).
@@ -80,6 +82,7 @@ QUERY_TEMPLATES: dict[str, str] = {
     "scbench_prefix_suffix": "{input}",
     "scbench_vt": "{input}",
     "scbench_qa_eng": "Question: {question}\nAnswer:",
+    "scbench_qa_chn": "问题：{question}\n答案：",
     "scbench_choice_eng": (
         "Question: {question}\nA. {OPTION_A}\nB. {OPTION_B}\nC. {OPTION_C}\nD. {OPTION_D}\n\n"
         "The the correct answer is"

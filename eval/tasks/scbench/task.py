@@ -90,7 +90,7 @@ def mf_prefix(text: str) -> str:
 def query(config: str, turn: dict[str, Any]) -> str:
     """One turn's query text (`prompts.QUERY_TEMPLATES`)."""
     text = turn["input"]
-    if config == "scbench_qa_eng":
+    if config in ("scbench_qa_eng", "scbench_qa_chn"):
         return QUERY_TEMPLATES[config].format(question=text)
     if config == "scbench_choice_eng":
         options = list(turn["options"])
@@ -177,22 +177,9 @@ def _check_record(config: str, index: int, record: dict[str, Any]) -> None:
             raise ValueError(f"{config} record {index} turn {t}: expected 'input' and 'answer'")
 
 
-def _answers(config: str, label: Any) -> list[str]:
-    """`Sample.answers` (strings) from SCBench's label; `_label` inverts it."""
-    if config == "scbench_vt":
-        return [str(a) for a in label]
-    if config in ("scbench_qa_eng", "scbench_choice_eng"):
-        return [str(a) for a in label]
-    return [str(label)]
-
-
-def _label(config: str, answers: list[str]) -> Any:
-    if config in ("scbench_vt", "scbench_qa_eng", "scbench_choice_eng"):
-        return list(answers)
-    if config == "scbench_mf":
-        text = answers[0]
-        return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
-    return answers[0]
+def _answers(label: Any) -> list[str]:
+    """`Sample.answers` (strings) of SCBench's label: its items, or the label itself."""
+    return [str(a) for a in label] if isinstance(label, list) else [str(label)]
 
 
 # ------------------------------------------------------------------------------------------- task
@@ -311,7 +298,9 @@ class SCBenchTask(Task):
         out = []
         for t, turn in enumerate(turns):
             text = query(config, turn)
+            label = metrics.label(config, turn)
             extra = {
+                "label": label,  # SCBench's label, as its scorer takes it (not a row column)
                 "prompt_tokens": n_tokens,
                 "truncated": n_tokens > budget,
                 "record_id": record.get("id"),
@@ -325,7 +314,7 @@ class SCBenchTask(Task):
                     dataset=config,
                     context=context,
                     question=SEPARATOR + text,
-                    answers=_answers(config, metrics.label(config, turn)),
+                    answers=_answers(label),
                     max_new_tokens=MAX_NEW_TOKENS[config],
                     chat_template=self.chat_template,
                     extra=extra,
@@ -338,10 +327,20 @@ class SCBenchTask(Task):
 
     # ---- scoring
     def score(self, sample: Sample, prediction: str) -> float:
-        return metrics.SCORERS[sample.dataset](prediction, _label(sample.dataset, sample.answers))
+        return metrics.SCORERS[sample.dataset](prediction, sample.extra["label"])
 
     def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
-        if sample.dataset != "scbench_many_shot":
+        """scbench_many_shot and scbench_qa_chn: the metric over the whole answer as well, where
+        SCBench's scorer loops over a string label's characters (`metrics` docstring)."""
+        label = sample.extra["label"]
+        if not isinstance(label, str):
             return {}
-        answer = sample.answers[0].strip().upper()
-        return {"answer_in_prediction": float(bool(answer) and answer in prediction.strip().upper())}
+        if sample.dataset == "scbench_many_shot":
+            return {"answer_in_prediction": metrics.longdialogue_qa(prediction, [label])}
+        if sample.dataset == "scbench_qa_chn":
+            return {"f1_whole_answer": metrics.qa_f1_zh(prediction, [label])}
+        return {}
+
+    def row_metadata(self, sample: Sample) -> dict[str, Any]:
+        """`extra` but the label (the rows hold `answers`)."""
+        return {k: v for k, v in sample.extra.items() if k != "label"}

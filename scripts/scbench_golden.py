@@ -1,13 +1,16 @@
 """Score the SCBench golden cases with SCBench's own code: writes tests/data/scbench_scores.json.
 
+    pip install rouge-score==0.1.2   # what evaluate's rouge runs (only this script needs it)
     python scripts/scbench_golden.py /path/to/MInference   # a checkout of microsoft/MInference
 
 Runs `scbench/compute_scores.py`'s `get_score_one` (under the InfiniteBench task name SCBench maps
 each config to, `Multiturnbench_to_Infinitebench`) on labels built by `scbench/eval_utils.py`'s
 `get_ground_truth`, for the hand-written predictions below. Both files are loaded from the
-checkout; what they import at module level and the scorers never call (`evaluate`'s ROUGE, the
-argument parser, RepoQA's utilities, torch) is stubbed, and only `get_ground_truth` is taken from
-eval_utils.py. `tests/test_scbench.py` checks that `eval.tasks.scbench` gives every case the same
+checkout; what they import at module level and the scorers never call (the argument parser,
+RepoQA's utilities, torch) is stubbed, and only `get_ground_truth` is taken from eval_utils.py.
+`evaluate.load("rouge")` would fetch the metric's script from the Hub: it is replaced by that
+script's `_compute` restated (huggingface/evaluate `metrics/rouge/rouge.py`: Google's rouge_score,
+no stemmer, one F1 per prediction), so the summary cases check the call into rouge_score. `tests/test_scbench.py` checks that `eval.tasks.scbench` gives every case the same
 score.
 """
 
@@ -83,6 +86,33 @@ CASES: list[tuple[str, dict, list[str]]] = [
         ["(A)", "(B)", "A", "b", "no idea", "", "(c"],
     ),
     (
+        "scbench_summary",
+        {
+            "input": "Summarize the paper.",
+            "answer": "The paper studies caches.\nIt compresses keys and values.",
+        },
+        [
+            "The paper studies caches.\nIt compresses keys and values.",
+            "studies key value caches and compresses them",
+            "A paper.",
+            "",
+            "It compresses keys and values.\nThe paper studies caches.",
+            "the the paper paper studies\n\ncaches caches it it compresses values keys and keys",
+            "Values, keys: it compresses!\nCaches? The paper studies them; the paper.\nKeys and values again.",
+            "THE PAPER-STUDIES caches_2 and 3 values\n\n\n",
+        ],
+    ),
+    (
+        "scbench_summary_with_needles",
+        {"input": "Summarize it.", "answer": "Cats sleep a lot.", "task": "scbench_summary"},
+        ["Cats sleep a lot.", "cats sleep", "Dogs bark.", "a lot of cats\nsleep a lot"],
+    ),
+    (
+        "scbench_summary_with_needles",
+        {"input": "What is the pass key?", "answer": "68493", "task": "scbench_passkey"},
+        ["68493", "The pass key is 68493.", "684 93", "It is 68492.", "none", "068493"],
+    ),
+    (
         "scbench_mf",
         {
             "input": "What is the largest number in the list above? The largest number of the list is",
@@ -102,14 +132,34 @@ TASK_NAMES = {
     "scbench_choice_eng": "longbook_choice_eng",
     "scbench_many_shot": "scbench_many_shot",
     "scbench_mf": "math_find",
+    "scbench_summary": "scbench_summary",
+    # scbench_summary_with_needles: per turn task, as compute_scores' subtasks.
+    "scbench_passkey": "passkey",
 }
+
+
+class Rouge:
+    """evaluate's rouge metric, `_compute` restated (the module docstring)."""
+
+    def compute(self, predictions, references, use_aggregator=True, use_stemmer=False):
+        from rouge_score import rouge_scorer
+
+        assert not use_aggregator, "SCBench asks for one score per prediction"
+        scorer = rouge_scorer.RougeScorer(
+            ["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=use_stemmer
+        )
+        multi = isinstance(references[0], list)
+        scores = [
+            scorer.score_multi(r, p) if multi else scorer.score(r, p) for r, p in zip(references, predictions)
+        ]
+        return {key: [s[key].fmeasure for s in scores] for key in scores[0]}
 
 
 def load(minference: Path):
     src = minference / "scbench"
     for name in ("evaluate", "args", "repo_qa_utils"):
         stub = types.ModuleType(name)
-        stub.load = lambda *a, **k: None  # evaluate.load("rouge"): only the summary scorer uses it
+        stub.load = lambda *a, **k: Rouge()  # evaluate.load("rouge")
         stub.parse_args = lambda: None
         stub.compute_score = None
         sys.modules[name] = stub
@@ -133,7 +183,8 @@ def main() -> None:
     for config, turn, predictions in CASES:
         (label,) = get_ground_truth({"multi_turns": [turn]}, config)
         for prediction in predictions:
-            score = get_score_one(prediction, label, TASK_NAMES[config], "model")
+            task_name = TASK_NAMES[turn.get("task", config)]
+            score = get_score_one(prediction, label, task_name, "model")
             rows.append({"config": config, "turn": turn, "prediction": prediction, "score": score})
     lines = ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows)  # one case per line
     OUT.write_text(f"[\n{lines}\n]\n", encoding="utf-8")

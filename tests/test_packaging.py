@@ -35,8 +35,9 @@ DISTRIBUTION = {
 # What transformers needs at run time for the library's own paths, never imported by snapkv/ itself:
 # the embedded models are GGUF files (transformers reads them with gguf, and refuses without accelerate).
 RUNTIME_ONLY = {"gguf", "accelerate"}
-# Installed by hand next to a pinned transformers for the comparison (docs/benchmarking.md).
-BY_HAND = {"kvpress"}
+# Installed by hand: kvpress next to a pinned transformers for the comparison (docs/benchmarking.md),
+# rouge-score to write SCBench's golden scores again (scripts/scbench_golden.py).
+BY_HAND = {"kvpress", "rouge-score"}
 HARNESS = {
     "hydra-core",
     "pandas",

@@ -149,12 +149,13 @@ def test_kv_samples_share_the_context(tmp_path, tok):
     assert (a.answers, a.max_new_tokens, a.dataset) == (["v2"], 150, "scbench_kv")
     assert a.extra == {
         "label": "v2",
+        "scorer": "scbench_kv",
         "prompt_tokens": a.extra["prompt_tokens"],
         "truncated": False,
         "record_id": 7,
         "turns": 2,
     }
-    assert "label" not in task.row_metadata(a)  # the rows hold `answers`
+    assert "label" not in task.row_metadata(a) and "scorer" not in task.row_metadata(a)
 
 
 def test_choice_and_mf_prompts(tmp_path, tok):
@@ -171,6 +172,52 @@ def test_choice_and_mf_prompts(tmp_path, tok):
     assert mf1.question == "\n\nWhat is the smallest number of the list?\n\n" + MF["multi_turns"][1]["input"]
     assert (mf0.answers, mf0.max_new_tokens) == (["97"], 5)
     assert task.score(mf1, "It is 4.") == 1.0 and task.score(mf0, "4") == 0.0
+
+
+def test_summary_prompts_and_mixed_turns(tmp_path, tok):
+    summary = {
+        "context": WORDS,
+        "multi_turns": [{"input": "Summarize.", "answer": "s1"}, {"input": "Again.", "answer": "s2"}],
+    }
+    needles = {
+        "context": WORDS,
+        "multi_turns": [
+            {"input": "Summarize.", "answer": "a summary", "task": "scbench_summary"},
+            {"input": "What is the pass key?", "answer": "123", "task": "scbench_passkey"},
+        ],
+    }
+    write_jsonl(tmp_path / "scbench_summary.jsonl", [summary])
+    write_jsonl(tmp_path / "scbench_summary_with_needles.jsonl", [needles])
+    task = SCBenchTask(configs=["scbench_summary", "scbench_summary_with_needles"], data_files=str(tmp_path))
+    s0, s1, n0, n1 = task.samples(tok)
+    assert s0.context == WORDS and s0.question == "\n\nSummarize." and s0.max_new_tokens == 200
+    # SCBench's multi-turn mode prefixes later summaries with "This paper" (an answer prefix)
+    assert (s0.turn, s1.turn) == (("Summarize.", ""), ("Again.", "This paper"))
+    assert (n0.dataset, n1.dataset) == (
+        "scbench_summary_with_needles:summary",
+        "scbench_summary_with_needles:passkey",
+    )
+    assert (n0.max_new_tokens, n1.max_new_tokens) == (800, 15) and n0.context_id == n1.context_id
+    assert n1.extra["subtask"] == "scbench_passkey" and "scorer" not in task.row_metadata(n1)
+    assert task.score(n1, "The key is 123.") == 1.0 and task.score(n0, "a summary") == 1.0
+    # the context keeps (800 + 15) x 2 turns // 2 tokens free for the answers
+    tight = SCBenchTask(
+        configs=["scbench_summary_with_needles"], data_files=str(tmp_path), max_prompt_tokens=830
+    )
+    assert next(iter(tight.samples(tok))).extra["truncated"]
+    with pytest.raises(ValueError, match="leaves no room"):
+        list(
+            SCBenchTask(
+                configs=["scbench_summary_with_needles"],
+                data_files=str(tmp_path),
+                max_prompt_tokens=816,
+            ).samples(tok)
+        )
+    bad = {**needles, "multi_turns": [{"input": "x", "answer": "y", "task": "scbench_kv"}]}
+    with pytest.raises(
+        ValueError, match="turn task must be one of scbench_summary, scbench_passkey, got task='scbench_kv'"
+    ):
+        task.record_samples("scbench_summary_with_needles", 0, bad, tok, templated=True)
 
 
 def test_mf_prefix_needs_its_phrase():
@@ -238,7 +285,6 @@ def test_local_data_errors(tmp_path):
     "kw, match",
     [
         ({"configs": ["scbench_repoqa"]}, "'scbench_repoqa' is not supported yet"),
-        ({"configs": ["scbench_summary"]}, "'scbench_summary' is not supported yet"),
         ({"configs": ["scbench_repoqa_and_kv"]}, "'scbench_repoqa_and_kv' is not supported yet"),
         ({"configs": ["scbench_nope"]}, "unknown SCBench config 'scbench_nope'; known: scbench_kv"),
         ({"configs": []}, "configs must not be empty"),

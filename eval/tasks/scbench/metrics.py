@@ -12,6 +12,8 @@ SCBench scores most configs with InfiniteBench's scorers (`Multiturnbench_to_Inf
 | scbench_choice_eng | `longbook_choice_eng`: the first letter, else an answer prefix, else the first A-D word | [answer, its letter] |
 | scbench_many_shot | `longdialogue_qa_eng` | the answer as it is |
 | scbench_mf | `math_find`: the first number of the prediction equals the label | the answer (int or float) |
+| scbench_summary | `longbook_sum_eng`: ROUGE-Lsum F1 (`evaluate`'s rouge: Google's rouge_score, Apache-2.0, no stemmer; restated) | the answer |
+| scbench_summary_with_needles | per turn `task`: ROUGE-Lsum (scbench_summary), `passkey` (the prediction's first digit run equals the label) | the answer |
 
 Fidelity: scbench_many_shot and scbench_qa_chn pass a string answer itself where the scorer loops
 over a list of labels, so SCBench scores each character of the answer as a label of its own: a
@@ -119,6 +121,81 @@ def qa_f1_zh(prediction: str, labels: Sequence[str] | str) -> float:
     return max((f1(pred, list(normalize_zh(item))) for item in labels), default=0.0)
 
 
+def rouge_tokens(text: str) -> list[str]:
+    """rouge_score's default tokenizer without stemming: lower-cased runs of [a-z0-9]."""
+    return [
+        t for t in re.split(r"\s+", re.sub(r"[^a-z0-9]+", " ", text.lower())) if re.fullmatch(r"[a-z0-9]+", t)
+    ]
+
+
+def _lcs_indices(ref: list[str], can: list[str]) -> list[int]:
+    """Indices into `ref` of one longest common subsequence with `can` (rouge_score's DP table and
+    its backtrack, which prefers moving along `ref` on ties)."""
+    table = [[0] * (len(can) + 1) for _ in range(len(ref) + 1)]
+    for i in range(1, len(ref) + 1):
+        for j in range(1, len(can) + 1):
+            if ref[i - 1] == can[j - 1]:
+                table[i][j] = table[i - 1][j - 1] + 1
+            else:
+                table[i][j] = max(table[i - 1][j], table[i][j - 1])
+    i, j, out = len(ref), len(can), []
+    while i > 0 and j > 0:
+        if ref[i - 1] == can[j - 1]:
+            out.append(i - 1)
+            i, j = i - 1, j - 1
+        elif table[i][j - 1] > table[i - 1][j]:
+            j -= 1
+        else:
+            i -= 1
+    return out[::-1]
+
+
+def _rouge_lsum_one(reference: str, prediction: str) -> float:
+    """Summary-level LCS F1 (ROUGE paper section 3.2) over newline-separated sentences, each
+    reference token counted at most as often as it occurs on both sides (rouge_score's
+    `_summary_level_lcs`)."""
+    ref = [rouge_tokens(s) for s in reference.split("\n") if s]
+    can = [rouge_tokens(s) for s in prediction.split("\n") if s]
+    m, n = sum(map(len, ref)), sum(map(len, can))
+    if not ref or not can or not m or not n:
+        return 0.0
+    left_r = Counter(t for sent in ref for t in sent)
+    left_c = Counter(t for sent in can for t in sent)
+    hits = 0
+    for sent in ref:
+        union = sorted(set().union(*(_lcs_indices(sent, c) for c in can)))
+        for t in (sent[i] for i in union):
+            if left_c[t] > 0 and left_r[t] > 0:
+                hits += 1
+                left_c[t] -= 1
+                left_r[t] -= 1
+    recall, precision = hits / m, hits / n
+    return 2 * precision * recall / (precision + recall) if precision + recall > 0 else 0.0
+
+
+def rouge_lsum(prediction: str, label: str | Sequence[str]) -> float:
+    """`get_score_one_longbook_sum_eng`: `evaluate.load("rouge").compute(predictions=[prediction],
+    references=[label], use_aggregator=False)["rougeLsum"][0]`, i.e. Google's rouge_score
+    ROUGE-Lsum F1 without stemming, restated here (`rouge_tokens`, `_rouge_lsum_one`); a list
+    label: the best over its items (`score_multi`)."""
+    if isinstance(label, str):
+        return _rouge_lsum_one(label, prediction)
+    return max((_rouge_lsum_one(ref, prediction) for ref in label), default=0.0)
+
+
+def first_int(prediction: str) -> str:
+    """`first_int_match`: the first run of digits of the prediction ("" if none)."""
+    return next((item for item in re.split("[^0-9]", prediction) if item != ""), "")
+
+
+def passkey(prediction: str, label: Any) -> float:
+    """`get_score_one_passkey`: the label equals the prediction's first digit run (a string
+    comparison: SCBench's labels are strings; the first item of a list label)."""
+    if isinstance(label, list):
+        label = label[0]
+    return float(label == first_int(prediction))
+
+
 def label(config: str, turn: dict[str, Any]) -> Any:
     """SCBench's label of one turn (`get_ground_truth`)."""
     answer = turn["answer"]
@@ -141,4 +218,6 @@ SCORERS: dict[str, Callable[[str, Any], float]] = {
     "scbench_choice_eng": longbook_choice,
     "scbench_many_shot": longdialogue_qa,
     "scbench_mf": math_find,
+    "scbench_summary": rouge_lsum,
+    "scbench_passkey": passkey,
 }

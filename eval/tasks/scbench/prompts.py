@@ -38,18 +38,18 @@ SUPPORTED: tuple[str, ...] = (
     "scbench_qa_chn",
     "scbench_choice_eng",
     "scbench_many_shot",
+    "scbench_summary",
     "scbench_mf",
+    "scbench_summary_with_needles",
 )
 # Why the others are refused (their scorers are not ported yet).
 NOT_SUPPORTED: dict[str, str] = {
     "scbench_repoqa": "RepoQA's scorer (tree-sitter function matching, pass@1 at similarity 0.8)",
     "scbench_repoqa_and_kv": "RepoQA's scorer (tree-sitter function matching, pass@1 at similarity 0.8)",
-    "scbench_summary": "ROUGE-Lsum of the `evaluate` package",
-    "scbench_summary_with_needles": "ROUGE-Lsum of the `evaluate` package",
 }
 
-# DATA_NAME_TO_MAX_NEW_TOKENS
-MAX_NEW_TOKENS: dict[str, int] = {
+# DATA_NAME_TO_MAX_NEW_TOKENS: per config, or per turn `task` for a config that mixes two.
+MAX_NEW_TOKENS: dict[str, int | dict[str, int]] = {
     "scbench_kv": 150,
     "scbench_prefix_suffix": 150,
     "scbench_vt": 30,
@@ -58,7 +58,12 @@ MAX_NEW_TOKENS: dict[str, int] = {
     "scbench_choice_eng": 40,
     "scbench_many_shot": 10,
     "scbench_mf": 5,
+    "scbench_summary": 200,
+    "scbench_summary_with_needles": {"scbench_summary": 800, "scbench_passkey": 15},
 }
+# SCBench's multi-turn mode appends this after the generation prompt of scbench_summary's later
+# turns (an answer prefix; not in its multi-request mode).
+SUMMARY_PREFIX = "This paper"
 
 KV_INSTRUCTION = "Extract the value corresponding to the specified key in the JSON object below."
 BOOK_INSTRUCTION = "Read the book and answer the question."
@@ -72,6 +77,8 @@ CONTEXT_TEMPLATES: dict[str, str] = {
     "scbench_qa_chn": "阅读以下书籍然后回答问题。\n\n{context}",
     "scbench_choice_eng": BOOK_INSTRUCTION + "\n\n{context}",
     "scbench_many_shot": "{context}",
+    "scbench_summary": "{context}",
+    "scbench_summary_with_needles": "{context}",
     # {prefix}: "What is <target>?" of the record's FIRST turn (`mf_prefix`).
     "scbench_mf": "{prefix}\n\n{context}",
 }
@@ -88,6 +95,8 @@ QUERY_TEMPLATES: dict[str, str] = {
         "The the correct answer is"
     ),
     "scbench_many_shot": "{input}",
+    "scbench_summary": "{input}",
+    "scbench_summary_with_needles": "{input}",
     # {prefix}: "What is <target>?" of this turn.
     "scbench_mf": "{prefix}\n\n{input}",
 }

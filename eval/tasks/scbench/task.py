@@ -19,11 +19,15 @@ blank line; here every question has the blank line of its multi-turn mode's firs
 multi-turn mode SCBench repeats no "What is <target>?" before scbench_mf's first question and
 gives every later chat turn the LAST turn's one (a loop variable reused); here each query carries
 its own, as SCBench's multi-request mode does; (3) the model's own earlier answers stay in the
-conversation (SCBench's `disable_golden_context`), never the reference answers.
+conversation (SCBench's `disable_golden_context`), never the reference answers. As in SCBench,
+scbench_summary's later chat turns open the answer with "This paper" (`Sample.turn`'s prefix; its
+multi-request mode has none), and scbench_summary_with_needles takes each turn's generation length
+and scorer from the turn's `task` (summary or passkey), its rows' `dataset` naming it
+(``scbench_summary_with_needles:passkey``) as SCBench reports the two apart.
 
 Truncation (SCBench's `truncate_input`, "middle"): the context part is cut in the middle by tokens
 to ``max_prompt_tokens - max_new_tokens x turns`` tokens (SCBench reserves the turns' answers the
-same way; the tokenizer's default special tokens count, the two halves decoded without them, as
+same way; scbench_summary_with_needles: the sum of its two lengths x turns // 2; the tokenizer's default special tokens count, the two halves decoded without them, as
 `eval.tasks.longbench.task.truncate_middle`). The rows record the untruncated length
 (`prompt_tokens`) and `truncated`.
 
@@ -55,6 +59,7 @@ from eval.tasks.scbench.prompts import (
     NOT_SUPPORTED,
     QUERY_TEMPLATES,
     SEPARATOR,
+    SUMMARY_PREFIX,
     SUPPORTED,
 )
 from snapkv.errors import one_line
@@ -109,6 +114,31 @@ def context_part(config: str, record: dict[str, Any]) -> str:
     turns = record["multi_turns"]
     prefix = mf_prefix(turns[0]["input"]) if config == "scbench_mf" else ""
     return CONTEXT_TEMPLATES[config].format(context=record["context"], prefix=prefix)
+
+
+def subtask(config: str, turn: dict[str, Any]) -> str:
+    """The SCBench task whose scorer and generation length a turn takes: the config itself, or for
+    a config that mixes two (scbench_summary_with_needles) the turn's `task`."""
+    lengths = MAX_NEW_TOKENS[config]
+    if not isinstance(lengths, dict):
+        return config
+    task = turn.get("task")
+    if task not in lengths:
+        raise ValueError(f"{config} turn task must be one of {', '.join(lengths)}, got task={task!r}")
+    return task
+
+
+def max_new_tokens(config: str, turn: dict[str, Any]) -> int:
+    """SCBench's generation length of one turn (`DATA_NAME_TO_MAX_NEW_TOKENS`)."""
+    lengths = MAX_NEW_TOKENS[config]
+    return lengths[subtask(config, turn)] if isinstance(lengths, dict) else lengths
+
+
+def reserved(config: str, turns: int) -> int:
+    """Tokens SCBench keeps free of the context for the answers of `turns` turns: max new tokens x
+    turns, or for a mixed config the sum of its two lengths x turns // 2."""
+    lengths = MAX_NEW_TOKENS[config]
+    return sum(lengths.values()) * turns // 2 if isinstance(lengths, dict) else lengths * turns
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -287,20 +317,23 @@ class SCBenchTask(Task):
     ) -> list[Sample]:
         """The samples of one record: one per turn, sharing the (truncated) context part."""
         turns = record["multi_turns"]
-        budget = self.max_prompt_tokens - MAX_NEW_TOKENS[config] * len(turns)
+        budget = self.max_prompt_tokens - reserved(config, len(turns))
         if budget < 2:
             raise ValueError(
                 f"scbench max_prompt_tokens={self.max_prompt_tokens} leaves no room for {config} record "
-                f"{index}'s context: {len(turns)} turns x {MAX_NEW_TOKENS[config]} new tokens are reserved"
+                f"{index}'s context: {reserved(config, len(turns))} tokens are reserved for its "
+                f"{len(turns)} answers"
             )
         context, n_tokens = truncate_middle(context_part(config, record), tokenizer, budget)
         context_id = f"{config}-{index}"
         out = []
         for t, turn in enumerate(turns):
             text = query(config, turn)
-            label = metrics.label(config, turn)
+            label, scorer = metrics.label(config, turn), subtask(config, turn)
             extra = {
-                "label": label,  # SCBench's label, as its scorer takes it (not a row column)
+                # SCBench's label as its scorer takes it, and the scorer (not row columns)
+                "label": label,
+                "scorer": scorer,
                 "prompt_tokens": n_tokens,
                 "truncated": n_tokens > budget,
                 "record_id": record.get("id"),
@@ -308,39 +341,42 @@ class SCBenchTask(Task):
             }
             if "task" in turn or "task" in record:  # scbench_many_shot's source task
                 extra["subtask"] = turn.get("task", record.get("task"))
+            # A mixed config's turns are reported per task, as SCBench scores them.
+            dataset = config if scorer == config else f"{config}:{scorer.removeprefix('scbench_')}"
+            prefix = SUMMARY_PREFIX if config == "scbench_summary" and t > 0 else ""
             out.append(
                 Sample(
                     sample_id=f"{context_id}/q{t}",
-                    dataset=config,
+                    dataset=dataset,
                     context=context,
                     question=SEPARATOR + text,
                     answers=_answers(label),
-                    max_new_tokens=MAX_NEW_TOKENS[config],
+                    max_new_tokens=max_new_tokens(config, turn),
                     chat_template=self.chat_template,
                     extra=extra,
                     context_id=context_id,
                     question_index=t,
-                    turn=(text, "") if templated else None,
+                    turn=(text, prefix) if templated else None,
                 )
             )
         return out
 
     # ---- scoring
     def score(self, sample: Sample, prediction: str) -> float:
-        return metrics.SCORERS[sample.dataset](prediction, sample.extra["label"])
+        return metrics.SCORERS[sample.extra["scorer"]](prediction, sample.extra["label"])
 
     def score_all(self, sample: Sample, prediction: str) -> dict[str, float]:
         """scbench_many_shot and scbench_qa_chn: the metric over the whole answer as well, where
         SCBench's scorer loops over a string label's characters (`metrics` docstring)."""
-        label = sample.extra["label"]
+        label, scorer = sample.extra["label"], sample.extra["scorer"]
         if not isinstance(label, str):
             return {}
-        if sample.dataset == "scbench_many_shot":
+        if scorer == "scbench_many_shot":
             return {"answer_in_prediction": metrics.longdialogue_qa(prediction, [label])}
-        if sample.dataset == "scbench_qa_chn":
+        if scorer == "scbench_qa_chn":
             return {"f1_whole_answer": metrics.qa_f1_zh(prediction, [label])}
         return {}
 
     def row_metadata(self, sample: Sample) -> dict[str, Any]:
-        """`extra` but the label (the rows hold `answers`)."""
-        return {k: v for k, v in sample.extra.items() if k != "label"}
+        """`extra` but the label and the scorer (the rows hold `answers` and `dataset`)."""
+        return {k: v for k, v in sample.extra.items() if k not in ("label", "scorer")}

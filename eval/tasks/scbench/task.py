@@ -26,9 +26,10 @@ and scorer from the turn's `task` (summary or passkey), its rows' `dataset` nami
 (``scbench_summary_with_needles:passkey``) as SCBench reports the two apart.
 
 Truncation (SCBench's `truncate_input`, "middle"): the context part is cut in the middle by tokens
-to ``max_prompt_tokens - max_new_tokens x turns`` tokens (SCBench reserves the turns' answers the
-same way; scbench_summary_with_needles: the sum of its two lengths x turns // 2; the tokenizer's default special tokens count, the two halves decoded without them, as
-`eval.tasks.longbench.task.truncate_middle`). The rows record the untruncated length
+to ``max_prompt_tokens - max_new_tokens x turns`` tokens, SCBench's reserve for the turns' answers
+(scbench_summary_with_needles: the sum of its two lengths x turns // 2). The tokenizer's default
+special tokens count and the two halves are decoded without them
+(`eval.tasks.longbench.task.truncate_middle`). The rows record the untruncated length
 (`prompt_tokens`) and `truncated`.
 
 Data: ``datasets.load_dataset(repo, config, split=split, revision=revision)`` (cached by

@@ -122,6 +122,31 @@ CASES: list[tuple[str, dict, list[str]]] = [
     ),
 ]
 
+F_ADD = "def add(a, b):\n    total = a + b\n    return total"
+F_SCALE = "def scale(values, factor):\n    out = []\n    for v in values:\n        out.append(v * factor)\n    return out"
+F_NAME = "def full_name(first, last):\n    name = first + ' ' + last\n    return name.strip()"
+REPOQA = {
+    "context": "# repo files\n" + "\n\n".join([F_ADD, F_SCALE, F_NAME]),
+    "lang": "python",
+    "repo": "example/calc",
+    "multi_turns": [
+        {"input": "Function that adds two numbers.", "answer": F_ADD, "name": "add"},
+        {"input": "Function that multiplies each value.", "answer": F_SCALE, "name": "scale"},
+        {"input": "Function that joins a first and last name.", "answer": F_NAME, "name": "full_name"},
+    ],
+}
+# One prediction per turn of REPOQA per set: code blocks, prose around them, two functions in a
+# block (the first is taken), another function, a near copy, no block, nothing.
+REPOQA_PREDICTIONS = [
+    [f"```python\n{F_ADD}\n```", f"Here it is:\n```python\n{F_SCALE}\n```\nDone.", F_NAME],
+    [f"```python\n{F_SCALE}\n```", f"```\n{F_ADD}\n\n{F_SCALE}\n```", ""],
+    [
+        "```python\ndef add(x, y):\n    total = x + y\n    return total\n```",
+        f"```python\nimport os\n\n{F_SCALE}\n```",
+        "```python\ndef full_name(first, last):\n    return first\n```",
+    ],
+]
+
 # compute_scores.Multiturnbench_to_Infinitebench, restated to pick the task name per config.
 TASK_NAMES = {
     "scbench_kv": "kv_retrieval",
@@ -157,11 +182,11 @@ class Rouge:
 
 def load(minference: Path):
     src = minference / "scbench"
-    for name in ("evaluate", "args", "repo_qa_utils"):
+    sys.path.insert(0, str(src))  # repo_qa_utils, the real one
+    for name in ("evaluate", "args", "tempdir"):
         stub = types.ModuleType(name)
         stub.load = lambda *a, **k: Rouge()  # evaluate.load("rouge")
         stub.parse_args = lambda: None
-        stub.compute_score = None
         sys.modules[name] = stub
     scores = types.ModuleType("scbench_compute_scores")
     exec(
@@ -172,13 +197,13 @@ def load(minference: Path):
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_ground_truth")
     ns: dict = {}
     exec(compile(ast.Module(body=[fn], type_ignores=[]), str(src / "eval_utils.py"), "exec"), ns)
-    return scores.get_score_one, ns["get_ground_truth"]
+    return scores.get_score_one, ns["get_ground_truth"], scores.compute_repoqa_score
 
 
 def main() -> None:
     if len(sys.argv) != 2:
         sys.exit(__doc__)
-    get_score_one, get_ground_truth = load(Path(sys.argv[1]))
+    get_score_one, get_ground_truth, compute_repoqa_score = load(Path(sys.argv[1]))
     rows = []
     for config, turn, predictions in CASES:
         (label,) = get_ground_truth({"multi_turns": [turn]}, config)
@@ -186,6 +211,31 @@ def main() -> None:
             task_name = TASK_NAMES[turn.get("task", config)]
             score = get_score_one(prediction, label, task_name, "model")
             rows.append({"config": config, "turn": turn, "prediction": prediction, "score": score})
+    for predictions in REPOQA_PREDICTIONS:  # SCBench's compute_scores for scbench_repoqa
+        gts = get_ground_truth(REPOQA, "scbench_repoqa")
+        preds = [
+            {
+                "lang": REPOQA["lang"],
+                "repo": REPOQA["repo"],
+                "prediction": p,
+                "ground_truth": gt,
+                "func_name": t["name"],
+            }
+            for p, gt, t in zip(predictions, gts, REPOQA["multi_turns"])
+        ]
+        needles = {REPOQA["repo"]: [{"needle": p["ground_truth"], "name": p["func_name"]} for p in preds]}
+        out = compute_repoqa_score("model", preds, gts, needles)["model"]["results"]["python"]
+        for t, (p, res) in enumerate(zip(predictions, out)):
+            passed = res["is_best_similar"] and res["best_similar_score"] >= 0.8  # pass@1 at 0.8
+            rows.append(
+                {
+                    "config": "scbench_repoqa",
+                    "record": REPOQA,
+                    "turn_index": t,
+                    "prediction": p,
+                    "score": float(passed),
+                }
+            )
     lines = ",\n".join(json.dumps(r, ensure_ascii=False) for r in rows)  # one case per line
     OUT.write_text(f"[\n{lines}\n]\n", encoding="utf-8")
     print(f"{len(rows)} cases -> {OUT}")

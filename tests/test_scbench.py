@@ -21,12 +21,14 @@ from hydra import compose, initialize_config_dir
 
 from eval.spec import RunSpec
 from eval.tasks import build_task
-from eval.tasks.scbench import metrics
-from eval.tasks.scbench.prompts import CONFIGS, NOT_SUPPORTED, SUPPORTED
+from eval.tasks.scbench import metrics, repoqa
+from eval.tasks.scbench.prompts import CONFIGS, DEFAULT, NEEDS_REPOQA
 from eval.tasks.scbench.task import SCBenchTask, mf_prefix
 
 ROOT = Path(__file__).resolve().parents[1]
-GOLDEN = json.loads((ROOT / "tests" / "data" / "scbench_scores.json").read_text(encoding="utf-8"))
+ALL_GOLDEN = json.loads((ROOT / "tests" / "data" / "scbench_scores.json").read_text(encoding="utf-8"))
+GOLDEN = [g for g in ALL_GOLDEN if "turn" in g]  # one turn each
+REPOQA_GOLDEN = [g for g in ALL_GOLDEN if "record" in g]  # turns of one RepoQA record
 WORDS = " ".join(f"line {i} of the book tells of gardens and rivers." for i in range(40))
 
 KV = {
@@ -88,10 +90,25 @@ def test_scores_match_scbench(case, tok):
     assert task.score(sample, case["prediction"]) == case["score"]
 
 
-def test_golden_covers_every_supported_config():
-    assert {g["config"] for g in GOLDEN} == set(SUPPORTED)
-    for config in SUPPORTED:  # each config's cases include a right and a wrong prediction
-        assert {g["score"] for g in GOLDEN if g["config"] == config} >= {0.0, 1.0}
+@pytest.mark.parametrize("case", REPOQA_GOLDEN, ids=lambda g: f"q{g['turn_index']}:{g['prediction'][:20]!r}")
+def test_repoqa_scores_match_scbench(case, tok):
+    """RepoQA: the record's turns are its repository's needles; each prediction scores as SCBench's
+    compute_scores (pass@1 at BLEU 0.8) gives it."""
+    pytest.importorskip("tree_sitter_languages")
+    task = SCBenchTask(configs=["scbench_repoqa"], max_prompt_tokens=20000)
+    samples = task.record_samples("scbench_repoqa", 0, case["record"], tok, templated=True)
+    sample = samples[case["turn_index"]]
+    assert sample.answers == [case["record"]["multi_turns"][case["turn_index"]]["answer"]]
+    assert task.score(sample, case["prediction"]) == case["score"]
+
+
+def test_golden_covers_every_config():
+    assert {g["config"] for g in ALL_GOLDEN} == set(CONFIGS) - {"scbench_repoqa_and_kv"}
+    for config in CONFIGS:  # each config's cases include a right and a wrong prediction
+        assert {g["score"] for g in ALL_GOLDEN if g["config"] == config} >= {
+            0.0,
+            1.0,
+        } or config == "scbench_repoqa_and_kv"
 
 
 def test_many_shot_whole_answer_metric(tok):
@@ -220,6 +237,42 @@ def test_summary_prompts_and_mixed_turns(tmp_path, tok):
         task.record_samples("scbench_summary_with_needles", 0, bad, tok, templated=True)
 
 
+def test_repoqa_and_kv_mixed_turns(tmp_path, tok):
+    pytest.importorskip("tree_sitter_languages")
+    code = "def add(a, b):\n    return a + b"
+    other = "def sub(a, b):\n    return a - b"
+    record = {
+        "context": code + "\n\n" + other + '\n{"k1": "v1"}',
+        "lang": "python",
+        "repo": "o/r",
+        "multi_turns": [
+            {"input": "Adds.", "answer": code, "name": "add", "task": "scbench_repoqa"},
+            {"input": 'Key: "k1"', "answer": "v1", "task": "scbench_kv"},
+            {"input": "Subtracts.", "answer": other, "name": "sub", "task": "scbench_repoqa"},
+        ],
+    }
+    write_jsonl(tmp_path / "scbench_repoqa_and_kv.jsonl", [record, {**record, "repo": "o/other"}])
+    task = SCBenchTask(configs=["scbench_repoqa_and_kv"], data_files=str(tmp_path))
+    q0, q1, q2, *_ = task.samples(tok)
+    assert [s.dataset for s in (q0, q1, q2)] == [
+        "scbench_repoqa_and_kv:repoqa", "scbench_repoqa_and_kv:kv", "scbench_repoqa_and_kv:repoqa",
+    ]  # fmt: skip
+    assert [s.max_new_tokens for s in (q0, q1, q2)] == [1024, 80, 1024] and q0.context == record["context"]
+    # the needles of a repository: its RepoQA turns only, over every record about it
+    assert q0.extra["label"]["needles"] == [["add", code], ["sub", other]]
+    meta = task.row_metadata(q0)
+    assert (meta["function"], meta["lang"], meta["repo"], meta["subtask"]) == (
+        "add",
+        "python",
+        "o/r",
+        "scbench_repoqa",
+    )
+    assert (
+        task.score(q0, f"```python\n{code}\n```") == 1.0 and task.score(q2, f"```python\n{code}\n```") == 0.0
+    )
+    assert task.score(q1, "The value is v1.") == 1.0 and task.score(q1, "V1") == 0.0
+
+
 def test_mf_prefix_needs_its_phrase():
     assert mf_prefix("... The sum of the list is") == "What is the sum of the list?"
     with pytest.raises(ValueError, match="scbench_mf input has no"):
@@ -284,8 +337,6 @@ def test_local_data_errors(tmp_path):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"configs": ["scbench_repoqa"]}, "'scbench_repoqa' is not supported yet"),
-        ({"configs": ["scbench_repoqa_and_kv"]}, "'scbench_repoqa_and_kv' is not supported yet"),
         ({"configs": ["scbench_nope"]}, "unknown SCBench config 'scbench_nope'; known: scbench_kv"),
         ({"configs": []}, "configs must not be empty"),
         ({"configs": ["scbench_kv", "scbench_kv"]}, "listed twice"),
@@ -300,14 +351,19 @@ def test_bad_values(kw, match):
         SCBenchTask(**kw)
 
 
-def test_every_hub_config_is_supported_or_refused():
-    assert set(SUPPORTED) | set(NOT_SUPPORTED) == set(CONFIGS) and not set(SUPPORTED) & set(NOT_SUPPORTED)
+def test_repoqa_configs_need_their_grammars(monkeypatch):
+    assert set(DEFAULT) == set(CONFIGS) - set(NEEDS_REPOQA)
+    monkeypatch.setattr(repoqa, "available", lambda: False)
+    for config in NEEDS_REPOQA:
+        with pytest.raises(ValueError, match=rf"'{config}' needs the tree-sitter grammars.*\.\[repoqa\]"):
+            SCBenchTask(configs=["scbench_kv", config])
+    SCBenchTask(configs=list(DEFAULT))
 
 
 # ------------------------------------------------------------------------------------------ config, CLI
 def test_config_builds_the_task_and_selection_keeps_the_hash():
     spec = RunSpec.from_config(compose_cfg(["task=scbench"]))
-    assert isinstance(spec.task, SCBenchTask) and spec.task.configs == list(SUPPORTED)
+    assert isinstance(spec.task, SCBenchTask) and spec.task.configs == list(DEFAULT)
     fewer = RunSpec.from_config(compose_cfg(["task=scbench", "task.configs=[scbench_kv]", "task.limit=2"]))
     assert fewer.method_hash == spec.method_hash
     assert build_task("scbench", configs="scbench_vt").configs == ["scbench_vt"]
@@ -347,9 +403,12 @@ def test_offline_without_data_files_exits_2_before_the_model_loads(monkeypatch, 
     assert not (tmp_path / "results").exists()
 
 
-def test_unsupported_config_exits_2(monkeypatch, tmp_path, capsys):
-    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_kv,scbench_repoqa_and_kv]")
-    assert code == 2 and len(err) == 1 and "'scbench_repoqa_and_kv' is not supported yet" in err[0], err
+def test_bad_config_exits_2(monkeypatch, tmp_path, capsys):
+    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_kv,scbench_nope]")
+    assert code == 2 and len(err) == 1 and "unknown SCBench config 'scbench_nope'" in err[0], err
+    monkeypatch.setattr(repoqa, "available", lambda: False)
+    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_repoqa_and_kv]")
+    assert code == 2 and len(err) == 1 and "pip install -e '.[repoqa]'" in err[0], err
 
 
 # ------------------------------------------------------------------------------------------ runs

@@ -13,6 +13,8 @@ SCBench scores most configs with InfiniteBench's scorers (`Multiturnbench_to_Inf
 | scbench_many_shot | `longdialogue_qa_eng` | the answer as it is |
 | scbench_mf | `math_find`: the first number of the prediction equals the label | the answer (int or float) |
 | scbench_summary | `longbook_sum_eng`: ROUGE-Lsum F1 (`evaluate`'s rouge: Google's rouge_score, Apache-2.0, no stemmer; restated) | the answer |
+| scbench_repoqa | RepoQA's: the most similar needle (BLEU) is the asked function, BLEU >= 0.8 (`repoqa.py`) | the function's name, language, the repository's needles |
+| scbench_repoqa_and_kv | per turn `task`: RepoQA (scbench_repoqa) or `kv_retrieval` (scbench_kv) | as those |
 | scbench_summary_with_needles | per turn `task`: ROUGE-Lsum (scbench_summary), `passkey` (the prediction's first digit run equals the label) | the answer |
 
 Fidelity: scbench_many_shot and scbench_qa_chn pass a string answer itself where the scorer loops
@@ -30,6 +32,8 @@ import string
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from eval.tasks.scbench.repoqa import repoqa
 
 LETTERS = "ABCD"
 
@@ -220,4 +224,5 @@ SCORERS: dict[str, Callable[[str, Any], float]] = {
     "scbench_mf": math_find,
     "scbench_summary": rouge_lsum,
     "scbench_passkey": passkey,
+    "scbench_repoqa": repoqa,
 }

@@ -29,24 +29,10 @@ CONFIGS: tuple[str, ...] = (
     "scbench_summary_with_needles",
     "scbench_repoqa_and_kv",
 )
-# The configs this task runs, each with SCBench's own metric (`metrics.py`).
-SUPPORTED: tuple[str, ...] = (
-    "scbench_kv",
-    "scbench_prefix_suffix",
-    "scbench_vt",
-    "scbench_qa_eng",
-    "scbench_qa_chn",
-    "scbench_choice_eng",
-    "scbench_many_shot",
-    "scbench_summary",
-    "scbench_mf",
-    "scbench_summary_with_needles",
-)
-# Why the others are refused (their scorers are not ported yet).
-NOT_SUPPORTED: dict[str, str] = {
-    "scbench_repoqa": "RepoQA's scorer (tree-sitter function matching, pass@1 at similarity 0.8)",
-    "scbench_repoqa_and_kv": "RepoQA's scorer (tree-sitter function matching, pass@1 at similarity 0.8)",
-}
+# Configs whose scorer needs the `repoqa` extra (tree-sitter grammars).
+NEEDS_REPOQA: tuple[str, ...] = ("scbench_repoqa", "scbench_repoqa_and_kv")
+# What `task=scbench` runs unless `task.configs` says otherwise: every config but those.
+DEFAULT: tuple[str, ...] = tuple(c for c in CONFIGS if c not in NEEDS_REPOQA)
 
 # DATA_NAME_TO_MAX_NEW_TOKENS: per config, or per turn `task` for a config that mixes two.
 MAX_NEW_TOKENS: dict[str, int | dict[str, int]] = {
@@ -60,6 +46,8 @@ MAX_NEW_TOKENS: dict[str, int | dict[str, int]] = {
     "scbench_mf": 5,
     "scbench_summary": 200,
     "scbench_summary_with_needles": {"scbench_summary": 800, "scbench_passkey": 15},
+    "scbench_repoqa": 1024,
+    "scbench_repoqa_and_kv": {"scbench_repoqa": 1024, "scbench_kv": 80},
 }
 # SCBench's multi-turn mode appends this after the generation prompt of scbench_summary's later
 # turns (an answer prefix; not in its multi-request mode).
@@ -79,6 +67,11 @@ CONTEXT_TEMPLATES: dict[str, str] = {
     "scbench_many_shot": "{context}",
     "scbench_summary": "{context}",
     "scbench_summary_with_needles": "{context}",
+    "scbench_repoqa": (
+        "Based on the function description and code context, please retrieve and repeat the exact "
+        "described function from the code context in a code block wrapped by ```:\n\n{context}"
+    ),
+    "scbench_repoqa_and_kv": "{context}",
     # {prefix}: "What is <target>?" of the record's FIRST turn (`mf_prefix`).
     "scbench_mf": "{prefix}\n\n{context}",
 }
@@ -97,6 +90,8 @@ QUERY_TEMPLATES: dict[str, str] = {
     "scbench_many_shot": "{input}",
     "scbench_summary": "{input}",
     "scbench_summary_with_needles": "{input}",
+    "scbench_repoqa": "{input}",
+    "scbench_repoqa_and_kv": "{input}",
     # {prefix}: "What is <target>?" of this turn.
     "scbench_mf": "{prefix}\n\n{input}",
 }

@@ -52,16 +52,16 @@ from eval.tasks.base import Sample, Task
 from eval.tasks.jsonl import numbered_records
 from eval.tasks.longbench.task import truncate_middle
 from eval.tasks.registry import register_task
-from eval.tasks.scbench import metrics
+from eval.tasks.scbench import metrics, repoqa
 from eval.tasks.scbench.prompts import (
     CONFIGS,
     CONTEXT_TEMPLATES,
+    DEFAULT,
     MAX_NEW_TOKENS,
-    NOT_SUPPORTED,
+    NEEDS_REPOQA,
     QUERY_TEMPLATES,
     SEPARATOR,
     SUMMARY_PREFIX,
-    SUPPORTED,
 )
 from snapkv.errors import one_line
 from snapkv.prompts import chat_templated
@@ -70,18 +70,18 @@ HUB_REPO_ID = "microsoft/SCBench"
 
 
 def _default_configs() -> list[str]:
-    return list(SUPPORTED)
+    return list(DEFAULT)
 
 
 def check_config(config: str) -> None:
-    """ValueError for an unknown config or one whose scorer is not ported (naming it)."""
-    if config in NOT_SUPPORTED:
-        raise ValueError(
-            f"SCBench config {config!r} is not supported yet (its scorer, {NOT_SUPPORTED[config]}, is not "
-            f"ported); supported: {', '.join(SUPPORTED)}"
-        )
+    """ValueError for an unknown config, or a RepoQA one without its scorer's grammars (naming it)."""
     if config not in CONFIGS:
         raise ValueError(f"unknown SCBench config {config!r}; known: {', '.join(CONFIGS)}")
+    if config in NEEDS_REPOQA and not repoqa.available():
+        raise ValueError(
+            f"SCBench config {config!r} needs the tree-sitter grammars of RepoQA's scorer: "
+            "pip install -e '.[repoqa]' (package tree-sitter-languages), or leave it out of task.configs"
+        )
 
 
 def mf_prefix(text: str) -> str:
@@ -140,6 +140,18 @@ def reserved(config: str, turns: int) -> int:
     turns, or for a mixed config the sum of its two lengths x turns // 2."""
     lengths = MAX_NEW_TOKENS[config]
     return sum(lengths.values()) * turns // 2 if isinstance(lengths, dict) else lengths * turns
+
+
+def repo_needles(config: str, records: list[dict[str, Any]]) -> dict[str, list[list[str]]]:
+    """RepoQA's needles per repository: [function name, reference code] of every RepoQA turn of
+    `records` about it, in record and turn order (SCBench's `needle_by_repo`, built from the run's
+    predictions)."""
+    out: dict[str, list[list[str]]] = {}
+    for record in records:
+        for turn in record["multi_turns"]:
+            if subtask(config, turn) == "scbench_repoqa":
+                out.setdefault(record["repo"], []).append([turn["name"], turn["answer"]])
+    return out
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -221,7 +233,8 @@ class SCBenchTask(Task):
     module docstring).
 
     Args:
-        configs: SCBench configs to run (default: the supported ones, `prompts.SUPPORTED`).
+        configs: SCBench configs to run (default: all but the RepoQA ones, `prompts.DEFAULT`;
+            scbench_repoqa and scbench_repoqa_and_kv need the `repoqa` extra).
         repo: the Hub dataset.
         revision: a Hub revision (commit, branch or tag) to pin; None: the default branch.
         split: the split to load.
@@ -252,7 +265,7 @@ class SCBenchTask(Task):
             self.configs = [self.configs]
         self.configs = [str(c) for c in self.configs]  # a Hydra ListConfig too
         if not self.configs:
-            raise ValueError(f"scbench configs must not be empty; supported: {', '.join(SUPPORTED)}")
+            raise ValueError(f"scbench configs must not be empty; known: {', '.join(CONFIGS)}")
         for c in self.configs:
             check_config(c)
         duplicates = sorted({c for c in self.configs if self.configs.count(c) > 1})
@@ -310,14 +323,25 @@ class SCBenchTask(Task):
     def samples(self, tokenizer: Any) -> Iterator[Sample]:
         templated = chat_templated(tokenizer, self.chat_template)
         for config in self.configs:
-            for index, record in enumerate(self.records(config)):
-                yield from self.record_samples(config, index, record, tokenizer, templated)
+            records = self.records(config)
+            needles = repo_needles(config, records) if config in NEEDS_REPOQA else None
+            for index, record in enumerate(records):
+                yield from self.record_samples(config, index, record, tokenizer, templated, needles)
 
     def record_samples(
-        self, config: str, index: int, record: dict[str, Any], tokenizer: Any, templated: bool
+        self,
+        config: str,
+        index: int,
+        record: dict[str, Any],
+        tokenizer: Any,
+        templated: bool,
+        needles: dict[str, list[list[str]]] | None = None,
     ) -> list[Sample]:
-        """The samples of one record: one per turn, sharing the (truncated) context part."""
+        """The samples of one record: one per turn, sharing the (truncated) context part.
+        `needles`: RepoQA's needles per repository (`repo_needles`; None: this record's own)."""
         turns = record["multi_turns"]
+        if config in NEEDS_REPOQA and needles is None:
+            needles = repo_needles(config, [record])
         budget = self.max_prompt_tokens - reserved(config, len(turns))
         if budget < 2:
             raise ValueError(
@@ -330,7 +354,10 @@ class SCBenchTask(Task):
         out = []
         for t, turn in enumerate(turns):
             text = query(config, turn)
-            label, scorer = metrics.label(config, turn), subtask(config, turn)
+            answer, scorer = metrics.label(config, turn), subtask(config, turn)
+            label = answer
+            if scorer == "scbench_repoqa":  # the asked function among its repository's needles
+                label = {"name": turn["name"], "lang": record["lang"], "needles": needles[record["repo"]]}
             extra = {
                 # SCBench's label as its scorer takes it, and the scorer (not row columns)
                 "label": label,
@@ -340,8 +367,12 @@ class SCBenchTask(Task):
                 "record_id": record.get("id"),
                 "turns": len(turns),
             }
-            if "task" in turn or "task" in record:  # scbench_many_shot's source task
+            if (
+                "task" in turn or "task" in record
+            ):  # scbench_many_shot's source task, a mixed config's turn task
                 extra["subtask"] = turn.get("task", record.get("task"))
+            if scorer == "scbench_repoqa":
+                extra.update(function=turn["name"], lang=record["lang"], repo=record["repo"])
             # A mixed config's turns are reported per task, as SCBench scores them.
             dataset = config if scorer == config else f"{config}:{scorer.removeprefix('scbench_')}"
             prefix = SUMMARY_PREFIX if config == "scbench_summary" and t > 0 else ""
@@ -351,7 +382,7 @@ class SCBenchTask(Task):
                     dataset=dataset,
                     context=context,
                     question=SEPARATOR + text,
-                    answers=_answers(label),
+                    answers=_answers(answer),
                     max_new_tokens=max_new_tokens(config, turn),
                     chat_template=self.chat_template,
                     extra=extra,

@@ -37,9 +37,22 @@ DISTRIBUTION = {
 # What transformers needs at run time for the library's own paths, never imported by the library itself:
 # the embedded models are GGUF files (transformers reads them with gguf, and refuses without accelerate).
 RUNTIME_ONLY = {"gguf", "accelerate"}
-# Installed by hand next to a pinned transformers for the comparison (docs/benchmarking.md).
-BY_HAND = {"kvpress"}
-HARNESS = {"hydra-core", "pandas", "scipy", "matplotlib", "nltk", "rouge", "wonderwords", "filelock", "tqdm"}
+# Installed by hand: kvpress next to a pinned transformers for the comparison (docs/benchmarking.md),
+# rouge-score to write SCBench's golden scores again (scripts/scbench_golden.py).
+BY_HAND = {"kvpress", "rouge-score"}
+HARNESS = {
+    "hydra-core",
+    "pandas",
+    "scipy",
+    "matplotlib",
+    "nltk",
+    "rouge",
+    "wonderwords",
+    "filelock",
+    "tqdm",
+    "datasets",
+    "pyarrow",
+}
 # Hidden while the library runs: the harness' packages that the library's dependencies do not
 # import themselves (huggingface_hub imports filelock and torch imports tqdm, so any install has
 # those two; test_library_dependencies_are_what_the_library_imports keeps the library from importing them).

@@ -21,6 +21,7 @@ TASKS: dict[str, str | type[Task]] = {
     "needle": "eval.tasks.needle.task:NeedleTask",
     "reasoning": "eval.tasks.reasoning.task:ReasoningTask",
     "ruler": "eval.tasks.ruler.task:RulerTask",
+    "scbench": "eval.tasks.scbench.task:SCBenchTask",
 }
 REPORTS: dict[str, str | type[TaskReport]] = {
     "fidelity": "eval.tasks.fidelity.report:FidelityReport",

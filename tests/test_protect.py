@@ -111,6 +111,26 @@ def test_query_agnostic_methods_keep_the_generation_prompt_by_default(chat, name
     assert any(not gen <= kept for kept in kept_sets(bare))
 
 
+@pytest.mark.parametrize("wrapper", ["adakv", "pyramidkv", "chunkkv", "criticalkv"])
+def test_a_wrapper_around_a_query_agnostic_scorer_keeps_its_generation_prompt(chat, wrapper):
+    """A wrapper takes its scorer's `protect` (K-norm's default: the generation prompt, as kvpress'
+    AdaKVPress(KnormPress) never compresses it); `scorer_params.protect=none` turns it off."""
+    model, tokenizer = chat
+    head, tail, n = prompt_parts(tokenizer)
+    length = len(head) + len(tail)
+    budget = length // 10
+    gen = set(range(length - n, length))
+    # PyramidKV's last layer keeps the least: a gentle pyramid leaves it room for the 5 protected.
+    extra = {"chunkkv": {"chunk_length": 2}, "pyramidkv": {"beta": 2}}.get(wrapper, {})
+    method = build_method(wrapper, budget=budget, scorer="knorm", **extra)
+    cache, result = compressed_cache(model, tokenizer, method)
+    assert result.compressed
+    assert all(gen <= kept for kept in kept_sets(cache))
+    bare = build_method(wrapper, budget=budget, scorer="knorm", scorer_params={"protect": "none"}, **extra)
+    cache, _ = compressed_cache(model, tokenizer, bare)
+    assert any(not gen <= kept for kept in kept_sets(cache))
+
+
 def test_a_prompt_its_task_rendered_keeps_its_generation_prompt_and_answer_prefix(chat):
     """RULER renders the template itself and appends the answer prefix (`chat_template=False` for
     the generator): K-norm's default keeps both."""

@@ -385,8 +385,9 @@ class Method:
         held = int(inside.sum(dim=-1).max())
         if held > budget:
             raise ValueError(
-                f"{self.name} protects {held} entries (protect={self.protect!r}), more than its budget: "
-                f"budget must be at least {held}, got budget={budget}"
+                f"{self.name} protects {held} entries of the prompt's end in layer {layer.index} "
+                f"(protect), more than the {budget} that layer keeps: raise budget (got "
+                f"budget={self.budget})"
             )
         return scores.float().masked_fill(inside, math.inf)
 

@@ -179,6 +179,14 @@ class ScorerWrapper(Method):
     def protected(self) -> tuple[int, int]:
         return self.scorer_method.protected()
 
+    def protected_tail(self, question: int, generation_prompt: int) -> int:
+        # The scorer's `protect` (its default, or scorer_params.protect) holds inside the wrapper too:
+        # kvpress' AdaKVPress(KnormPress) never compresses the generation prompt either.
+        return max(
+            super().protected_tail(question, generation_prompt),
+            self.scorer_method.protected_tail(question, generation_prompt),
+        )
+
     def observe(self, layer, query: torch.Tensor, key: torch.Tensor, module) -> None:
         self.scorer_method.observe(layer, query, key, module)
 

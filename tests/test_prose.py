@@ -1129,7 +1129,7 @@ def paired(model: str, length: int, a: str, b: str) -> tuple[float, str]:
 
 def paired_in(df: pd.DataFrame, a: str, b: str) -> tuple[float, str]:
     """The report's paired suite-average difference `a` - `b` over the RULER rows `df`, and its interval."""
-    ((*_, point, interval),) = paired_differences(df, [(a, b)])
+    ((*_, point, interval, _),) = paired_differences(df, [(a, b)])
     return point, interval
 
 

@@ -28,7 +28,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from eval.plots import NEEDLE_CMAP, _save
-from eval.stats import MIN_N, RESAMPLES, compare_differences
+from eval.stats import MIN_N, RESAMPLES, compare_differences, holm
 from eval.tables import column_order, md_table, slug
 from eval.tasks.base import ReportOptions, TaskReport
 from eval.tasks.multi_question import question_tables
@@ -98,7 +98,7 @@ def coverage_note(tasks) -> str:
 
 def paired_differences(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> list[list]:
     """Per (config, baseline) pair and length: [config, baseline, length, shared samples, fewest
-    shared samples of a task, suite avg difference config - baseline, "[lo, hi]", p] over the ok
+    shared samples of a task, suite avg difference config - baseline, "[lo, hi]", p (NaN where withheld)] over the ok
     samples both ran (a bootstrap of samples within task: module doc, `eval.stats.compare_differences`);
     the interval is withheld ("n<5 per task") when a task has fewer than `MIN_N` shared samples, as
     resampling 2 samples within a task gives a degenerate interval. `rows`: one model's RULER rows
@@ -124,9 +124,23 @@ def paired_differences(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> list
             c = compare_differences(100 * diff, None, strata.to_numpy())
             withheld = fewest < MIN_N  # resampling fewer within a task gives a degenerate interval
             interval = f"n<{MIN_N} per task" if withheld else f"[{c.lo:+.1f}, {c.hi:+.1f}]"
-            p = "—" if withheld else ("<0.001" if c.p < 0.001 else f"{c.p:.3f}")
-            out.append([label, baseline, int(length), len(shared), fewest, c.diff, interval, p])
+            out.append(
+                [
+                    label,
+                    baseline,
+                    int(length),
+                    len(shared),
+                    fewest,
+                    c.diff,
+                    interval,
+                    np.nan if withheld else c.p,
+                ]
+            )
     return out
+
+
+def _p_cell(p: float) -> str:
+    return "—" if np.isnan(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
 
 
 def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
@@ -189,12 +203,14 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
             pairs = [(c, full[0]) for c in rest] + [(a, b) for i, a in enumerate(rest) for b in rest[i + 1 :]]
             paired = paired_differences(part, pairs)
             if paired:
+                adjusted = holm([r[-1] for r in paired])  # the family: this table's rows
+                paired = [[*r[:-1], _p_cell(r[-1]), _p_cell(a)] for r, a in zip(paired, adjusted)]
                 out.append(
                     f"### ruler — {model}: paired differences\n\nSuite average x100 of a config minus "
                     "another's on the samples both ran (every config against the full cache, then the "
                     f"compressed configs against each other), with a 95% interval and p from {RESAMPLES} "
                     f"bootstrap resamples of the samples within each task, withheld where a task has fewer than "
-                    f"{MIN_N} shared samples (fewest per task).\n\n"
+                    f"{MIN_N} shared samples (fewest per task); p Holm: adjusted over the rows of the table.\n\n"
                     + md_table(
                         [
                             "method",
@@ -205,6 +221,7 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
                             "difference",
                             "95% interval",
                             "p",
+                            "p Holm",
                         ],
                         paired,
                     )  # fmt: skip

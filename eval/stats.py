@@ -1,8 +1,10 @@
 """The project's statistics, in one place: spreads of repeated measurements (median and
 interquartile range, the per-group timing summary the benchmark and the report print beside every
 timing), the split of a mean score's variance into its generator-seed and sampling components
-(`seed_variance`), and the paired tests behind every interval and p of the reports (exact McNemar,
-stratified and clustered bootstraps, Holm's adjustment). Imports nothing else from `eval/`."""
+(`seed_variance`), and the one engine behind every interval and p of the reports: `compare` (a
+paired comparison over units of independence: a unit bootstrap interval, the exact McNemar or the
+bootstrap p, the exact sign-flip p where units are few), `unit_bootstrap`, `sign_flip_p`,
+`mcnemar_p`, `holm` and the `tost` equivalence test. On scipy; imports nothing else from `eval/`."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
-from scipy.stats import binomtest, bootstrap
+from scipy.stats import binomtest, bootstrap, ttest_1samp
 
 
 @dataclass(frozen=True)
@@ -147,84 +149,196 @@ def seed_variance(scores: Iterable[float], seeds: Iterable) -> SeedVariance | No
 
 
 # ------------------------------------------------------------------------------- paired comparisons
-# The report's paired tests (eval/report/paired.py documents how it applies them). Two bootstrap
-# engines live here: `stratified_bootstrap` (per-sample resampling within strata, RESAMPLES) for
-# the paired tables, `paired_bootstrap` (whole clusters, scipy, CLUSTER_RESAMPLES) for the protocol
-# and reasoning sections.
-MIN_N = 5
-RESAMPLES = 2000
-CLUSTER_RESAMPLES = 9999
+# Every interval and p of the reports (eval/report/paired.py, eval/report/protocols.py, the task
+# reports) comes from `compare` / `compare_differences` below, or from `unit_bootstrap` for a lone
+# mean. The resampling unit is the unit of independence: the context where several questions share
+# one (under the shared protocols they also share one compressed cache), the problem where it was
+# sampled several times, the sample otherwise; strata (context length, RULER task, LongBench
+# dataset) are kept fixed and weighed equally, as the report's averages weigh them.
+MIN_N = 5  # units below which the interval and p are withheld
+FEW_UNITS = 20  # units below which the exact sign-flip p is reported beside the interval
+SIGN_FLIP_EXACT_UP_TO = 20  # units up to which sign_flip_p enumerates all 2^n assignments
+SIGN_FLIP_DRAWS = 100_000  # Monte Carlo sign assignments beyond that
+RESAMPLES = 9999
 SEED = 0
 CONFIDENCE = 0.95
+ALPHA = 0.05
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """One paired comparison: difference x100 with its interval and p (NaN where withheld)."""
+class Units:
+    """Values (paired differences, or scores) summed per unit: `sums`, `sizes` and `strata` (the
+    unit's stratum code, 0..k-1), each [units], in sorted (stratum, unit) order.
 
-    n: int
-    diff: float
+    The estimate is the mean over strata of each stratum's mean over its values, so unit u of
+    stratum s weighs sizes[u] / (values in s) / k; without strata that is the plain mean of the
+    values (a unit weighs as many values as it holds)."""
+
+    sums: np.ndarray
+    sizes: np.ndarray
+    strata: np.ndarray
+
+    @property
+    def n_units(self) -> int:
+        return len(self.sums)
+
+    @property
+    def n(self) -> int:
+        return int(self.sizes.sum())
+
+    @property
+    def k(self) -> int:
+        return int(self.strata.max()) + 1
+
+    def means(self) -> np.ndarray:
+        """Each unit's mean value [units]."""
+        return self.sums / self.sizes
+
+    def weights(self) -> np.ndarray:
+        """Each unit's weight in the estimate [units] (they sum to 1)."""
+        per_stratum = np.bincount(self.strata, weights=self.sizes)
+        return self.sizes / per_stratum[self.strata] / self.k
+
+    def estimate(self) -> float:
+        """Mean over strata of Σ sums / Σ sizes (= Σ weights x means, without its rounding)."""
+        per_stratum = np.bincount(self.strata, weights=self.sums) / np.bincount(
+            self.strata, weights=self.sizes
+        )
+        return float(per_stratum.mean())
+
+
+def units_of(values: np.ndarray, units: Sequence | None = None, strata: Sequence | None = None) -> Units:
+    """`values` [n] grouped by `units` (one label per value; None: each value its own unit) inside
+    `strata` (one label per value; None: one stratum). A unit is the pair (stratum, unit label): a
+    label that occurs in two strata is two units."""
+    values = np.asarray(values, float)
+    n = len(values)
+    if n == 0:
+        raise ValueError("a paired comparison needs at least one value, got n=0")
+    for name, labels in (("units", units), ("strata", strata)):
+        if labels is not None and len(labels) != n:
+            raise ValueError(f"{name} must have one label per value, got {len(labels)} labels for n={n}")
+    frame = pd.DataFrame(
+        {
+            "s": np.zeros(n, int) if strata is None else pd.Series(list(strata)).astype(str).to_numpy(),
+            "u": np.arange(n) if units is None else pd.Series(list(units)).astype(str).to_numpy(),
+            "v": values,
+        }
+    )
+    g = frame.groupby(["s", "u"], sort=True)["v"].agg(["sum", "size"]).reset_index()
+    _, codes = np.unique(g["s"].to_numpy(), return_inverse=True)
+    return Units(g["sum"].to_numpy(float), g["size"].to_numpy(float), codes.astype(int))
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """A percentile bootstrap over units: the `estimate`, its interval `lo` / `hi` and the two-sided
+    `p` (2 x the smaller fraction of resamples on either side of 0, +1 / resamples + 1, capped at 1:
+    the level at which the percentile interval would just reach 0); NaN below two units."""
+
+    estimate: float
     lo: float
     hi: float
     p: float
-    test: str
+    n_units: int
+    n: int
 
 
-def mcnemar(config: np.ndarray, baseline: np.ndarray, confidence: float = CONFIDENCE) -> Comparison:
-    """Exact McNemar test of paired 0/1 scores `config` [n] and `baseline` [n] (module doc)."""
-    config, baseline = np.asarray(config, float), np.asarray(baseline, float)
-    n = len(config)
-    if n == 0:
-        raise ValueError("mcnemar needs at least one pair, got n=0")
-    fixed = int(((config == 1) & (baseline == 0)).sum())
-    broke = int(((config == 0) & (baseline == 1)).sum())
-    discordant = fixed + broke
-    diff = 100 * (fixed - broke) / n
-    if discordant == 0:
-        return Comparison(n, diff, 0.0, 0.0, 1.0, "mcnemar")
-    res = binomtest(fixed, discordant, 0.5)
-    ci = res.proportion_ci(confidence_level=confidence, method="exact")
-    # fixed / discordant = q  ->  (fixed - broke) / n = (2q - 1) * discordant / n
-    lo, hi = (100 * (2 * q - 1) * discordant / n for q in (ci.low, ci.high))
-    return Comparison(n, diff, lo, hi, float(res.pvalue), "mcnemar")
-
-
-def _stratum_mean(values: np.ndarray, codes: np.ndarray, n_strata: int) -> np.ndarray:
-    """Mean over strata of the per-stratum means of `values` [..., n] (`codes` [n]: 0..n_strata-1)."""
-    return np.mean([values[..., codes == s].mean(axis=-1) for s in range(n_strata)], axis=0)
-
-
-def stratified_bootstrap(
-    diffs: np.ndarray,
+def unit_bootstrap(
+    values: np.ndarray,
+    units: Sequence | None = None,
     strata: Sequence | None = None,
     resamples: int = RESAMPLES,
     seed: int = SEED,
     confidence: float = CONFIDENCE,
-) -> Comparison:
-    """Percentile bootstrap of the mean over strata of the per-stratum mean of `diffs` [n] (paired
-    differences, already x100 if wanted), resampling within each stratum (`strata` [n] labels; None:
-    one stratum). Strata are visited in sorted order with one generator seeded `seed`."""
-    diffs = np.asarray(diffs, float)
-    n = len(diffs)
-    if n == 0:
-        raise ValueError("stratified_bootstrap needs at least one difference, got n=0")
-    labels = np.zeros(n, dtype=int) if strata is None else np.asarray(pd.Series(list(strata)).astype(str))
-    if len(labels) != n:
-        raise ValueError(f"strata must have one label per difference, got {len(labels)} for n={n}")
-    _, codes = np.unique(labels, return_inverse=True)
-    k = int(codes.max()) + 1
-    rng = np.random.default_rng(seed)
-    idx = np.empty((resamples, n), dtype=int)
-    for s in range(k):
-        members = np.flatnonzero(codes == s)
-        idx[:, members] = rng.choice(members, size=(resamples, len(members)))
-    stats = _stratum_mean(diffs[idx], codes, k)
-    alpha = 1 - confidence
-    lo, hi = np.percentile(stats, [100 * alpha / 2, 100 * (1 - alpha / 2)])
-    point = float(_stratum_mean(diffs, codes, k))
-    tail = min(int((stats <= 0).sum()), int((stats >= 0).sum()))
+) -> Bootstrap:
+    """Percentile bootstrap of the estimate of `units_of(values, units, strata)` that resamples whole
+    units, independently within each stratum (`scipy.stats.bootstrap`, seeded: the same rows give
+    the same interval).
+
+    scipy resamples observations, not clusters, and has no strata; it does resample several samples
+    independently (`paired=False`). So each stratum is handed to it as one sample of unit indices,
+    and the statistic maps a resample of indices onto the units' sums and sizes: every resample
+    draws whole units within each stratum. A stratum of one unit is constant under resampling."""
+    u = units_of(values, units, strata)
+    estimate = u.estimate()
+    if u.n_units < 2:
+        return Bootstrap(estimate, math.nan, math.nan, math.nan, u.n_units, u.n)
+    groups = [np.flatnonzero(u.strata == s) for s in range(u.k)]
+    free = [g for g in groups if len(g) > 1]
+    fixed = sum(u.sums[g].sum() / u.sizes[g].sum() for g in groups if len(g) == 1)
+    means = u.means()
+    if not free or np.all(means == means[0]):  # every resample gives the estimate
+        p = 1.0 if estimate == 0 else min(1.0, 2 / (resamples + 1))
+        return Bootstrap(estimate, estimate, estimate, p, u.n_units, u.n)
+
+    def statistic(*picks, axis=-1):  # picks: [..., units of the stratum] positions within it
+        total = fixed
+        for g, pick in zip(free, picks):
+            chosen = g[pick.astype(int)]
+            total = total + u.sums[chosen].sum(axis=-1) / u.sizes[chosen].sum(axis=-1)
+        return total / u.k
+
+    res = bootstrap(
+        tuple(np.arange(len(g), dtype=float) for g in free), statistic, paired=False, vectorized=True,
+        n_resamples=resamples, confidence_level=confidence, method="percentile",
+        rng=np.random.default_rng(seed),
+    )  # fmt: skip
+    dist = res.bootstrap_distribution
+    tail = min(int((dist <= 0).sum()), int((dist >= 0).sum()))
     p = min(1.0, 2 * (tail + 1) / (resamples + 1))
-    return Comparison(n, point, float(lo), float(hi), p, "bootstrap")
+    lo, hi = float(res.confidence_interval.low), float(res.confidence_interval.high)
+    return Bootstrap(estimate, lo, hi, p, u.n_units, u.n)
+
+
+def _signed_sums(x: np.ndarray) -> np.ndarray:
+    """Σ ±x_i over all 2^len(x) sign assignments [2^len(x)]."""
+    sums = np.zeros(1)
+    for v in x:
+        sums = np.concatenate([sums + v, sums - v])
+    return sums
+
+
+def sign_flip_p(
+    values: np.ndarray, weights: np.ndarray | None = None, draws: int = SIGN_FLIP_DRAWS, seed: int = SEED
+) -> float:
+    """Two-sided sign-flip permutation p of Σ weights x values (`values` [units]: per-unit mean
+    differences; `weights` [units]: each unit's weight in the estimate, None: equal), under the
+    null that each unit's difference is symmetric about 0: the fraction of the 2^n sign
+    assignments whose |Σ w s v| reaches the observed one. Exact for n <= `SIGN_FLIP_EXACT_UP_TO`
+    (the signed sums of the two halves, added pairwise: 2^(n/2) + 2^(n/2) terms, not 2^n x n);
+    beyond, `draws` random assignments (seeded), p = (hits + 1) / (draws + 1). The smallest exact
+    p is 2 / 2^n: 8 units cannot give p below 0.008, whatever the data."""
+    terms = np.asarray(values, float) * (1.0 if weights is None else np.asarray(weights, float))
+    n = len(terms)
+    if n == 0:
+        raise ValueError("sign_flip_p needs at least one unit, got n=0")
+    observed = abs(terms.sum()) - 1e-9 * max(1.0, float(np.abs(terms).sum()))  # ties count as hits
+    if n <= SIGN_FLIP_EXACT_UP_TO:
+        left, right = _signed_sums(terms[: n // 2]), _signed_sums(terms[n // 2 :])
+        hits = sum(int(np.count_nonzero(np.abs(a + right) >= observed)) for a in left)
+        return hits / 2**n
+    rng = np.random.default_rng(seed)
+    hits, done = 0, 0
+    while done < draws:  # chunks of 10,000 assignments keep memory flat
+        size = min(10_000, draws - done)
+        signs = rng.choice(np.array([-1.0, 1.0]), size=(size, n))
+        hits += int(np.count_nonzero(np.abs(signs @ terms) >= observed))
+        done += size
+    return (hits + 1) / (draws + 1)
+
+
+def mcnemar_p(config: np.ndarray, baseline: np.ndarray) -> float:
+    """Exact McNemar p of paired 0/1 scores `config` [n] and `baseline` [n]: the two-sided binomial
+    test of the discordant pairs (fixed among fixed + broke, p = 1/2); 1 with none."""
+    config, baseline = np.asarray(config, float), np.asarray(baseline, float)
+    if len(config) == 0:
+        raise ValueError("mcnemar_p needs at least one pair, got n=0")
+    fixed = int(((config == 1) & (baseline == 0)).sum())
+    broke = int(((config == 0) & (baseline == 1)).sum())
+    if fixed + broke == 0:
+        return 1.0
+    return float(binomtest(fixed, fixed + broke, 0.5).pvalue)
 
 
 def holm(pvalues: Sequence[float]) -> np.ndarray:
@@ -248,44 +362,127 @@ def is_binary(*scores: np.ndarray) -> bool:
     return all(np.isin(np.asarray(s, float), (0.0, 1.0)).all() for s in scores)
 
 
-def compare(config: np.ndarray, baseline: np.ndarray, strata: Sequence | None = None) -> Comparison:
-    """Config minus baseline x100 on paired scores in [0, 1] (`mcnemar` for 0/1 scores, else the
-    `stratified_bootstrap`), the interval and p withheld (NaN) below `MIN_N` pairs."""
+@dataclass(frozen=True)
+class Equivalence:
+    """A TOST equivalence test (`tost`): `p` the larger of the two one-sided p's; `equivalent` when
+    p < alpha, i.e. the difference lies within +-`margin` at that level."""
+
+    margin: float
+    diff: float
+    p: float
+    n_units: int
+    alpha: float = ALPHA
+
+    @property
+    def equivalent(self) -> bool:
+        return bool(self.p < self.alpha)
+
+    def text(self) -> str:
+        """'within ±m (TOST p = …, n = …)' or 'not shown within ±m (…)'."""
+        what = "within" if self.equivalent else "not shown within"
+        return f"{what} ±{self.margin:g} (TOST p = {_p_text(self.p)}, n = {self.n_units})"
+
+
+def tost(
+    values: np.ndarray, margin: float, units: Sequence | None = None, alpha: float = ALPHA
+) -> Equivalence:
+    """Paired two one-sided tests (Schuirmann 1987) over units: with d_u the units' mean differences
+    (`units_of(values, units)`, each unit counted once), one-sample t-tests of H0: mean(d) <= -margin
+    (against greater) and H0: mean(d) >= +margin (against less), n_units - 1 degrees of freedom;
+    p = the larger of the two. `margin` (> 0) is in the units of `values` (x100 differences: points);
+    a 'no loss' statement needs p < alpha with its margin stated. NaN below two units; with no
+    spread between units, p = 0 inside the margin, 1 outside."""
+    if not margin > 0:
+        raise ValueError(f"margin must be > 0, got margin={margin}")
+    d = units_of(values, units).means()
+    mean = float(d.mean())
+    if len(d) < 2:
+        return Equivalence(margin, mean, math.nan, len(d), alpha)
+    if np.all(d == d[0]):
+        return Equivalence(margin, mean, 0.0 if abs(mean) < margin else 1.0, len(d), alpha)
+    lower = ttest_1samp(d, -margin, alternative="greater").pvalue
+    upper = ttest_1samp(d, margin, alternative="less").pvalue
+    return Equivalence(margin, mean, float(max(lower, upper)), len(d), alpha)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One paired comparison (`compare`): `diff` (x100 where the scores were in [0, 1]) with its
+    interval `lo` / `hi` and `p`, over `n_units` units holding `n` pairs.
+
+    test: what `p` is, `mcnemar` (exact, 0/1 scores with one pair per unit) or `bootstrap` (the
+    unit bootstrap's). p_exact: the exact sign-flip p over units where there are fewer than
+    `FEW_UNITS` (NaN otherwise), the one to read with few units: a percentile bootstrap over few
+    clusters is too narrow. interval: how the interval was drawn. Interval and p's are NaN below
+    `MIN_N` units."""
+
+    n: int
+    diff: float
+    lo: float
+    hi: float
+    p: float
+    test: str
+    n_units: int = 0
+    p_exact: float = math.nan
+    interval: str = ""
+
+    @property
+    def p_read(self) -> float:
+        """The p a statement rests on: `p_exact` where there is one, else `p`."""
+        return self.p if math.isnan(self.p_exact) else self.p_exact
+
+
+def _compare(values: np.ndarray, units, strata, p_mcnemar: float | None) -> Comparison:
+    u = units_of(values, units, strata)
+    how = "unit bootstrap" + (" within strata" if u.k > 1 else "")
+    if u.n_units < MIN_N:
+        return Comparison(u.n, u.estimate(), math.nan, math.nan, math.nan, "mcnemar" if p_mcnemar is not None
+                          else "bootstrap", u.n_units, math.nan, how)  # fmt: skip
+    b = unit_bootstrap(values, units, strata)
+    p_exact = sign_flip_p(u.means(), u.weights()) if u.n_units < FEW_UNITS else math.nan
+    if p_mcnemar is not None:
+        return Comparison(u.n, b.estimate, b.lo, b.hi, p_mcnemar, "mcnemar", u.n_units, p_exact, how)
+    return Comparison(u.n, b.estimate, b.lo, b.hi, b.p, "bootstrap", u.n_units, p_exact, how)
+
+
+def compare(
+    config: np.ndarray, baseline: np.ndarray, units: Sequence | None = None, strata: Sequence | None = None
+) -> Comparison:
+    """Config minus baseline x100 on paired scores in [0, 1] (`config`, `baseline` [n]; `units`,
+    `strata`: one label per pair, `units_of`): the estimate and its interval from `unit_bootstrap`
+    (never conditional on the discordant pairs), p the exact McNemar test where every score is 0 or
+    1 and every unit holds one pair (else the bootstrap's: McNemar assumes independent pairs), and
+    the exact sign-flip p beside it below `FEW_UNITS` units (`Comparison`)."""
     config, baseline = np.asarray(config, float), np.asarray(baseline, float)
-    if is_binary(config, baseline):
-        c = mcnemar(config, baseline)
-    else:
-        c = stratified_bootstrap(100 * (config - baseline), strata)
-    if c.n < MIN_N:
-        return Comparison(c.n, c.diff, math.nan, math.nan, math.nan, c.test)
-    return c
-
-
-def paired_bootstrap(diffs: np.ndarray, clusters=None, seed: int = SEED) -> tuple[float, float]:
-    """95% bootstrap interval of the mean of paired differences (percentile, `seed`); NaN for fewer
-    than 2 clusters. `clusters` (one label per difference, e.g. the context): resample whole
-    clusters and take the mean over their differences, as the questions of one context share its
-    haystack and, under the shared protocols, one compressed cache (they are not independent);
-    None: each difference its own cluster."""
-    diffs = np.asarray(diffs, dtype=float)
-    if clusters is None:
-        clusters = np.arange(len(diffs))
-    g = (
-        pd.DataFrame({"d": diffs, "c": np.asarray(clusters)})
-        .groupby("c", sort=True)["d"]
-        .agg(["sum", "size"])
+    if len(config) != len(baseline):
+        raise ValueError(f"config and baseline must be paired, got {len(config)} and {len(baseline)} scores")
+    single = units is None or pd.Series(list(units)).astype(str).is_unique
+    p_mcnemar = (
+        mcnemar_p(config, baseline) if len(config) and single and is_binary(config, baseline) else None
     )
-    if len(g) < 2:
-        return math.nan, math.nan
-    if np.all(diffs == diffs[0]):  # every resample has the same mean
-        return float(diffs[0]), float(diffs[0])
-    sums, sizes = g["sum"].to_numpy(float), g["size"].to_numpy(float)
+    return _compare(100 * (config - baseline), units, strata, p_mcnemar)
 
-    def mean_of_clusters(s, n, axis=-1):
-        return s.sum(axis=axis) / n.sum(axis=axis)
 
-    res = bootstrap(
-        (sums, sizes), mean_of_clusters, paired=True, vectorized=True, n_resamples=CLUSTER_RESAMPLES,
-        confidence_level=CONFIDENCE, method="percentile", rng=np.random.default_rng(seed),
-    )  # fmt: skip
-    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+def compare_differences(
+    diffs: np.ndarray, units: Sequence | None = None, strata: Sequence | None = None
+) -> Comparison:
+    """`compare` of differences already formed (`diffs` [n], e.g. a difference of differences): the
+    unit bootstrap's interval and p, the sign-flip p below `FEW_UNITS` units."""
+    return _compare(np.asarray(diffs, float), units, strata, None)
+
+
+def _p_text(p: float) -> str:
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def verdict(c: Comparison, equivalence: Equivalence | None = None, alpha: float = ALPHA) -> str:
+    """What a page may say of `c`: 'above zero' / 'below zero' where `p_read` < alpha; 'same within
+    ±m (TOST p = …, n = …)' where a TOST at margin m shows equivalence; else 'no difference
+    detected (p = …, n = …)'. A 'no loss' statement needs the TOST."""
+    if math.isnan(c.p_read):
+        return f"not tested (n = {c.n_units} < {MIN_N})"
+    if c.p_read < alpha:
+        return "above zero" if c.diff > 0 else "below zero"
+    if equivalence is not None and equivalence.equivalent:
+        return "same " + equivalence.text()
+    return f"no difference detected (p = {_p_text(c.p_read)}, n = {c.n_units})"

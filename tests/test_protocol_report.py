@@ -50,8 +50,8 @@ def row(method, params, protocol, c, q, score, **kw):
         "questions_in_context": 3,
         "kv_bytes": 3 * MiB,
         "kv_bytes_full": 9 * MiB,
-        "prefill_s": SHARED_PREFILL[f"c{c}"] if shared else 3.0,
-        "context_prefill_s": SHARED_PREFILL[f"c{c}"] if shared else 3.0,
+        "prefill_s": SHARED_PREFILL.get(f"c{c}", 3.0) if shared else 3.0,
+        "context_prefill_s": SHARED_PREFILL.get(f"c{c}", 3.0) if shared else 3.0,
         "ttft_s": 0.1,
         "tpot_s": TPOT[q],
         "rollback_bytes": (c * MiB) if protocol in ("multi_request", "first_question") else None,
@@ -113,18 +113,15 @@ def test_reuse_penalty_is_paired_by_sample_with_a_seeded_bootstrap(part):
     mr = table.loc[("snapkv b=64", "multi_request")]
     # Differences to query_aware (all 1): c0: 0, -100, -100; c1: 0, 0, -100.
     assert (mr["n"], mr["penalty"], mr["n_later"], mr["penalty_later"]) == (6, -50.0, 4, -75.0)
-    # Contexts are resampled whole: c0's mean difference is -200/3, c1's -100/3; two equal-sized
-    # clusters give resampled means -200/3, -50, -100/3 (1/4, 1/2, 1/4): the 95% interval spans them.
-    assert (mr["low"], mr["high"]) == pytest.approx((-200 / 3, -100 / 3))
+    # Two contexts (the unit): below stats.MIN_N, the interval and p are withheld.
+    assert (mr["contexts"], mr["contexts_later"]) == (2, 2)
+    assert math.isnan(mr["low"]) and math.isnan(mr["high"]) and math.isnan(mr["p"])
     fq = table.loc[("snapkv b=64", "first_question")]
     assert fq["penalty"] == pytest.approx(-100 / 6) and fq["penalty_later"] == -25.0
-    assert table.loc[("full", "multi_request"), ["penalty", "low", "high"]].tolist() == [0.0, 0.0, 0.0]
+    assert table.loc[("full", "multi_request"), "penalty"] == 0.0
     assert ("snapkv b=64", "query_aware") not in table.index
     md = protocol_report.penalty_table(part, "askmany — m")
-    assert (
-        f"| snapkv b=64 | multi_request | 6 | -50.00 | [{mr['low']:+.2f}, {mr['high']:+.2f}] | 4 | -75.00 |"
-        in md
-    )
+    assert "| snapkv b=64 | multi_request | 6 (2) | -50.00 | — | — | 4 (2) | -75.00 | — | — |" in md
 
     # Pairs only where both sides have an ok row: a failed query_aware row drops its pair.
     rows = hand_rows()
@@ -144,12 +141,11 @@ def test_compression_loss_is_paired_against_the_full_cache_under_the_same_protoc
     assert (qa["n"], qa["loss"], qa["n_shift"]) == (6, 0.0, 0) and math.isnan(qa["shift"])
     # multi_request minus full multi_request: 0, -100, -100, 0, 0, -100; query_aware's loss is 0
     assert (mr["n"], mr["loss"], mr["n_shift"], mr["shift"]) == (6, -50.0, 6, -50.0)
-    diffs = np.array([0.0, -100.0, -100.0, 0.0, 0.0, -100.0])
-    assert (mr["low"], mr["high"]) == stats.paired_bootstrap(diffs, ["c0"] * 3 + ["c1"] * 3)
+    assert mr["contexts"] == 2 and math.isnan(mr["low"])  # two contexts: withheld
     md = protocol_report.compression_table(part, "askmany — m")
     assert (
-        "| snapkv b=64 | multi_request | 6 | -50.00 |" in md
-        and "| snapkv b=64 | query_aware | 6 | +0.00 |" in md
+        "| snapkv b=64 | multi_request | 6 (2) | -50.00 | — | — | 6 (2) | -50.00 | — | — |" in md
+        and "| snapkv b=64 | query_aware | 6 (2) | +0.00 |" in md
     )
     # the full cache failing one multi_request question drops that pair from the loss and the shift
     rows = hand_rows()
@@ -162,26 +158,45 @@ def test_compression_loss_is_paired_against_the_full_cache_under_the_same_protoc
     assert protocol_report.compression_penalty(part[part["method"] != "full"]).empty
 
 
-def test_paired_bootstrap_edge_cases():
-    assert stats.paired_bootstrap(np.array([-20.0, -20.0, -20.0])) == (-20.0, -20.0)
-    assert all(math.isnan(v) for v in stats.paired_bootstrap(np.array([5.0])))
-    assert all(math.isnan(v) for v in stats.paired_bootstrap(np.array([5.0, 0.0]), ["c", "c"]))
-    d = np.array([0.0, -100.0, 0.0, -100.0, 100.0])
-    assert stats.paired_bootstrap(d) == stats.paired_bootstrap(d)  # seeded
+def test_intervals_resample_contexts_and_few_contexts_give_the_exact_sign_flip_p():
+    """Eight contexts of three questions: the loss's interval is the unit bootstrap over the eight
+    contexts and its p the exact sign-flip p over them (8 < stats.FEW_UNITS), not a test of 24
+    independent questions."""
+    lost = {0: [0, 0, 1], 1: [0, 1, 1], 2: [1, 1, 1], 3: [0, 0, 0], 4: [1, 1, 1], 5: [0, 1, 1], 6: [1, 1, 1],
+            7: [1, 0, 1]}  # fmt: skip
+    rows = [
+        row(m, PARAMS[m], protocol, c, q, 1.0 if m == "full" or protocol == "query_aware" else lost[c][q])
+        for m in ("full", "snapkv")
+        for protocol in ("query_aware", "multi_request")
+        for c in range(8)
+        for q in range(3)
+    ]
+    part = protocol_report.frame(prepare(pd.DataFrame(rows)))
+    mr = protocol_report.compression_penalty(part).set_index(["method_key", "protocol"])
+    mr = mr.loc[("snapkv b=64", "multi_request")]
+    diffs = np.array([100.0 * (lost[c][q] - 1) for c in range(8) for q in range(3)])
+    contexts = np.repeat([f"c{c}" for c in range(8)], 3)
+    want = stats.compare_differences(diffs, contexts)
+    assert (mr["n"], mr["contexts"], mr["loss"]) == (24, 8, pytest.approx(diffs.mean()))
+    assert (mr["low"], mr["high"]) == (want.lo, want.hi)
+    per_context = diffs.reshape(8, 3).mean(axis=1)  # five contexts lost something, all the same way
+    assert mr["p"] == pytest.approx(stats.sign_flip_p(per_context)) == pytest.approx(2 / 2**5)
+    assert mr["p"] > want.p  # the percentile bootstrap over 8 clusters reads narrower
 
 
-def test_cluster_bootstrap_resamples_contexts_not_questions():
-    """Without clusters it is scipy's bootstrap of the mean; with them, questions that move together
-    within a context widen the interval to what the contexts support."""
+def test_the_bootstrap_of_one_stratum_is_scipys_and_resamples_contexts_not_questions():
+    """Without clusters it is scipy's bootstrap of the mean (the same seeded draws); with them,
+    questions that move together within a context widen the interval to what the contexts support."""
     diffs = np.array([0.0, 0.0, 0.0, 0.0, -100.0, -100.0, -100.0, -100.0])
     want = bootstrap(
-        (diffs,), np.mean, n_resamples=9999, confidence_level=0.95, method="percentile",
-        rng=np.random.default_rng(0),
+        (diffs,), np.mean, n_resamples=stats.RESAMPLES, confidence_level=0.95, method="percentile",
+        rng=np.random.default_rng(stats.SEED),
     ).confidence_interval  # fmt: skip
-    assert stats.paired_bootstrap(diffs) == pytest.approx((want.low, want.high))
-    clustered = stats.paired_bootstrap(diffs, ["a"] * 4 + ["b"] * 4)
-    assert clustered == pytest.approx((-100.0, 0.0))  # two contexts: nothing narrower is supported
-    assert clustered[0] < want.low and want.high < clustered[1]
+    b = stats.unit_bootstrap(diffs)
+    assert (b.lo, b.hi) == pytest.approx((want.low, want.high))
+    clustered = stats.unit_bootstrap(diffs, ["a"] * 4 + ["b"] * 4)
+    assert (clustered.lo, clustered.hi) == pytest.approx((-100.0, 0.0))  # two contexts: nothing narrower
+    assert clustered.lo < want.low and want.high < clustered.hi
 
 
 def test_amortised_cost(part):

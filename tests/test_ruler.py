@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import re
 from pathlib import Path
@@ -517,12 +518,16 @@ def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
     labels = column_order(df)
     got = {(a, b): rest for a, b, *rest in paired_differences(df, [(x, labels[0]) for x in labels[1:]])}
     # snapkv - full on the 7 shared samples: niah 2/4 - 4/4 = -0.5; vt mean(0.5-0, 0.5-1, 0.5-0.5) = 0
-    length, n, fewest, diff, interval = got[("snapkv b=64", "full")]
+    length, n, fewest, diff, interval, p = got[("snapkv b=64", "full")]
     assert (length, n, fewest) == (4096, 7, 3) and diff == pytest.approx(100 * (-0.5 + 0.0) / 2)
-    assert interval == "n<5 per task"  # 3 vt samples: resampling within the task is degenerate
-    assert got[("streamingllm b=64", "full")][1:] == [8, 4, 0.0, "n<5 per task"]
+    # 3 vt samples: resampling within the task is degenerate
+    assert interval == "n<5 per task" and math.isnan(p)
+    assert got[("streamingllm b=64", "full")][1:5] == [8, 4, 0.0, "n<5 per task"]
     md = "\n\n".join(ruler_tables(df, column_order))
-    assert "paired differences" in md and "| snapkv b=64 | streamingllm b=64 | 4096 | 7 | 3 | -25.00 |" in md
+    assert (
+        "paired differences" in md
+        and "| snapkv b=64 | streamingllm b=64 | 4096 | 7 | 3 | -25.00 | n<5 per task | — | — |" in md
+    )
 
     # Six samples per task: the interval is given, and the bootstrap's seed is fixed.
     more = [row(t, i, v) for (t, _), v in full.items() for i in range(4, 6)]
@@ -531,13 +536,14 @@ def test_paired_differences_are_on_shared_samples_with_a_stratified_bootstrap():
     df = _report_df(rows + more)
     labels = column_order(df)
     got = {(a, b): rest for a, b, *rest in paired_differences(df, [(x, labels[0]) for x in labels[1:]])}
-    length, n, fewest, diff, interval = got[("snapkv b=64", "full")]
+    length, n, fewest, diff, interval, p = got[("snapkv b=64", "full")]
     assert (n, fewest) == (12, 6)
     lo, hi = (float(x) for x in interval.strip("[]").split(","))
     assert lo <= diff <= hi and lo < hi
-    assert got[("streamingllm b=64", "full")][1:] == [8, 4, 0.0, "n<5 per task"]  # it ran 4 per task
+    assert 0 < p <= 1  # the bootstrap's p beside the interval
+    assert got[("streamingllm b=64", "full")][1:5] == [8, 4, 0.0, "n<5 per task"]  # it ran 4 per task
     again = paired_differences(df, [("snapkv b=64", "full")])
-    assert again[0][2:] == [4096, 12, 6, diff, interval]  # fixed seed: the report rebuilds the same
+    assert again[0][2:] == [4096, 12, 6, diff, interval, p]  # fixed seed: the report rebuilds the same
 
 
 def test_compare_figure_puts_every_config_beside_the_full_cache(tmp_path):

@@ -17,7 +17,9 @@ Writes into `--out` (default: RESULTS_DIR):
 - `paired.csv`, `flips.csv` and report.md's "Paired comparisons" section (eval/report/paired.py): every
   compressed config minus the full cache and minus SnapKV at its budget on the samples both ran
   (matched by `prompt_sha` / `target_sha`, or by task, dataset and sample_id in rows without them),
-  with n, a 95% interval, p and Holm's p; the samples compression broke or fixed.
+  with n, a 95% interval, p and Holm's p (eval/stats.py's `compare`: resampling the units of
+  independence, the exact sign-flip p beside the interval where they are few); the samples
+  compression broke or fixed.
 - each task's plots (`TaskReport.plots`, e.g. `needle_<model>_<label>.png`) and
   `score_vs_budget_<task>.png` for tasks run at more than one budget.
 - where rows carry several question indices or protocols: a "Protocols" section and

@@ -9,24 +9,28 @@ by content (`prompt_sha`, `target_sha`) when every row of both carries the hashe
 (task, dataset, sample_id) (rows written before the hashes existed). A row per dataset, and where
 the pair shares more than one dataset a row `all` over every shared sample.
 
-A row (`PAIRED_COLUMNS`): `n_shared`, `diff` = config minus baseline x100, its 95% interval `lo` /
-`hi`, the two-sided `p`, `p_holm` (Holm's step-down adjustment over the rows of one (task, model)
-table with a p) and `test`:
+Every number comes from `eval.stats.compare`. The resampling unit is the unit of independence
+(`units`): the context where several questions share one (`context_id`), the problem where it was
+sampled several times (`prompt_id`), the sample otherwise. A row (`PAIRED_COLUMNS`): `n_shared`
+(pairs), `n_units`, `diff` = config minus baseline x100 (the mean over strata of the per-stratum
+mean differences: the task's `paired_strata`, e.g. context length, LongBench dataset, RULER task and
+length, as the tables' averages weigh them), its 95% interval `lo` / `hi` (percentiles of
+`RESAMPLES` bootstrap resamples of whole units within each stratum, seed `SEED`: the report rebuilds
+byte-identical; never conditional on the discordant pairs), the two-sided `p`, `p_exact` (the
+exact sign-flip p over units, below `FEW_UNITS` units: with few units the percentile interval is
+too narrow, read this p), `p_holm` (Holm's step-down adjustment of `p_exact`, else `p`, over the
+rows of one (task, model) table: the family) and `test`, what `p` is:
 
-- `mcnemar`: every score of both sides is 0 or 1. `diff` is the difference of the proportions
-  right (each shared sample weighs the same); `p` the exact McNemar test, a two-sided binomial test
-  of the discordant pairs (`fixed` among `broke + fixed`, p = 1/2; p = 1 with none); the interval is
-  the exact (Clopper-Pearson) interval of that binomial proportion, mapped onto the difference,
-  conditional on the number of discordant pairs ([0, 0] when there is none).
-- `bootstrap`: any other score. `diff` is the mean over strata of the per-stratum mean differences
-  (the task's `paired_strata`, e.g. context length, LongBench dataset, RULER task and length: the
-  tables' averages weigh them so); the interval the 2.5 / 97.5 percentiles of `RESAMPLES`
-  stratified bootstrap resamples (the shared samples resampled within each stratum, seed `SEED`:
-  the report rebuilds byte-identical); `p` = 2 x the smaller fraction of resamples on either side
-  of 0 (+1 / RESAMPLES + 1), capped at 1: the level at which the percentile interval would just
-  reach 0.
+- `mcnemar`: every score of both sides is 0 or 1 and each unit holds one pair: the exact McNemar
+  test, a two-sided binomial test of the discordant pairs (`fixed` among `broke + fixed`, p = 1/2;
+  p = 1 with none).
+- `bootstrap`: any other score, or several pairs per unit (McNemar assumes independent pairs):
+  2 x the smaller fraction of resamples on either side of 0 (+1 / RESAMPLES + 1), capped at 1.
 
-Below `MIN_N` shared samples the interval and p are withheld (the report prints "n<5").
+Below `MIN_N` units the interval and p are withheld (the report prints "n<5"). Where the report's
+protocol section covers a task and model (several questions per context, or several protocols), a
+config minus the full cache under the same protocol is its "Compression loss per protocol" table,
+and is not repeated here.
 `kv_bytes` / `baseline_kv_bytes`: mean realised KV bytes (the rows' `kv_bytes`) over the shared
 samples; `bytes_differ` where they differ by more than `BYTES_TOLERANCE` between two compressed
 configs (against the full cache they differ by design): the pair is then not budget-matched.
@@ -44,7 +48,8 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from eval.stats import MIN_N, RESAMPLES, compare, holm
+from eval.report import protocols as protocol_report
+from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm
 from eval.store import has_content_hashes, sample_keys
 from eval.tables import cell, column_order, md_table
 
@@ -60,10 +65,12 @@ PAIRED_COLUMNS = [
     "config",
     "baseline",
     "n_shared",
+    "n_units",
     "diff",
     "lo",
     "hi",
     "p",
+    "p_exact",
     "p_holm",
     "test",
     "matched_by",
@@ -85,6 +92,10 @@ FLIP_COLUMNS = [
 
 
 # ------------------------------------------------------------------------------------------ baselines
+def _is_full(part: pd.DataFrame, label: str) -> bool:
+    return str(part.loc[part["config_label"] == label, "method"].iloc[0]) == "full"
+
+
 def _protocol(part: pd.DataFrame, label: str) -> str:
     return str(part.loc[part["config_label"] == label, "protocol"].iloc[0])
 
@@ -142,13 +153,26 @@ def _shared(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFram
     return a.loc[shared], b.loc[shared], "content" if by_content else "sample_id"
 
 
+def units(rows: pd.DataFrame) -> pd.Series:
+    """Each row's unit of independence: its `context_id` (questions sharing a context), else its
+    `prompt_id` (samples of one problem), else its index (the sample itself)."""
+    unit = pd.Series(rows.index.astype(str), index=rows.index, dtype=object)
+    for col in ("prompt_id", "context_id"):  # the later one wins where both are set
+        if col in rows.columns:
+            unit = rows[col].map(lambda v, c=col: f"{c}:{v}").where(rows[col].notna(), unit)
+    return unit
+
+
 def paired_rows(part: pd.DataFrame, strata: Sequence[str] = ("dataset",)) -> pd.DataFrame:
     """`PAIRED_COLUMNS` rows of one (task, model)'s prepared rows (`eval.report.prepare`), with
     Holm's adjustment over them. `strata`: the task's `paired_strata` (row columns)."""
     ok = part[part["ok"] & part["score"].notna()]
     task, model = str(part["task"].iloc[0]), str(part["model"].iloc[0])
+    covered = protocol_report.applies(part)  # its compression-loss table holds config - full
     records = []
     for label, base in baselines(part):
+        if covered and _is_full(part, base) and _protocol(part, base) == _protocol(part, label):
+            continue
         a, b, matched = _shared(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
         if a.empty:
             continue
@@ -163,15 +187,19 @@ def paired_rows(part: pd.DataFrame, strata: Sequence[str] = ("dataset",)) -> pd.
             ca, cb = a.loc[keys], b.loc[keys]
             cols = [c for c in strata if c in cb.columns and (dataset == ALL or c != "dataset")]
             labels = cb[cols].astype(str).agg("/".join, axis=1) if cols else None
-            c = compare(ca["score"].to_numpy(float), cb["score"].to_numpy(float), labels)
+            c = compare(
+                ca["score"].to_numpy(float), cb["score"].to_numpy(float), units(cb).to_numpy(), labels
+            )
             kv_a, kv_b = ca["kv_bytes"].mean(), cb["kv_bytes"].mean()
             differ = bool(compressed_base and kv_b > 0 and abs(kv_a / kv_b - 1) > BYTES_TOLERANCE)
             records.append(
-                [task, dataset, model, label, base, c.n, c.diff, c.lo, c.hi, c.p, math.nan, c.test, matched,
+                [task, dataset, model, label, base, c.n, c.n_units, c.diff, c.lo, c.hi, c.p, c.p_exact, math.nan,
+                 c.test, matched,
                  kv_a, kv_b, differ]
             )  # fmt: skip
     out = pd.DataFrame(records, columns=PAIRED_COLUMNS)
-    out["p_holm"] = holm(out["p"].to_numpy(float)) if len(out) else []
+    read = out["p_exact"].where(out["p_exact"].notna(), out["p"])  # the p a statement rests on
+    out["p_holm"] = holm(read.to_numpy(float)) if len(out) else []
     return out
 
 
@@ -198,7 +226,7 @@ def flips(part: pd.DataFrame, columns: Sequence[str] = ("dataset",)) -> pd.DataF
 # ---------------------------------------------------------------------------------------- markdown
 def interval_cell(row: pd.Series) -> str:
     """`[lo, hi]`, or `n<MIN_N` where the interval is withheld."""
-    if row["n_shared"] < MIN_N:
+    if row["n_units"] < MIN_N:
         return f"n<{MIN_N}"
     return f"[{row['lo']:+.1f}, {row['hi']:+.1f}]"
 
@@ -207,6 +235,11 @@ def _p_cell(p: float) -> str:
     if isinstance(p, float) and math.isnan(p):
         return "—"
     return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _difference_cell(row: pd.Series) -> str:
+    n, u = int(row["n_shared"]), int(row["n_units"])
+    return f"{row['diff']:+.1f} (n={n})" if n == u else f"{row['diff']:+.1f} (n={n}, {u} units)"
 
 
 def paired_table(rows: pd.DataFrame) -> str:
@@ -218,16 +251,17 @@ def paired_table(rows: pd.DataFrame) -> str:
                 r["dataset"],
                 r["config"],
                 r["baseline"],
-                f"{r['diff']:+.1f} (n={int(r['n_shared'])})",
+                _difference_cell(r),
                 interval_cell(r),
                 _p_cell(r["p"]),
+                _p_cell(r["p_exact"]),
                 _p_cell(r["p_holm"]),
                 r["test"],
                 f"{cell(r['kv_bytes'] / 2**20, 2)} / {cell(r['baseline_kv_bytes'] / 2**20, 2)}",
                 "bytes differ" if r["bytes_differ"] else "",
             ]
         )
-    headers = ["dataset", "method", "minus", "difference x100 (n)", "95% interval", "p", "p Holm", "test",
+    headers = ["dataset", "method", "minus", "difference x100 (n)", "95% interval", "p", "p exact", "p Holm", "test",
                "KV MiB (method / minus)", "budget check"]  # fmt: skip
     return md_table(headers, table, text_columns=3)
 
@@ -263,10 +297,15 @@ INTRO = (
     "Each compressed config minus the full cache, and minus SnapKV at the same budget, on the samples "
     "both ran (ok rows only; matched by the rows' prompt and answer hashes, or by task, dataset and "
     "sample id for rows written before the hashes existed: the `matched_by` column of `paired.csv`). "
-    f"n: shared samples. `mcnemar`: exact McNemar test (0/1 scores; interval: exact, conditional on "
-    f"the discordant pairs); `bootstrap`: {RESAMPLES} stratified paired bootstrap resamples (interval: "
-    f"percentiles). Below n={MIN_N} the interval and p are withheld (n<{MIN_N}). p Holm: adjusted over "
-    'the rows of the table. budget check: "bytes differ" where the two compressed configs\' mean '
+    "n: shared samples; units: the units of independence where fewer (the contexts whose questions "
+    "share them, the problems whose samples share them). 95% interval: percentiles of "
+    f"{RESAMPLES} paired bootstrap resamples of whole units within each stratum. p: `mcnemar` the exact "
+    "McNemar test (0/1 scores, one pair per unit), `bootstrap` the bootstrap's. p exact: the exact "
+    f"sign-flip p over units, below {FEW_UNITS} units (with few units the percentile interval is too "
+    f"narrow: read this p). Below {MIN_N} units the interval and p are withheld (n<{MIN_N}). p Holm: "
+    "p exact, else p, adjusted over the rows of the table. Where the Protocols section covers a task "
+    "and model, a config minus the full cache under the same protocol is in its compression-loss "
+    'table, not here. budget check: "bytes differ" where the two compressed configs\' mean '
     f"realised KV bytes on these samples differ by more than {BYTES_TOLERANCE:.0%} (not budget-matched). "
     "Every row is in `paired.csv`; every flipped sample in `flips.csv`."
 )

@@ -5,11 +5,12 @@ where the rows carry several question indices or several protocols.
 - Decay: per method and protocol, the score x100 at each question index (1..N, the order questions
   are asked about a context), the full cache's rows beside the methods'.
 - Reuse penalty: score under a protocol minus score under `query_aware` on the same questions
-  (paired by sample_id, ok rows of both), x100, with n and a 95% bootstrap interval of the mean
-  difference that resamples whole contexts (`scipy.stats.bootstrap`, paired over the contexts'
-  sums and counts, percentile method, seeded: the same rows give the same interval; a context's
-  questions share its haystack and, shared, one cache); also over questions 2..N alone, where `first_question`
-  differs from `query_aware` (its question 1 is `query_aware`'s run).
+  (paired by sample_id, ok rows of both), x100, with n, the contexts, a 95% bootstrap interval of
+  the mean difference that resamples whole contexts and the exact sign-flip p over contexts
+  (`eval.stats.compare_differences`, seeded: the same rows give the same interval; a context's
+  questions share its haystack and, shared, one cache, so the context is the unit); also over
+  questions 2..N alone, where `first_question` differs from `query_aware` (its question 1 is
+  `query_aware`'s run).
 - Compression loss per protocol: score minus the full cache's under the same protocol (paired), and
   its shift from `query_aware` (a paired difference of differences): what compression costs apart
   from what the protocol costs every cache.
@@ -35,7 +36,7 @@ from matplotlib.figure import Figure
 
 from eval import protocols
 from eval.plots import DPI, natural_sorted, score_limits
-from eval.stats import CLUSTER_RESAMPLES, SEED, paired_bootstrap
+from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, SEED, compare_differences
 from eval.tables import cell, md_table, slug
 
 INTRO = (
@@ -140,8 +141,13 @@ def decay_table(part: pd.DataFrame, title: str) -> str:
 
 # ------------------------------------------------------------------------------------- reuse penalty
 def _penalty(d: pd.Series, clusters: pd.Series | None = None) -> dict[str, float]:
-    lo, hi = paired_bootstrap(d.to_numpy(), None if clusters is None else clusters.to_numpy())
-    return {"n": len(d), "penalty": d.mean() if len(d) else math.nan, "low": lo, "high": hi}
+    """n, contexts, mean `penalty`, `low` / `high` and `p` (the exact sign-flip p over contexts where
+    there are fewer than `FEW_UNITS`, else the bootstrap's) of the differences `d` [n], each
+    context (`clusters`) one unit."""
+    if d.empty:
+        return {"n": 0, "contexts": 0, "penalty": math.nan, "low": math.nan, "high": math.nan, "p": math.nan}
+    c = compare_differences(d.to_numpy(float), None if clusters is None else clusters.to_numpy())
+    return {"n": c.n, "contexts": c.n_units, "penalty": c.diff, "low": c.lo, "high": c.hi, "p": c.p_read}
 
 
 def _context(rows: pd.DataFrame) -> pd.Series:
@@ -178,12 +184,30 @@ def reuse_penalty(part: pd.DataFrame) -> pd.DataFrame:
         )
     return pd.DataFrame.from_records(
         records,
-        columns=["method_key", "protocol", "n", "penalty", "low", "high", "n_later", "penalty_later", "low_later", "high_later"],
+        columns=["method_key", "protocol", "n", "contexts", "penalty", "low", "high", "p", "n_later", "contexts_later",
+                 "penalty_later", "low_later", "high_later", "p_later"],
     )  # fmt: skip
 
 
 def _interval(lo: float, hi: float) -> str:
     return "—" if math.isnan(lo) else f"[{lo:+.2f}, {hi:+.2f}]"
+
+
+def _p(p: float) -> str:
+    return "—" if p is None or math.isnan(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _n(n, contexts) -> str:
+    return "—" if not n else f"{int(n)} ({int(contexts)})"
+
+
+STATS_NOTE = (
+    f"95% paired bootstrap intervals resampling whole contexts ({RESAMPLES} resamples, seed {SEED}: a "
+    f"context's questions are not independent); p: the exact sign-flip p over contexts below {FEW_UNITS} "
+    f"of them (with few contexts the percentile interval is too narrow: read the p), else the "
+    f"bootstrap's; n (contexts): questions, in brackets the contexts they come from; below {MIN_N} "
+    "contexts the interval and p are withheld (—)."
+)
 
 
 def _signed(v: float) -> str:
@@ -195,16 +219,17 @@ def penalty_table(part: pd.DataFrame, title: str) -> str | None:
     if table.empty:
         return None
     rows = [
-        [r.method_key, r.protocol, r.n, _signed(r.penalty), _interval(r.low, r.high),
-         r.n_later, _signed(r.penalty_later), _interval(r.low_later, r.high_later)]
+        [r.method_key, r.protocol, _n(r.n, r.contexts), _signed(r.penalty), _interval(r.low, r.high), _p(r.p),
+         _n(r.n_later, r.contexts_later), _signed(r.penalty_later), _interval(r.low_later, r.high_later),
+         _p(r.p_later)]
         for r in table.itertuples()
     ]  # fmt: skip
-    headers = ["method", "protocol", "n", "penalty", "95% CI", "n (q≥2)", "penalty (q≥2)", "95% CI (q≥2)"]
+    headers = ["method", "protocol", "n (contexts)", "penalty", "95% CI", "p", "n (q≥2)", "penalty (q≥2)",
+               "95% CI (q≥2)", "p (q≥2)"]  # fmt: skip
     return (
         f"### Reuse penalty — {title}\n\nScore x100 under the protocol minus under query_aware on the same "
-        f"questions (paired by sample_id); 95% paired bootstrap interval resampling whole contexts "
-        f"({CLUSTER_RESAMPLES} resamples, seed {SEED}: a context's questions are not independent). q≥2: the "
-        "questions after the first.\n\n" + md_table(headers, rows, text_columns=2)
+        f"questions (paired by sample_id); {STATS_NOTE} q≥2: the questions after the first.\n\n"
+        + md_table(headers, rows, text_columns=2)
     )
 
 
@@ -246,20 +271,24 @@ def compression_penalty(part: pd.DataFrame) -> pd.DataFrame:
                 four["cluster"],
             )
             if protocol != "query_aware"
-            else {"n": 0, "penalty": math.nan, "low": math.nan, "high": math.nan}
+            else _penalty(pd.Series(dtype=float))
         )
         records.append(
             {
                 "method_key": method_key,
                 "protocol": protocol,
                 "n": loss["n"],
+                "contexts": loss["contexts"],
                 "loss": loss["penalty"],
                 "low": loss["low"],
                 "high": loss["high"],
+                "p": loss["p"],
                 "n_shift": shift["n"],
+                "contexts_shift": shift["contexts"],
                 "shift": shift["penalty"],
                 "shift_low": shift["low"],
                 "shift_high": shift["high"],
+                "shift_p": shift["p"],
             }
         )
     return pd.DataFrame.from_records(records)
@@ -270,27 +299,28 @@ def compression_table(part: pd.DataFrame, title: str) -> str | None:
     if table.empty:
         return None
     rows = [
-        [r.method_key, r.protocol, r.n, _signed(r.loss), _interval(r.low, r.high),
-         r.n_shift or "—", _signed(r.shift), _interval(r.shift_low, r.shift_high)]
+        [r.method_key, r.protocol, _n(r.n, r.contexts), _signed(r.loss), _interval(r.low, r.high), _p(r.p),
+         _n(r.n_shift, r.contexts_shift), _signed(r.shift), _interval(r.shift_low, r.shift_high), _p(r.shift_p)]
         for r in table.itertuples()
     ]  # fmt: skip
     headers = [
         "method",
         "protocol",
-        "n",
+        "n (contexts)",
         "vs full",
         "95% CI",
+        "p",
         "n (shift)",
         "shift vs query_aware",
         "95% CI (shift)",
+        "p (shift)",
     ]
     return (
         f"### Compression loss per protocol — {title}\n\nScore x100 minus the full cache's under the same "
         "protocol on the same questions (what compression costs, apart from what the protocol costs "
         "every cache), and the shift of that loss from query_aware to the protocol on the questions "
         f"all four runs share (negative: the cache kept entries for a question it is no longer asked); "
-        f"95% paired bootstrap intervals resampling whole contexts ({CLUSTER_RESAMPLES} resamples, seed {SEED}).\n\n"
-        + md_table(headers, rows, text_columns=2)
+        f"{STATS_NOTE}\n\n" + md_table(headers, rows, text_columns=2)
     )
 
 

@@ -184,7 +184,7 @@ class TaskReport:
     (row columns the report draws against the KV budget, each with its axis name: `score` always;
     a task adds a graded column, e.g. the needle's partial credit, where the main score is flat),
     `paired_strata` (row columns within whose values the report's paired bootstrap resamples the
-    shared samples, and whose per-value means its pooled differences weigh equally, as the task's
+    shared samples' units of independence, and whose per-value means its pooled differences weigh equally, as the task's
     own averages do: eval/report/paired.py) and `flip_columns` (row columns naming a sample in the
     flip tables: what compression broke or fixed).
     """

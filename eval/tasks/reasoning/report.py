@@ -3,9 +3,9 @@
 Per (model, decoding) one table, a row per method config (ok rows only):
 
 - pass@1 x100: the mean over problems of each problem's mean correctness over its samples (greedy:
-  one sample, plain accuracy), with a 95% bootstrap interval over problems (`scipy.stats.bootstrap`,
-  percentile, seeded: eval/stats.py's `paired_bootstrap` applied to the per-problem means;
-  n/a below two problems);
+  one sample, plain accuracy), with a 95% bootstrap interval over problems (the problem is the
+  unit: its samples share its prompt; `eval.stats.unit_bootstrap` of the rows' scores grouped by
+  problem, percentile, seeded; n/a below two problems);
 - format %: outputs with a "Final answer:" line;
 - tokens: mean generated tokens (`new_tokens`), and `vs full`: Σ tokens / Σ the full cache's tokens
   over the rows paired with a full-cache row of the same model, decoding, problem and sample seed
@@ -28,12 +28,11 @@ import math
 from pathlib import Path
 from typing import ClassVar
 
-import numpy as np
 import pandas as pd
 
 from eval.labels import BUDGET_KEYS, method_label
 from eval.plots import reasoning_vs_budget
-from eval.stats import paired_bootstrap
+from eval.stats import unit_bootstrap
 from eval.tables import cell, column_order, md_table, slug
 from eval.tasks.base import ReportOptions, TaskReport
 
@@ -70,11 +69,12 @@ def prepare_rows(df: pd.DataFrame) -> pd.DataFrame:
 def pass_at_1(rows: pd.DataFrame) -> tuple[float, float, float, int]:
     """(pass@1, low, high, problems): mean over problems of the per-problem mean `score`, with its
     95% bootstrap interval over problems."""
-    per_problem = rows.groupby("prompt_key")["score"].mean().to_numpy(dtype=float)
-    if len(per_problem) == 0:
+    per_problem = rows.groupby("prompt_key")["score"].mean()
+    if per_problem.empty:
         return math.nan, math.nan, math.nan, 0
-    lo, hi = paired_bootstrap(per_problem)
-    return float(np.mean(per_problem)), lo, hi, len(per_problem)
+    # Each problem's mean as one value of its own unit: the mean over problems, whatever their samples.
+    b = unit_bootstrap(per_problem.to_numpy(dtype=float))
+    return b.estimate, b.lo, b.hi, b.n_units
 
 
 def length_ratio(rows: pd.DataFrame, full: pd.DataFrame) -> float:

@@ -11,10 +11,10 @@ that rest on different numbers of samples is marked ‡ and the note says so.
 
 Paired differences: every config against the full cache, then the compressed configs against
 each other, on the samples both ran (the same generated sample ids), suite average minus the
-other's with a 95% percentile interval from a
-bootstrap that resamples the shared samples within each task (the tasks stay fixed, as the suite
-average weighs them equally); a fixed seed, so the report rebuilds byte-identical. The interval is
-withheld ("n<5 per task") where a task has fewer than `eval.stats.MIN_N` shared samples.
+other's with a 95% percentile interval and p from `eval.stats.compare_differences`: a bootstrap
+that resamples the shared samples (the unit) within each task (the tasks stay fixed, as the suite
+average weighs them equally); a fixed seed, so the report rebuilds byte-identical. The interval and
+p are withheld ("n<5 per task") where a task has fewer than `eval.stats.MIN_N` shared samples.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from eval.plots import NEEDLE_CMAP, _save
-from eval.stats import MIN_N, stratified_bootstrap
+from eval.stats import MIN_N, RESAMPLES, compare_differences, holm
 from eval.tables import column_order, md_table, slug
 from eval.tasks.base import ReportOptions, TaskReport
 from eval.tasks.multi_question import question_tables
@@ -96,12 +96,10 @@ def coverage_note(tasks) -> str:
     return f"{len(have & set(TASKS))} of {len(TASKS)} tasks{why}"
 
 
-def paired_differences(
-    rows: pd.DataFrame, pairs: list[tuple[str, str]], resamples: int = 2000, seed: int = 0
-) -> list[list]:
+def paired_differences(rows: pd.DataFrame, pairs: list[tuple[str, str]]) -> list[list]:
     """Per (config, baseline) pair and length: [config, baseline, length, shared samples, fewest
-    shared samples of a task, suite avg difference config - baseline, "[lo, hi]"] over the ok samples
-    both ran (a stratified bootstrap within task: module doc, `eval.stats.stratified_bootstrap`);
+    shared samples of a task, suite avg difference config - baseline, "[lo, hi]", p (NaN where withheld)] over the ok
+    samples both ran (a bootstrap of samples within task: module doc, `eval.stats.compare_differences`);
     the interval is withheld ("n<5 per task") when a task has fewer than `MIN_N` shared samples, as
     resampling 2 samples within a task gives a degenerate interval. `rows`: one model's RULER rows
     with `sample_id`, `ruler_task`, `ruler_length`, `score`, `ok`, `config_label`."""
@@ -123,10 +121,26 @@ def paired_differences(
             diff = a.loc[shared, "score"].to_numpy(float) - b.loc[shared, "score"].to_numpy(float)
             strata = b.loc[shared, "ruler_task"]
             fewest = int(strata.value_counts().min())
-            c = stratified_bootstrap(100 * diff, strata, resamples, seed)
-            interval = f"[{c.lo:+.1f}, {c.hi:+.1f}]" if fewest >= MIN_N else f"n<{MIN_N} per task"
-            out.append([label, baseline, int(length), len(shared), fewest, c.diff, interval])
+            c = compare_differences(100 * diff, None, strata.to_numpy())
+            withheld = fewest < MIN_N  # resampling fewer within a task gives a degenerate interval
+            interval = f"n<{MIN_N} per task" if withheld else f"[{c.lo:+.1f}, {c.hi:+.1f}]"
+            out.append(
+                [
+                    label,
+                    baseline,
+                    int(length),
+                    len(shared),
+                    fewest,
+                    c.diff,
+                    interval,
+                    np.nan if withheld else c.p,
+                ]
+            )
     return out
+
+
+def _p_cell(p: float) -> str:
+    return "—" if np.isnan(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
 
 
 def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
@@ -189,12 +203,14 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
             pairs = [(c, full[0]) for c in rest] + [(a, b) for i, a in enumerate(rest) for b in rest[i + 1 :]]
             paired = paired_differences(part, pairs)
             if paired:
+                adjusted = holm([r[-1] for r in paired])  # the family: this table's rows
+                paired = [[*r[:-1], _p_cell(r[-1]), _p_cell(a)] for r, a in zip(paired, adjusted)]
                 out.append(
                     f"### ruler — {model}: paired differences\n\nSuite average x100 of a config minus "
                     "another's on the samples both ran (every config against the full cache, then the "
-                    "compressed configs against each other), with a 95% interval from 2000 bootstrap "
-                    f"resamples of the samples within each task, withheld where a task has fewer than {MIN_N} "
-                    "shared samples (fewest per task).\n\n"
+                    f"compressed configs against each other), with a 95% interval and p from {RESAMPLES} "
+                    f"bootstrap resamples of the samples within each task, withheld where a task has fewer than "
+                    f"{MIN_N} shared samples (fewest per task); p Holm: adjusted over the rows of the table.\n\n"
                     + md_table(
                         [
                             "method",
@@ -204,6 +220,8 @@ def ruler_tables(df: pd.DataFrame, column_order) -> list[str]:
                             "fewest per task",
                             "difference",
                             "95% interval",
+                            "p",
+                            "p Holm",
                         ],
                         paired,
                     )  # fmt: skip

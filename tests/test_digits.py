@@ -82,7 +82,7 @@ def test_span_off_is_the_paper_bit_for_bit(span, order):
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 40, 16)
     module = type("M", (), {"scaling": 0.25})()
-    layer = type("L", (), {"softcap": None, "sinks": None})()
+    layer = type("L", (), {"softcap": None, "sinks": None, "state": "prefill"})()
     method = build_method("snapkv", budget=20, window=8, kernel_size=7, span=span, gqa_order=order)
     votes = window_attention(q, k, 8, 0.25)[..., :-8]
     want = torch.zeros(1, 2, 40)

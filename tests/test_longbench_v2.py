@@ -245,6 +245,9 @@ def test_local_data_errors(tmp_path):
         ValueError, match=r"record 0 \(id0\): answer must be one of A, B, C, D, got answer='E'"
     ):
         LongBenchV2Task(data_files=str(bad)).num_samples()
+    odd = write_jsonl(tmp_path / "odd.jsonl", [record(0, length="huge")])
+    with pytest.raises(ValueError, match="length must be one of short, medium, long, got length='huge'"):
+        LongBenchV2Task(data_files=str(odd)).num_samples()
     partial = {k: v for k, v in record(0).items() if k != "choice_C"}
     with pytest.raises(ValueError, match="missing or not a string: choice_C"):
         LongBenchV2Task(data_files=str(write_jsonl(tmp_path / "p.jsonl", [partial]))).num_samples()
@@ -351,11 +354,11 @@ def test_runs_and_reports(tiny_dir, tmp_path):
         f"model.name={tiny_dir}", "budget=64", f"results_dir={results}", "progress=false", "report=false",
         "task=longbench_v2", f"task.data_files={data}", "task.max_prompt_tokens=300",
     ]  # fmt: skip
-    for protocol in ("query_aware", "context_only"):
-        runner.run(compose_cfg(common + [f"protocol={protocol}"]))
+    for overrides in (["protocol=query_aware"], ["protocol=context_only"], ["method=full"]):
+        runner.run(compose_cfg(common + overrides))
     df = ResultStore.load_dir(results)
     assert set(df["status"]) == {"ok"}, df["error"].tolist()
-    assert len(df) == 4 and set(df["sample_id"]) == {"id0", "id1"}
+    assert len(df) == 6 and set(df["sample_id"]) == {"id0", "id1"}
     assert set(df["difficulty"]) == {"easy", "hard"} and set(df["length"]) == {"short", "medium"}
     assert df["truncated"].all() and (df["prompt_tokens"] > 300).all()
     for _, row in df.iterrows():  # the row's score is the extraction's verdict on its own prediction
@@ -363,3 +366,5 @@ def test_runs_and_reports(tiny_dir, tmp_path):
     build_report(results)
     report = (results / "report.md").read_text()
     assert "## LongBench-v2" in report and "### longbench_v2 — tiny-llama-lbv2" in report
+    table = report.split("### longbench_v2 — tiny-llama-lbv2", 1)[1]
+    assert "| samples | 2 | 2 | 2 |" in table.replace("  ", " ")

@@ -102,6 +102,12 @@ def _check_record(index: int, record: dict[str, Any]) -> None:
             f"LongBench-v2 record {index}: expected the string fields {', '.join(FIELDS)}; "
             f"missing or not a string: {', '.join(missing)}"
         )
+    for key, known in (("difficulty", DIFFICULTIES), ("length", LENGTHS)):
+        if record.get(key) not in known:  # the classes the report and the selection know
+            raise ValueError(
+                f"LongBench-v2 record {index} ({record['_id']}): {key} must be one of {', '.join(known)}, "
+                f"got {key}={record.get(key)!r}"
+            )
     if record["answer"] not in CHOICES:
         raise ValueError(
             f"LongBench-v2 record {index} ({record['_id']}): answer must be one of A, B, C, D, "
@@ -231,8 +237,8 @@ class LongBenchV2Task(Task):
             max_new_tokens=MAX_NEW_TOKENS,
             chat_template=self.chat_template,
             extra={
-                "difficulty": record.get("difficulty"),
-                "length": record.get("length"),
+                "difficulty": record["difficulty"],
+                "length": record["length"],
                 "domain": record.get("domain"),
                 "sub_domain": record.get("sub_domain"),
                 "prompt_tokens": n_tokens,

@@ -31,9 +31,6 @@ TEMPLATE_0SHOT = (
 # pred.py's max_new_tokens without CoT.
 MAX_NEW_TOKENS = 128
 
-# pred.py's model2maxlen for its 128K-context models: the prompt limit its middle truncation uses.
-LONGBENCH_V2_MAX_LEN = 120000
-
 CHOICES = ("A", "B", "C", "D")
 DIFFICULTIES = ("easy", "hard")
 LENGTHS = ("short", "medium", "long")

@@ -48,8 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from eval.tasks import hub_data
 from eval.tasks.base import Sample, Task
-from eval.tasks.jsonl import numbered_records
+from eval.tasks.hub_data import read_local
 from eval.tasks.longbench.task import truncate_middle
 from eval.tasks.registry import register_task
 from eval.tasks.scbench import metrics, repoqa
@@ -63,7 +64,6 @@ from eval.tasks.scbench.prompts import (
     SEPARATOR,
     SUMMARY_PREFIX,
 )
-from snapkv.errors import one_line
 from snapkv.prompts import chat_templated
 
 HUB_REPO_ID = "microsoft/SCBench"
@@ -176,36 +176,17 @@ def _local_file(config: str, data_files: Path, n_configs: int) -> Path:
     )
 
 
-def _read_parquet(path: Path) -> list[dict[str, Any]]:
-    import pyarrow.parquet as pq  # a dependency of `datasets`; loaded only for local parquet files
-
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
-    return [row for f in files for row in pq.read_table(f).to_pylist()]
-
-
-def read_local(path: Path) -> list[dict[str, Any]]:
-    """The records of a local SCBench file (.jsonl, .parquet) or a folder of parquet shards."""
-    if path.is_dir() or path.suffix == ".parquet":
-        return _read_parquet(path)
-    return [record for _, record in numbered_records(path)]
-
-
 def load_hub(config: str, repo: str, split: str, revision: str | None) -> list[dict[str, Any]]:
-    """`datasets.load_dataset(repo, config, split=split, revision=revision)` as a list of records;
-    FileNotFoundError (one line naming the config, the repository and `task.data_files`) when it
-    cannot be loaded."""
-    try:
-        import datasets  # lazy: the harness' `bench` extra, heavy to import
-
-        data = datasets.load_dataset(repo, config, split=split, revision=revision)
-    except Exception as err:  # offline, unreachable, missing repo/config/revision: one actionable line
-        at = f" at revision {revision}" if revision else ""
-        raise FileNotFoundError(
-            f"SCBench config {config} could not be loaded from the Hub dataset {repo}{at} "
-            f"({one_line(err)}); on a machine without the Hub give local files with task.data_files=PATH "
-            "(a directory of <config>.jsonl / <config>.parquet files)"
-        ) from None
-    return [dict(row) for row in data]
+    """One config's records from the Hub (`eval.tasks.hub_data.load_hub`: one error line naming the
+    config, the repository and `task.data_files` when it cannot be loaded)."""
+    return hub_data.load_hub(
+        f"SCBench config {config}",
+        repo,
+        config,
+        split,
+        revision,
+        "a directory of <config>.jsonl / <config>.parquet files",
+    )
 
 
 def _check_record(config: str, index: int, record: dict[str, Any]) -> None:

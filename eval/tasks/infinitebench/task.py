@@ -19,10 +19,14 @@ end, decoded without special tokens (`eval.tasks.longbench.task.truncate_middle`
 the tokenizer's default special tokens, as `tok.encode` does). No room is reserved for the answer,
 as in InfiniteBench. The rows record the untruncated length (`prompt_tokens`) and `truncated`.
 
-Data: ``datasets.load_dataset(repo, data_files={split: "<task>.jsonl"}, split=split,
-revision=revision)``: the Hub repository holds one JSONL file per task (its card lists them as the
-splits of one config; loading a file alone fetches only that task), cached by `datasets`. Or local
-files given by `data_files`: a ``.jsonl`` / ``.parquet`` file (one task selected) or a directory of
+Data: the Hub repository holds one JSONL file per task (its card lists them as the splits of one
+`datasets` config); ``<task>.jsonl`` is fetched alone with huggingface_hub (`revision` pinnable,
+kept in the Hugging Face cache and read from it offline) and read as InfiniteBench's `iter_jsonl`
+reads it, each record's values as the file writes them. Not through `datasets.load_dataset`: its
+default config prepares all twelve files (2.7 GB) under one schema the tasks do not share (math_calc's
+answer is a list of lists of ints, the others' lists of strings or numbers), and a load of one
+file by ``data_files`` is not found again in its cache offline (the cached config's id hashes the
+files' resolved Hub URLs, which cannot be resolved offline). Or local files given by `data_files`: a ``.jsonl`` / ``.parquet`` file (one task selected) or a directory of
 ``<task>.jsonl`` / ``<task>.parquet`` (the layout OpenBMB/InfiniteBench's
 `scripts/download_dataset.sh` writes). The data is read before the model loads; a missing file or
 an unreachable Hub is one error naming the task, the repository and `task.data_files`.
@@ -43,6 +47,7 @@ from eval.tasks.longbench.task import split_prompt, truncate_middle
 from eval.tasks.registry import register_task
 from eval.tasks.scbench.task import read_local
 from snapkv.errors import one_line
+from snapkv_models.hub import hub_unavailable
 
 HUB_REPO_ID = "xinrongzhang2022/InfiniteBench"
 CHOICE_TASKS = ("longbook_choice_eng", "code_debug")
@@ -112,24 +117,32 @@ def _local_file(task: str, data_files: Path, n_tasks: int) -> Path:
     )
 
 
-def load_hub(task: str, repo: str, split: str, revision: str | None) -> list[dict[str, Any]]:
-    """The records of ``<task>.jsonl`` in the Hub dataset `repo` through `datasets.load_dataset`;
-    FileNotFoundError (one line naming the task, the repository and `task.data_files`) when it
-    cannot be loaded."""
+def load_hub(task: str, repo: str, revision: str | None) -> list[dict[str, Any]]:
+    """The records of ``<task>.jsonl`` in the Hub dataset `repo` (huggingface_hub's cache: fetched
+    once, read from the cache offline); FileNotFoundError (one line naming the task, the repository
+    and `task.data_files`) when it cannot be had."""
+    unavailable = None
     try:
-        import datasets  # lazy: the harness' `bench` extra, heavy to import
+        import huggingface_hub  # lazy: only the Hub path needs it
 
-        data = datasets.load_dataset(
-            repo, data_files={split: f"{task}.jsonl"}, split=split, revision=revision
+        # When the endpoint does not answer, the cache only: a missing file fails at once, not after retries.
+        unavailable = hub_unavailable()
+        path = huggingface_hub.hf_hub_download(
+            repo_id=repo,
+            filename=f"{task}.jsonl",
+            repo_type="dataset",
+            revision=revision,
+            local_files_only=bool(unavailable),
         )
     except Exception as err:  # offline, unreachable, missing repo/file/revision: one actionable line
         at = f" at revision {revision}" if revision else ""
+        why = f"{unavailable} and no copy is in the Hugging Face cache" if unavailable else one_line(err)
         raise FileNotFoundError(
-            f"InfiniteBench task {task} could not be loaded from the Hub dataset {repo}{at} "
-            f"({one_line(err)}); on a machine without the Hub give local files with task.data_files=PATH "
+            f"InfiniteBench task {task} could not be loaded from the Hub dataset {repo}{at} ({why}); "
+            "on a machine without the Hub give local files with task.data_files=PATH "
             "(a directory of <task>.jsonl files)"
         ) from None
-    return [dict(row) for row in data]
+    return read_local(Path(path))
 
 
 def _check_record(task: str, index: int, record: dict[str, Any]) -> None:
@@ -150,7 +163,6 @@ class InfiniteBenchTask(Task):
             ``gpt4``.
         repo: the Hub dataset.
         revision: a Hub revision (commit, branch or tag) to pin; None: the default branch.
-        split: the split name the loaded file is given (any name; kept for the hash).
         data_files: local data instead of the Hub: a .jsonl / .parquet file (one task) or a
             directory of ``<task>.jsonl`` / ``<task>.parquet``.
         limit: the first N records of each task (None: all).
@@ -166,7 +178,6 @@ class InfiniteBenchTask(Task):
     template: str = "yarn_mistral"
     repo: str = HUB_REPO_ID
     revision: str | None = None
-    split: str = "test"
     data_files: str | None = None
     limit: int | None = None
     max_prompt_tokens: int = 7500
@@ -207,7 +218,7 @@ class InfiniteBenchTask(Task):
             raise ValueError(
                 f"infinitebench chat_template must be true or false, got chat_template={self.chat_template!r}"
             )
-        for key in ("repo", "split"):
+        for key in ("repo",):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ValueError(
                     f"infinitebench {key} must be a non-empty string, got {key}={getattr(self, key)!r}"
@@ -225,7 +236,7 @@ class InfiniteBenchTask(Task):
             if self.data_files is not None:
                 rows = read_local(_local_file(task, Path(self.data_files).expanduser(), len(self.tasks)))
             else:
-                rows = load_hub(task, self.repo, self.split, self.revision)
+                rows = load_hub(task, self.repo, self.revision)
             rows = rows[: self.limit] if self.limit is not None else rows
             for i, record in enumerate(rows):
                 _check_record(task, i, record)

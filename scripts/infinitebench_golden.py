@@ -8,7 +8,7 @@ Takes predictions and labels from the checkout's `results/<model>/preds_<task>.j
 predictions behind the README's table), a few per model and task (the first ones, then the first
 right and wrong ones after them) plus the hand-written cases below, and scores each with
 `src/compute_scores.py`'s `get_score_one`. The module is loaded from the checkout with what it
-imports at module level and the scorers never call stubbed (its argument parser, tqdm);
+imports at module level and the scorers never call stubbed (its argument parser; tqdm where it is not installed);
 `evaluate.load("rouge")` would fetch the metric's script from the Hub: it is replaced by that
 script's `_compute` restated (huggingface/evaluate `metrics/rouge/rouge.py`: Google's rouge_score,
 no stemmer, a list of references scored by `score_multi`). math_calc is scored under a model name
@@ -16,6 +16,10 @@ other than "gpt4" (the original drops GPT-4's first number; `eval.tasks.infinite
 never does), and its long predictions and labels are cut to their first 400 characters / 60
 values before scoring. `tests/test_infinitebench.py` checks that `eval.tasks.infinitebench` gives
 every case the same score.
+
+With ``--means`` it also prints, per model and task, the mean score x 100 over each whole published
+file from the original's scorer and from `eval.tasks.infinitebench.metrics` (the numbers of the
+README's table; docs/tasks.md says where they differ).
 """
 
 from __future__ import annotations
@@ -79,15 +83,42 @@ def load_scorer(repo: Path) -> types.ModuleType:
 
     sys.modules["evaluate"] = types.SimpleNamespace(load=lambda name: Rouge())
     sys.modules["args"] = types.SimpleNamespace(parse_args=None)
-    sys.modules.setdefault("tqdm", types.SimpleNamespace(tqdm=lambda x: x))
+    try:
+        import tqdm  # noqa: F401  (the module imports it; the harness has it)
+    except ImportError:
+        sys.modules["tqdm"] = types.SimpleNamespace(tqdm=lambda x: x)
     module = types.ModuleType("infinitebench_compute_scores")
     source = (repo / "src" / "compute_scores.py").read_text(encoding="utf-8")
     exec(compile(source, "compute_scores.py", "exec"), module.__dict__)
     return module
 
 
-def main(repo: Path) -> None:
+def means(repo: Path, cs: types.ModuleType) -> None:
+    sys.path.insert(0, str(OUT.parents[2]))
+    from eval.tasks.infinitebench.metrics import score as ours
+
+    for model in sorted(p.name for p in (repo / "results").iterdir() if p.is_dir()):
+        cells = []
+        for task in TASKS:
+            path = repo / "results" / model / f"preds_{task}.jsonl"
+            try:
+                rows = list(cs.iter_jsonl(path)) if path.is_file() else []
+            except ValueError:
+                rows = []
+            if not rows:
+                cells.append(f"{task} -")
+                continue
+            labels, preds = cs.get_labels(rows), cs.get_preds(rows, task)
+            theirs = [cs.get_score_one(p, lab, task, model) for p, lab in zip(preds, labels)]
+            mine = [ours(task, p, lab) for p, lab in zip(preds, labels)]
+            cells.append(f"{task} {100 * sum(theirs) / len(theirs):.2f}/{100 * sum(mine) / len(mine):.2f}")
+        print(f"{model}: " + ", ".join(cells), flush=True)
+
+
+def main(repo: Path, with_means: bool = False) -> None:
     cs = load_scorer(repo)
+    if with_means:
+        means(repo, cs)
 
     def score(task: str, pred: str, label: object) -> float:
         return cs.get_score_one(pred, label, task, "infinitebench")
@@ -136,6 +167,7 @@ def main(repo: Path) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit("usage: python scripts/infinitebench_golden.py /path/to/InfiniteBench")
-    main(Path(sys.argv[1]))
+    args = [a for a in sys.argv[1:] if a != "--means"]
+    if len(args) != 1:
+        sys.exit("usage: python scripts/infinitebench_golden.py [--means] /path/to/InfiniteBench")
+    main(Path(args[0]), "--means" in sys.argv[1:])

@@ -40,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+import huggingface_hub
+
 from eval.tasks.base import Sample, Task
 from eval.tasks.infinitebench import metrics
 from eval.tasks.infinitebench.prompts import MAX_NEW_TOKENS, TASKS, TEMPLATES
@@ -66,7 +68,7 @@ def math_find_prefix(text: str) -> str:
     return f"What is {found[0].lower()[:-3]} in the following list?"
 
 
-def fields(task: str, record: dict[str, Any]) -> dict[str, str]:
+def template_fields(task: str, record: dict[str, Any]) -> dict[str, str]:
     """The template fields of one record but ``{context}`` (`create_prompt`)."""
     text = str(record.get("input", ""))
     out = {"input": text, "question": text}
@@ -89,7 +91,7 @@ def prompt_parts(task: str, record: dict[str, Any], template: str = "yarn_mistra
     """(context part, question) of a record: the template split at ``{context}``, each side filled
     in; the record's context follows the first part as it is (braces in it stay as they are)."""
     head, tail = TEMPLATES[template][task].split("{context}")
-    kw = fields(task, record)
+    kw = template_fields(task, record)
     return head.format(**kw) + str(record["context"]), tail.format(**kw)
 
 
@@ -123,8 +125,6 @@ def load_hub(task: str, repo: str, revision: str | None) -> list[dict[str, Any]]
     and `task.data_files`) when it cannot be had."""
     unavailable = None
     try:
-        import huggingface_hub  # lazy: only the Hub path needs it
-
         # When the endpoint does not answer, the cache only: a missing file fails at once, not after retries.
         unavailable = hub_unavailable()
         path = huggingface_hub.hf_hub_download(

@@ -38,7 +38,8 @@ DISTRIBUTION = {
 # the embedded models are GGUF files (transformers reads them with gguf, and refuses without accelerate).
 RUNTIME_ONLY = {"gguf", "accelerate"}
 # Installed by hand: kvpress next to a pinned transformers for the comparison (docs/benchmarking.md),
-# rouge-score to write SCBench's golden scores again (scripts/scbench_golden.py).
+# rouge-score to write SCBench's and InfiniteBench's golden scores again (scripts/scbench_golden.py,
+# scripts/infinitebench_golden.py).
 BY_HAND = {"kvpress", "rouge-score"}
 HARNESS = {
     "hydra-core",

@@ -16,6 +16,7 @@ from eval.tasks.base import Task, TaskReport
 
 TASKS: dict[str, str | type[Task]] = {
     "fidelity": "eval.tasks.fidelity.task:FidelityTask",
+    "infinitebench": "eval.tasks.infinitebench.task:InfiniteBenchTask",
     "kv_retrieval": "eval.tasks.kv_retrieval.task:KVRetrievalTask",
     "longbench": "eval.tasks.longbench.task:LongBenchTask",
     "longbench_v2": "eval.tasks.longbench_v2.task:LongBenchV2Task",

@@ -1,0 +1,1 @@
+"""InfiniteBench (OpenBMB/InfiniteBench): the 100K+ tasks, their prompts and scorers."""

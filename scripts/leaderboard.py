@@ -55,8 +55,9 @@ def coverage(
     cell: lb.Cell, names: list[str], results_root: Path
 ) -> tuple[dict[str, str], dict[str, int], int]:
     """({method: hash}, {method: ok rows}, the full cache's ok rows) of the cell."""
-    hashes = lb.config_hashes(cell, sorted({*names, lb.BASELINE}))
-    rows = lb.cell_rows(cell, hashes, results_root)
+    configs = lb.specs(cell, sorted({*names, lb.BASELINE}))
+    hashes = {m: spec.method_hash for m, spec in configs.items()}
+    rows = lb.cell_rows(cell, configs, results_root)
     counts = rows.groupby("method").size().to_dict() if not rows.empty else {}
     return hashes, {m: int(counts.get(m, 0)) for m in names}, int(counts.get(lb.BASELINE, 0))
 

@@ -97,24 +97,28 @@ def methods() -> list[str]:
     return [BASELINE, *sorted(m for m in METHODS if m != BASELINE)]
 
 
-def config_hashes(cell: Cell, names: list[str], conf_dir: Path = ROOT / "conf") -> dict[str, str]:
-    """{method: method_hash} of the cell's config composed for each method, as `run.py` composes it."""
-    out = {}
+def specs(cell: Cell, names: list[str], conf_dir: Path = ROOT / "conf") -> dict[str, RunSpec]:
+    """{method: RunSpec} of the cell's config composed for each method, as `run.py` composes it."""
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
-        for name in names:
-            out[name] = RunSpec.from_config(compose("config", overrides=cell.run_overrides(name))).method_hash
-    return out
+        return {n: RunSpec.from_config(compose("config", overrides=cell.run_overrides(n))) for n in names}
 
 
-def cell_rows(cell: Cell, hashes: dict[str, str], results_root: Path) -> pd.DataFrame:
-    """The ok, scored rows of the cell's configs (one method per hash) from its results folder."""
+def config_hashes(cell: Cell, names: list[str]) -> dict[str, str]:
+    """{method: method_hash} of the cell's configs: the names of their rows."""
+    return {n: spec.method_hash for n, spec in specs(cell, names).items()}
+
+
+def cell_rows(cell: Cell, configs: dict[str, RunSpec], results_root: Path) -> pd.DataFrame:
+    """The ok, scored rows of the cell's configs from its results folder: the rows of the configs'
+    model (the hash leaves the model's name out) and hashes, each named by its method."""
     folder = cell.folder(results_root)
     raw = ResultStore.load_dir(folder) if folder.is_dir() else pd.DataFrame()
     if raw.empty:
         return raw
-    by_hash = {h: m for m, h in hashes.items()}
-    rows = raw[raw["method_hash"].isin(by_hash) & raw["task"].eq(cell.task) & raw["status"].eq("ok")]
-    rows = rows[rows["score"].notna()]
+    by_hash = {spec.method_hash: m for m, spec in configs.items()}
+    models = {spec.model.key for spec in configs.values()}
+    keep = raw["method_hash"].isin(by_hash) & raw["model"].isin(models) & raw["task"].eq(cell.task)
+    rows = raw[keep & raw["status"].eq("ok") & raw["score"].notna()]
     return rows.assign(method=rows["method_hash"].map(by_hash))
 
 
@@ -154,7 +158,7 @@ def build(
 ) -> tuple[list[Cell], pd.DataFrame]:
     """Every cell's `COLUMNS` records from the rows under `results_root`."""
     cells, names = load_grid(path), names or methods()
-    frames = [cell_table(c, cell_rows(c, config_hashes(c, names), results_root), names) for c in cells]
+    frames = [cell_table(c, cell_rows(c, specs(c, names), results_root), names) for c in cells]
     return cells, pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(columns=COLUMNS)
 
 

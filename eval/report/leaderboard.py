@@ -45,7 +45,7 @@ COLUMNS = [
 
 @dataclass(frozen=True)
 class Cell:
-    """One column of the grid: the config every method runs in it (`overrides(method)`)."""
+    """One column of the grid: the config every method runs in it (`run_overrides(method)`)."""
 
     name: str
     title: str

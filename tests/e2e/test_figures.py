@@ -104,7 +104,12 @@ def test_make_figures_missing_inputs_are_skipped_with_a_note(tmp_path):
 # Files that scripts/make_figures.py writes (everything else under results/ is its input: result rows,
 # benchmark CSVs, observation CSVs, hand-written READMEs).
 def _derived(path: Path) -> bool:
-    return path.suffix == ".png" or path.name in ("report.md", "summary.csv") or path.parts[0] == "figures"
+    return (
+        path.suffix == ".png"
+        or path.name in ("report.md", "summary.csv")
+        or path.parts[0] == "figures"
+        or path == Path("leaderboard.csv")
+    )
 
 
 def _files(root: Path) -> set[Path]:

@@ -58,7 +58,7 @@ RULER_TASKS = (
 
 # ------------------------------------------------------------------------------------------ reading
 # The leaderboard block at the top of results/README.md is rendered from rows by scripts/make_figures.py
-# (tests/e2e/test_leaderboard.py checks it against its rebuild); the claims here are the hand-written prose.
+# (tests/e2e/test_leaderboard_committed.py checks it against its rebuild); the claims here are the hand-written prose.
 LEADERBOARD_BLOCK = re.compile(r"<!-- leaderboard:.*?<!-- /leaderboard -->", re.S)
 
 

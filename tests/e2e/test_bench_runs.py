@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from test_bench import TOY, _run  # noqa: F401  (fixtures and helpers)
 
+from snapkv import METHODS
+
 
 def test_bench_speed_rounds_rows_noise_plots_and_last_line(tmp_path):
     out = tmp_path / "bench.csv"
@@ -71,9 +73,13 @@ def test_bench_speed_fresh_process_per_configuration_in_rotated_rounds(tmp_path)
 @pytest.mark.skipif(not Path("/bin/bash").exists(), reason="needs bash")
 def test_gpu_check_script_runs_at_toy_size_on_cpu(tmp_path):
     env = dict(MODEL="random:llama-tiny", DTYPE="float32", DEVICE="cpu", LENGTHS="[64,128]",
-               BATCHES="[1,2]", CAP_LENGTH="256", DECODE="3", OUTDIR=str(tmp_path))  # fmt: skip
+               BATCHES="[1,2]", CAP_LENGTH="256", DECODE="3", OUTDIR=str(tmp_path),
+               EXACT_LENGTH="512", EXACT_BUDGET="64", EXACT_WINDOW="8", EXACT_THREADS="1")  # fmt: skip
     proc = _run(["bash", "scripts/gpu_check.sh"], env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "gpu_tpot.csv" in proc.stdout and "gpu_capacity.csv" in proc.stdout
     rows = list(csv.DictReader((tmp_path / "gpu_tpot.csv").open()))
     assert len(rows) == 8 and all(r["status"] == "ok" for r in rows)
+    # Part C at toy size: every method but full, CPU against CPU, so every kept set is the same.
+    exact = list(csv.DictReader((tmp_path / "gpu_exactness.csv").open()))
+    assert len(exact) == len(METHODS) - 1 and all(r["exact"] == "True" for r in exact), exact

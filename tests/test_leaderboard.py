@@ -163,3 +163,32 @@ def test_bad_input_exits_2_with_one_line(argv, says, capsys):
     assert _script().main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and says in err
+
+
+def test_a_method_that_ran_part_of_the_samples_is_never_marked_best(tmp_path):
+    """StreamingLLM on the two contexts it keeps has the higher mean, over other samples: snapkv,
+    which ran them all, is marked."""
+    path = grid(tmp_path)
+    (cell, _) = lb.load_grid(path)
+    hashes = lb.config_hashes(cell, METHODS)
+    rows = []
+    for method in METHODS:
+        for c, per_context in enumerate(scores(method)):
+            if method == "streamingllm" and c not in (0, 4):
+                continue
+            for q, score in enumerate(per_context):
+                r = base_row(f"ctx{c}/q{q}", "needle", "needle", method, {}, float(score))
+                r.update(
+                    method_hash=hashes[method], model=CELL["model"], context_id=f"ctx{c}", question_index=q
+                )
+                r["prompt_sha"], r["target_sha"] = (
+                    sha256_hex(f"context {c} question {q}"),
+                    target_sha(r["answers"]),
+                )
+                rows.append(r)
+    write(tmp_path / "results" / "ran", rows)
+    _, table = lb.build(tmp_path / "results", path, METHODS)
+    ran = table[table["cell"] == "ran"].set_index("method")
+    assert ran["n_shared"]["streamingllm"] < ran["n_shared"]["full"]
+    assert ran["score"]["streamingllm"] > ran["score"]["snapkv"]
+    assert ran["best"].to_dict() == {"full": False, "snapkv": True, "streamingllm": False}

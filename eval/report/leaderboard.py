@@ -11,8 +11,8 @@ cell, and the paired difference from the full cache with its 95% interval (`eval
 the unit bootstrap resampling whole units, within the rows' datasets; the unit is the context
 where several questions share one, else the sample, `eval.report.paired.units`), its p (the exact
 sign-flip p below `FEW_UNITS` units) and Holm's adjustment over the column (one family per cell).
-The best compressed method of a column is the one of highest mean score (ties: every one of them);
-the mark claims nothing beyond that mean.
+The best compressed method of a column is the one of highest mean score among those that ran every
+sample of the column's full cache (ties: every one of them); the mark claims nothing beyond that mean.
 """
 
 from __future__ import annotations
@@ -148,8 +148,13 @@ def cell_table(cell: Cell, rows: pd.DataFrame, names: list[str]) -> pd.DataFrame
             out.loc[compressed, "p_exact"].notna(), out.loc[compressed, "p"]
         )
         out.loc[compressed, "p_holm"] = holm(read.to_numpy(float))
-        top = out.loc[compressed, "score"].max()
-        out.loc[compressed & (out["score"] == top), "best"] = True
+        # Only methods that ran every sample the full cache ran compete: a partial run's mean is over
+        # other samples.
+        ran = out.loc[~compressed, "n_shared"].max() if (~compressed).any() else out["n_shared"].max()
+        whole = compressed & (out["n_shared"] == ran)
+        if whole.any():
+            top = out.loc[whole, "score"].max()
+            out.loc[whole & (out["score"] == top), "best"] = True
     return out
 
 
@@ -204,7 +209,8 @@ def block(cells: list[Cell], table: pd.DataFrame, names: list[str] | None = None
         "An entry is the score x100 on the samples shared with the full cache of the same cell, then the\n"
         "difference from the full cache with its 95% interval (unit bootstrap over the header's n, a\n"
         "context's questions resampled together); (n=...) where fewer samples are shared. Bold: the\n"
-        "highest mean of the compressed methods in the column (ties all bold), nothing more. p, exact p\n"
+        "highest mean of the compressed methods that ran every sample of the column (ties all bold),\n"
+        "nothing more. p, exact p\n"
         "and Holm's p per column: `leaderboard.csv`. — : not run yet (`python scripts/leaderboard.py run`).\n\n"
         + markdown(cells, table, names)
     )

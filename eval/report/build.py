@@ -49,10 +49,10 @@ from typing import Any
 
 import pandas as pd
 
+import eval.report.paired as paired
+import eval.report.protocols as protocol_report
 from eval import protocols
 from eval.labels import BUDGET_KEYS, budget_of, format_value, method_label
-from eval.report import paired
-from eval.report import protocols as protocol_report
 from eval.stats import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from eval.report import protocols as protocol_report
+import eval.report.protocols as protocol_report
 from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm
 from eval.store import has_content_hashes, sample_keys
 from eval.tables import cell, column_order, md_table

@@ -1,0 +1,200 @@
+"""The equal-bytes report (eval/report/equal_bytes.py) on synthetic rows: configurations of the plain and
+quantized caches paired where their stored bytes match within the tolerance, the intervals those of
+eval.stats on the shared samples, the costs of 1/4 and 1/8 of the full cache's bytes, the figure
+with the full cache drawn, and nothing rendered where there are no rows."""
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+from test_report import base_row, write
+
+from eval.report import equal_bytes as eb
+from eval.stats import compare, holm
+from eval.store import ResultStore, config_hash, sha256_hex, target_sha
+from eval.tables import slug
+
+FULL = 4000  # bytes of the full cache of every synthetic sample
+KIVI4 = {"kind": "kivi", "bits": 4, "group_size": 32, "residual": 128, "order": "key_channel"}
+KIVI2 = {**KIVI4, "bits": 2}
+# (task, dataset, sample): a needle task and a task of two datasets (three strata), 14 samples.
+SAMPLES = [("needle", "needle", i) for i in range(4)] + [
+    ("toyqa", ds, i) for ds in ("single", "multikey") for i in range(5)
+]
+
+
+def scores(name: str) -> np.ndarray:
+    """0/1 scores per sample of `SAMPLES`, drawn once per configuration."""
+    if name == "full":
+        return np.ones(len(SAMPLES))
+    p = {"kivi4": 0.9, "kivi2": 0.6, "snap1024": 0.7, "snap512": 0.4, "combo": 0.5, "stream1024": 0.3}[name]
+    seed = ["kivi4", "kivi2", "snap1024", "snap512", "combo", "stream1024"].index(name)
+    return (np.random.default_rng(seed).random(len(SAMPLES)) < p).astype(float)
+
+
+# name: (method, params, kv_quant, kv_bytes per sample)
+CONFIGS = {
+    "full": ("full", {}, None, FULL),
+    "kivi4": ("full", {}, KIVI4, 1000),  # 1/4 of the bytes
+    "kivi2": ("full", {}, KIVI2, 540),  # 1/8 + 8 %
+    "snap1024": ("snapkv", {"budget": 1024, "window_size": 32}, None, 1040),  # within 4 % of kivi4
+    "snap512": ("snapkv", {"budget": 512, "window_size": 32}, None, 500),  # 1/8
+    "combo": ("snapkv", {"budget": 2048, "window_size": 32}, KIVI4, 520),  # 1/8 + 4 %
+    "stream1024": ("streamingllm", {"budget": 1024}, None, 1300),  # 30 % above kivi4: no match at 10 %
+}
+
+
+def rows_of(name: str, drop: int = 0) -> list[dict]:
+    method, params, quant, kv_bytes = CONFIGS[name]
+    out = []
+    for (task, dataset, i), score in list(zip(SAMPLES, scores(name)))[drop:]:
+        r = base_row(f"{dataset}-{i}", task, dataset, method, params, float(score), context_length=4000,
+                     depth_percent=10 * i, kv_bytes=kv_bytes, kv_bytes_full=FULL)  # fmt: skip
+        if quant is not None:
+            r["kv_quant"] = quant
+            r["method_hash"] = config_hash({"method": method, "method_params": params, "kv_quant": quant})
+        r["prompt_sha"], r["target_sha"] = sha256_hex(f"{task} {dataset} {i}"), target_sha(r["answers"])
+        out.append(r)
+    return out
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = tmp_path_factory.mktemp("eb") / "equal_bytes"
+    # snap512 ran every sample but the first: its pairs hold 13 shared samples
+    write(d, [r for name in CONFIGS for r in rows_of(name, drop=1 if name == "snap512" else 0)])
+    return d
+
+
+@pytest.fixture(scope="module")
+def analysis(folder):
+    (a,) = eb.analyses(ResultStore.load_dir(folder))
+    return a
+
+
+def labelled(folder):
+    rows = eb.label_rows(eb.prepare(ResultStore.load_dir(folder)))
+    return rows[rows["ok"]]
+
+
+def label(name: str) -> str:
+    return {
+        "full": "full", "kivi4": "full + kivi-4", "kivi2": "full + kivi-2", "snap1024": "snapkv b=1024 w=32",
+        "snap512": "snapkv b=512 w=32", "combo": "snapkv b=2048 w=32 + kivi-4", "stream1024": "streamingllm b=1024",
+    }[name]  # fmt: skip
+
+
+def test_configurations_are_named_by_method_and_storage_and_sorted_by_kind(analysis):
+    c = analysis.configs.set_index("config")
+    assert set(c.index) == {label(n) for n in CONFIGS}
+    assert c.loc["full", "kind"] == "full" and c.loc["full + kivi-4", "kind"] == "quantized"
+    assert c.loc["snapkv b=2048 w=32 + kivi-4", "kind"] == "combined"
+    assert c.loc["snapkv b=512 w=32", "kind"] == "eviction"
+    assert list(analysis.configs["kind"]) == sorted(analysis.configs["kind"], key=eb.KINDS.index)
+    assert c.loc["full + kivi-4", "fraction"] == pytest.approx(0.25)
+    assert c.loc["snapkv b=512 w=32", "n"] == len(SAMPLES) - 1
+
+
+def test_pairs_are_configurations_of_different_kinds_within_the_tolerance(analysis, folder):
+    pairs = {(r.config, r.minus) for r in analysis.pairs.itertuples()}
+    assert pairs == {
+        (label("kivi4"), label("snap1024")),  # 1000 / 1040
+        (label("kivi2"), label("combo")),  # 540 / 520
+        (label("kivi2"), label("snap512")),  # 540 / 500
+        (label("combo"), label("snap512")),  # 520 / 500
+    }
+    # streamingllm b=1024 stores 30 % more than KIVI-4: paired only under a wider tolerance
+    wide = eb.analyse(labelled(folder), tolerance=0.35)
+    assert (label("kivi4"), label("stream1024")) in {(r.config, r.minus) for r in wide.pairs.itertuples()}
+    assert (label("kivi4"), label("stream1024")) not in pairs
+
+
+def test_pair_intervals_are_the_paired_bootstrap_on_shared_samples_within_strata(analysis):
+    """kivi-2 minus snap512 on the 13 samples both ran, strata = task/dataset (three), every number
+    from eval.stats.compare; Holm over the table of the p a statement rests on."""
+    row = analysis.pairs.set_index(["config", "minus"]).loc[(label("kivi2"), label("snap512"))]
+    a, b = scores("kivi2")[1:], scores("snap512")[1:]
+    strata = [f"{t}/{d}" for t, d, _ in SAMPLES[1:]]
+    want = compare(a, b, None, strata)
+    assert (row.n_shared, row.n_units) == (13, 13) and row.test == want.test
+    assert (row["diff"], row.lo, row.hi, row.p) == pytest.approx((want.diff, want.lo, want.hi, want.p))
+    assert row.p_exact == pytest.approx(want.p_exact) and not math.isnan(row.p_exact)  # 13 units < 20
+    assert row.bytes_ratio == pytest.approx(540 / 500)
+    read = analysis.pairs["p_exact"].where(analysis.pairs["p_exact"].notna(), analysis.pairs["p"])
+    np.testing.assert_allclose(analysis.pairs["p_holm"], holm(read.to_numpy(float)))
+
+
+def test_costs_of_a_quarter_and_an_eighth_of_the_full_bytes(analysis):
+    costs = analysis.costs.set_index(["target", "config"])
+    assert set(costs.index) == {
+        (0.25, label("kivi4")), (0.25, label("snap1024")),
+        (0.125, label("kivi2")), (0.125, label("snap512")), (0.125, label("combo")),
+    }  # fmt: skip
+    row = costs.loc[(0.125, label("snap512"))]
+    strata = [f"{t}/{d}" for t, d, _ in SAMPLES[1:]]
+    want = compare(scores("snap512")[1:], np.ones(len(SAMPLES) - 1), None, strata)
+    assert (row["diff"], row.lo, row.hi) == pytest.approx((want.diff, want.lo, want.hi))
+    assert row.full_score == pytest.approx(100.0) and row.n_shared == 13
+    text = eb.sentences(analysis.costs)
+    assert any(
+        s.startswith("quantized at 1/4 of the full cache's bytes (full + kivi-4, 0.250): ") for s in text
+    )
+    assert any(s.startswith("eviction at 1/8") for s in text)
+
+
+def test_rows_without_kv_quant_are_the_plain_cache(tmp_path):
+    rows = rows_of("full") + rows_of("snap512")  # no row carries kv_quant: no such column at all
+    write(tmp_path / "r", rows)
+    (a,) = eb.analyses(ResultStore.load_dir(tmp_path / "r"))
+    assert list(a.configs["kind"]) == ["full", "eviction"] and a.pairs.empty
+    assert list(a.costs["config"]) == [label("snap512")]
+
+
+def test_bad_tolerance_is_refused(folder):
+    with pytest.raises(ValueError, match=r"tolerance must be >= 0, got tolerance=-0.1"):
+        eb.analyse(labelled(folder), tolerance=-0.1)
+
+
+def test_the_figure_draws_the_full_cache(analysis):
+    fig = eb.figure(analysis)
+    (ax,) = fig.axes
+    assert ax.get_xscale() == "log"
+    (star,) = [ln for ln in ax.get_lines() if ln.get_label() == "full (full cache)"]
+    assert star.get_marker() == "*"
+    assert list(star.get_xdata()) == pytest.approx([FULL / 2**20]) and list(star.get_ydata()) == [100.0]
+    flat = [ln for ln in ax.get_lines() if list(ln.get_ydata()) == [100.0, 100.0]]
+    assert flat, "a horizontal line at the full cache's score"
+    labels = {ln.get_label() for ln in ax.get_lines()}
+    (quantized,) = [ln for ln in ax.get_lines() if ln.get_label() == "full + kivi (quantized)"]
+    assert list(quantized.get_xdata()) == pytest.approx([540 / 2**20, 1000 / 2**20])  # 2 then 4 bits
+    (quantized,) = [ln for ln in ax.get_lines() if ln.get_label() == "full + kivi (quantized)"]
+    assert list(quantized.get_xdata()) == pytest.approx([540 / 2**20, 1000 / 2**20])  # 2 then 4 bits
+    assert {
+        "full + kivi (quantized)",
+        "snapkv w=32 (eviction)",
+        "snapkv w=32 + kivi (combined)",
+    } <= labels
+
+
+def test_render_writes_the_figure_tables_and_markdown(folder, tmp_path):
+    written = eb.render(folder, tmp_path / "out")
+    names = sorted(p.name for p in written)
+    assert names == sorted([f"equal_bytes_{slug('tiny/model')}.png", "equal_bytes_configs.csv", "equal_bytes_pairs.csv",
+                            "equal_bytes_costs.csv", "equal_bytes.md"])  # fmt: skip
+    md = (tmp_path / "out" / "equal_bytes.md").read_text()
+    assert "### Equal-bytes pairs" in md and "full + kivi-2" in md
+    pairs = pd.read_csv(tmp_path / "out" / "equal_bytes_pairs.csv")
+    assert len(pairs) == 4 and list(pairs.columns) == eb.PAIR_COLUMNS
+
+
+def test_nothing_renders_without_rows(tmp_path):
+    assert eb.render(tmp_path / "absent") == []
+    empty = tmp_path / "equal_bytes"
+    empty.mkdir()
+    assert eb.render(empty) == [] and list(empty.iterdir()) == []
+    failed = [dict(r, status="error", score=None) for r in rows_of("full")]
+    write(empty, failed)
+    before = sorted(p.relative_to(empty) for p in empty.rglob("*"))
+    assert eb.render(empty) == [] and sorted(p.relative_to(empty) for p in empty.rglob("*")) == before
+    assert eb.main([str(tmp_path / "absent")]) == 2

@@ -3,14 +3,19 @@ quantized caches paired where their stored bytes match within the tolerance, the
 eval.stats on the shared samples, the costs of 1/4 and 1/8 of the full cache's bytes, the figure
 with the full cache drawn, and nothing rendered where there are no rows."""
 
+import importlib.util
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from hydra import compose, initialize_config_dir
 from test_report import base_row, write
 
 from eval.report import equal_bytes as eb
+from eval.report import leaderboard as lb
+from eval.spec import RunSpec
 from eval.stats import compare, holm
 from eval.store import ResultStore, config_hash, sha256_hex, target_sha
 from eval.tables import slug
@@ -198,3 +203,72 @@ def test_nothing_renders_without_rows(tmp_path):
     before = sorted(p.relative_to(empty) for p in empty.rglob("*"))
     assert eb.render(empty) == [] and sorted(p.relative_to(empty) for p in empty.rglob("*")) == before
     assert eb.main([str(tmp_path / "absent")]) == 2
+
+
+# ------------------------------------------------------------------------------------------ the grid
+ROOT = Path(__file__).resolve().parents[1]
+HAS_KV_QUANT = (ROOT / "conf" / "kv_quant").is_dir()
+
+
+def compose_spec(overrides) -> RunSpec:
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return RunSpec.from_config(compose("config", overrides=list(overrides)))
+
+
+def test_the_grid_runs_every_leaderboard_method_at_both_budgets_beside_quantized_caches():
+    plan = eb.load_plan()
+    assert len({r.overrides for r in plan}) == len(plan)
+    for task in ("ruler_niah_4k", "needle_4k"):
+        mine = [r for r in plan if r.task == task]
+        evicting = {(r.method, r.budget) for r in mine if r.storage is None and r.method != "full"}
+        assert {(m, b) for m in lb.methods() if m != "full" for b in (512, 1024)} <= evicting
+        assert ("full", None, None) in {(r.method, r.budget, r.storage) for r in mine}
+        assert {(r.method, r.budget, r.storage) for r in mine if r.storage} == {
+            ("full", None, "kivi4"), ("full", None, "kivi2"), ("snapkv", 2048, "kivi4"), ("snapkv", 2048, "kivi2"),
+        }  # fmt: skip
+
+
+def test_the_experiment_alone_is_the_grids_first_config():
+    plan = eb.load_plan()
+    assert plan[0].name == "ruler_niah_4k/full"
+    assert compose_spec(["experiment=equal_bytes"]).method_hash == compose_spec(plan[0].overrides).method_hash
+
+
+@pytest.mark.parametrize("storage", [False, True], ids=["plain", "quantized"])
+def test_the_grid_composes(storage):
+    """One config per task, method kind and storage composes and builds as run.py builds it; the
+    quantized ones need conf/kv_quant/ (the quantized storage)."""
+    if storage and not HAS_KV_QUANT:
+        pytest.skip("conf/kv_quant/ is not in this checkout: the quantized configs cannot compose yet")
+    picked = {}
+    for r in eb.load_plan():
+        if (r.storage is not None) == storage:
+            picked.setdefault((r.task, r.method == "full", r.method == "snapkv", r.storage), r)
+    assert len(picked) >= 4
+    for r in picked.values():
+        spec = compose_spec(r.overrides)
+        assert spec.method.name == r.method and spec.task.name in ("ruler", "needle")
+        assert r.budget is None or spec.method.params()["budget"] == r.budget
+
+
+def script():
+    spec = importlib.util.spec_from_file_location("equal_bytes_script", ROOT / "scripts" / "equal_bytes.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_script_lists_the_grid_and_refuses_bad_input(capsys):
+    s = script()
+    assert s.main(["list", "only=needle_4k/snapkv@"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 8 and all(
+        line.startswith("python run.py ") and "task=needle" in line for line in lines
+    )
+    assert any("budget=2048 kv_quant=kivi kv_quant.bits=4" in line for line in lines)
+    for argv, says in (
+        (["go"], "command must be one of list, run, got 'go'"),
+        (["list", "x=1"], "only=SUBSTRING"),
+    ):
+        assert s.main(argv) == 2
+        assert says in capsys.readouterr().err

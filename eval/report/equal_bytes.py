@@ -48,15 +48,19 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 from eval import protocols
 from eval.labels import BUDGET_KEYS, method_label
+from eval.report import leaderboard
 from eval.report.build import prepare
 from eval.report.paired import _shared, units
 from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm, units_of
 from eval.store import ResultStore
 from eval.tables import cell, md_table, slug
 
+ROOT = Path(__file__).resolve().parents[2]
+GRID = ROOT / "conf" / "experiment" / "equal_bytes.yaml"
 TOLERANCE = 0.10
 FRACTIONS = (1 / 4, 1 / 8)
 KINDS = ("full", "quantized", "combined", "eviction")
@@ -70,6 +74,52 @@ PAIR_COLUMNS = ["model", "config", "kind", "minus", "minus_kind", "n_shared", "n
                 "minus_kv_bytes", "bytes_ratio", "diff", "lo", "hi", "p", "p_exact", "p_holm", "test"]  # fmt: skip
 COST_COLUMNS = ["model", "target", "config", "kind", "fraction", "n_shared", "n_units", "score", "full_score",
                 "diff", "lo", "hi", "p", "p_exact", "p_holm", "test"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- the grid
+@dataclass(frozen=True)
+class Run:
+    """One `run.py` config of the grid (conf/experiment/equal_bytes.yaml): `overrides` in full."""
+
+    task: str
+    method: str
+    budget: int | None
+    storage: str | None
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        at = "" if self.budget is None else f"@{self.budget}"
+        return f"{self.task}/{self.method}{at}" + ("" if self.storage is None else f"+{self.storage}")
+
+
+def load_plan(path: Path = GRID) -> list[Run]:
+    """Every config of the grid file's `equal_bytes` node: per task, per entry of `runs`, its methods
+    x budgets x storages (`methods: leaderboard`: every registered method but the full cache)."""
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=True).get("equal_bytes") or {}
+    tasks, storage = node.get("tasks") or {}, node.get("storage") or {}
+    if not tasks or not node.get("runs"):
+        raise ValueError(f"{path} must list equal_bytes.tasks and equal_bytes.runs")
+    plan = []
+    for task, task_overrides in tasks.items():
+        for entry in node["runs"]:
+            names = entry.get("methods")
+            names = (
+                [m for m in leaderboard.methods() if m != leaderboard.BASELINE]
+                if names == "leaderboard"
+                else names
+            )
+            unknown = [s for s in entry.get("storage") or [] if s not in storage]
+            if unknown:
+                raise ValueError(f"unknown storage {unknown[0]!r} in {path}; known: {', '.join(storage)}")
+            for method in names:
+                for budget in entry.get("budgets") or [None]:
+                    for store in entry.get("storage") or [None]:
+                        overrides = [*node.get("common", []), *task_overrides, f"method={method}"]
+                        overrides += [] if budget is None else [f"budget={budget}"]
+                        overrides += [] if store is None else storage[store]
+                        plan.append(Run(task, method, budget, store, tuple(overrides)))
+    return plan
 
 
 # ----------------------------------------------------------------------------------- configurations

@@ -3,16 +3,22 @@ quantized caches paired where their stored bytes match within the tolerance, the
 eval.stats on the shared samples, the costs of 1/4 and 1/8 of the full cache's bytes, the figure
 with the full cache drawn, and nothing rendered where there are no rows."""
 
+import csv
 import importlib.util
+import json
 import math
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 from test_report import base_row, write
 
+from eval.bench import run as bench
+from eval.bench.report import decode_step_ratios
 from eval.report import equal_bytes as eb
 from eval.report import leaderboard as lb
 from eval.spec import RunSpec
@@ -272,3 +278,111 @@ def test_the_script_lists_the_grid_and_refuses_bad_input(capsys):
     ):
         assert s.main(argv) == 2
         assert says in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ bench_speed's storage
+KIVI_FILE = {"kind": "kivi", "bits": 2, "group_size": 32, "residual": 128}  # a conf/kv_quant/kivi.yaml
+
+
+def test_bench_speed_passes_quantized_storage_through_to_each_configuration(tmp_path, monkeypatch):
+    """`kv_quants.<name>={kind,...}` over conf/kv_quant/<kind>.yaml, `method+name@length` configs:
+    each worker gets the method and its storage, each row is named `method+name` and records the
+    storage, the ratios pair it with the plain full cache, and a resume on other storage is refused."""
+    monkeypatch.setattr(
+        bench, "load_option", lambda group, name: OmegaConf.create({**KIVI_FILE, "kind": name})
+    )
+    specs = []
+
+    def fake_run(cmd, **kw):  # a worker: the row measure.measure would print, timed by the storage
+        spec = json.loads(cmd[-1])
+        specs.append(spec)
+        quant = spec["kv_quant"]
+        tpot = (
+            1.0
+            if spec["input_tokens"] == 512
+            else (0.5 if quant else 2.0) * (0.5 if spec["method"] == "snapkv" else 1)
+        )
+        row = {"method": spec["label"], "budget": spec["params"].get("budget"), "batch_size": 1,
+               "input_tokens": spec["input_tokens"], "status": "ok", "tpot_ref": tpot, "prefill_ref": 10.0,
+               "tpot_s": tpot, "prefill_s": 1.0, "method_params": json.dumps(spec["params"], sort_keys=True),
+               "kv_quant": json.dumps(quant, sort_keys=True) if quant else None, "model": spec["model"]["name"],
+               "dtype": spec["model"]["dtype"], "other_cores": 0.0}  # fmt: skip
+        return subprocess.CompletedProcess(cmd, 0, "ROW " + json.dumps(row) + "\n", "")
+
+    monkeypatch.setattr(bench.subprocess, "run", fake_run)
+    out = tmp_path / "b.csv"
+    args = ["model=random:llama-tiny", "methods=[full,snapkv]", "kv_quants.kivi4={kind:kivi,bits:4}",
+            "configs=[full@512,full@8192,full+kivi4@8192,snapkv@8192,snapkv+kivi4@8192]", "rounds=2",
+            "subprocess=true", "plots=false", f"out={out}"]  # fmt: skip
+    cfg = bench.compose(args)
+    assert dict(cfg.kv_quants["kivi4"]) == {**KIVI_FILE, "bits": 4}
+    rows = bench.run(cfg)
+    first = specs[:5]
+    assert [(s["label"], s["method"], s["input_tokens"]) for s in first] == [
+        ("full", "full", 512), ("full", "full", 8192), ("full+kivi4", "full", 8192), ("snapkv", "snapkv", 8192),
+        ("snapkv+kivi4", "snapkv", 8192),
+    ]  # fmt: skip
+    assert [s["kv_quant"] for s in first] == [
+        None,
+        None,
+        {**KIVI_FILE, "bits": 4},
+        None,
+        {**KIVI_FILE, "bits": 4},
+    ]
+    assert len(rows) == 10
+    ratios = decode_step_ratios(rows)
+    assert ratios["full+kivi4"].median == pytest.approx(0.5) and ratios[
+        "snapkv+kivi4"
+    ].median == pytest.approx(0.25)
+    assert set(ratios) == {"full+kivi4", "snapkv", "snapkv+kivi4"} and ratios[
+        "snapkv"
+    ].median == pytest.approx(1.0)
+    with out.open(newline="") as f:
+        stored = {r["method"]: r["kv_quant"] for r in csv.DictReader(f)}
+    assert json.loads(stored["snapkv+kivi4"])["bits"] == 4 and stored["snapkv"] == ""
+    # a resume whose storage of the same name differs is refused before anything runs
+    other = [a.replace("bits:4", "bits:2") for a in args] + ["resume=true"]
+    with pytest.raises(ValueError, match=r"full\+kivi4@8192 batch 1 ran on other storage"):
+        bench.compose(other)
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["configs=[full+kivi9@512]"], "storage 'kivi9' is not in kv_quants (known: none)"),
+        (["kv_quants.q=3"], "kv_quants.q must be {kind: <conf/kv_quant name>, ...}, got kv_quants.q=3"),
+    ],
+)
+def test_bench_speed_refuses_unknown_storage(argv, says, capsys):
+    assert bench.main(["model=random:llama-tiny", "methods=[full]", *argv]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_bench_speed_names_the_known_kv_quant_kinds(capsys):
+    assert bench.main(["model=random:llama-tiny", "methods=[full]", "kv_quants.q={kind:nope}"]) == 2
+    assert "unknown kv_quant 'nope'; known:" in capsys.readouterr().err
+
+
+def test_a_worker_hands_the_storage_to_generation_and_records_it(monkeypatch):
+    """eval.bench.measure: the spec's kv_quant reaches generation as its `kv_quant` option (the plain
+    cache passes none), and the row is named by the configuration's label."""
+    from eval.bench import measure
+
+    seen, real = [], measure.generate_ids
+
+    def spy(*args, **kw):
+        seen.append(kw.pop("kv_quant", None))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(measure, "generate_ids", spy)
+    cfg = bench.compose(["model=random:llama-tiny", "methods=[full]", "decode_tokens=2", "lengths=[16]"])
+    model, vocab = measure.load(OmegaConf.to_container(cfg.model, resolve=True), 0)
+    quant = {**KIVI_FILE, "bits": 4}
+    for c in (
+        bench.Config("full", (), 16, 1),
+        bench.Config("full", (), 16, 1, "kivi4", tuple(sorted(quant.items()))),
+    ):
+        row = measure.measure(model, vocab, {**bench.spec_of(cfg, c), "reference_tokens": {}})
+        assert row["status"] == "ok" and row["method"] == c.label
+        assert row["kv_quant"] == (json.dumps(quant, sort_keys=True) if c.storage else None)
+    assert seen == [None, quant]

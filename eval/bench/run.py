@@ -254,7 +254,7 @@ def plan(cfg: DictConfig) -> list[Config]:
             b,
             s,
             tuple(sorted(_plain(stores[s]).items())) if s else (),
-        )  # fmt: skip
+        )
         for b in cfg.batch_sizes
         for m, s, n in pairs
     ]

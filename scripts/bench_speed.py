@@ -4,6 +4,8 @@ is `eval.bench.run` and the configuration conf/bench.yaml (composed with conf/mo
     python scripts/bench_speed.py                          # the CPU speed targets, 5 rounds
     python scripts/bench_speed.py 'lengths=[512,8192]' 'methods=[full,snapkv,h2o]' configs=null \
         budget=512 snapkv.window=16 rounds=3 out=bench.csv
+    python scripts/bench_speed.py 'methods=[full,snapkv]' 'kv_quants.kivi4={kind:kivi,bits:4}' \
+        'configs=[full@512,full@8192,full+kivi4@8192,snapkv@8192,snapkv+kivi4@8192]'   # quantized storage
 
 The last line printed holds the four target ratios with their IQRs; the exit code is 0 whether or
 not a target is met, 2 (one line naming the bad value) on bad input.

@@ -14,6 +14,8 @@ At whatever scale was run, from the results store and the benchmark CSVs:
 - the observation analysis figures (re-plotted from results/observation/*.csv);
 - the leaderboard (conf/experiment/leaderboard.yaml's grid): results/leaderboard.csv and the table
   between the `leaderboard` markers at the top of results/README.md (`eval.report.leaderboard`);
+- eviction against quantization at equal bytes (results/equal_bytes/, when it holds rows): its
+  equal_bytes.md, CSVs and figure (`eval.report.equal_bytes`);
 - the GPU check (results/gpu/: `scripts/gpu_check.sh` CSVs): its report.md and four-panel figure,
   and the same tables in docs/benchmarking.md between its `gpu-check` markers.
 Inputs that are absent are skipped with a note; the experiments that make them are named.
@@ -40,6 +42,7 @@ from eval.analysis.digits import digits_ablation_figure, kept_positions_figure  
 from eval.analysis.observation import replot  # noqa: E402
 from eval.bench.report import plot  # noqa: E402
 from eval.plots import score_vs_budget  # noqa: E402
+from eval.report import equal_bytes as equal_bytes_report  # noqa: E402
 from eval.report import leaderboard as leaderboard_report  # noqa: E402
 from eval.store import ResultStore  # noqa: E402
 from eval.tables import column_order, md_table, slug  # noqa: E402
@@ -268,6 +271,7 @@ def main(argv: list[str]) -> int:
         written += sweep_figure(root, out, "window", "sweep_window_budget")
         written += digits(root, out)
     written += leaderboard(root)
+    written += equal_bytes_report.render(root / equal_bytes_report.FOLDER)
     written += latency(root, out)
     written += observation(root, out)
     docs = (

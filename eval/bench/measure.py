@@ -48,12 +48,16 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
     length, batch = spec["input_tokens"], spec["batch_size"]
     gen = torch.Generator().manual_seed(spec["seed"] + length)
     ids = torch.randint(100, vocab, (batch, length), generator=gen)
+    # Quantized storage (spec["kv_quant"]: {kind, bits, ...}) reaches the cache through generation's
+    # `kv_quant` option; the plain cache passes nothing, as before the option existed.
+    storage = {"kv_quant": spec["kv_quant"]} if spec.get("kv_quant") else {}
     row: dict[str, Any] = dict(
-        method=spec["method"],
+        method=spec.get("label", spec["method"]),
         budget=method.params().get("budget"),
         batch_size=batch,
         input_tokens=length,
         method_params=json.dumps(method.params(), sort_keys=True),
+        kv_quant=json.dumps(spec["kv_quant"], sort_keys=True) if spec.get("kv_quant") else None,
         model=spec["model"]["name"],
         dtype=spec["model"]["dtype"],
         device=str(model.device),
@@ -68,7 +72,7 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
         with CpuNoise() as noise, PhaseProbe(model, refs["prefill"], refs["decode"]) as phases:
             _, res = generate_ids(
                 model, ids, None, method, max_new_tokens=spec["decode_tokens"], stop_ids=set(),
-                chunk_size=spec["chunk_size"],
+                chunk_size=spec["chunk_size"], **storage,
             )  # fmt: skip
         row.update(**phases.fields())
         prefill_s, ttft_s, tpot_s = res.prefill_s, res.ttft_s, res.tpot_s

@@ -36,7 +36,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from eval.bench import measure
 from eval.bench import report as bench_report
-from eval.conf import CONF_DIR, method_config, options
+from eval.conf import CONF_DIR, load_option, method_config, options
 from eval.machine import THREAD_ENV
 from snapkv import METHODS, build_method
 from snapkv.errors import first_line
@@ -51,7 +51,8 @@ COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "
            "error", "noisy", "wall_s", "own_cpu_s", "other_cpu_s", "other_cores", "prefill_other_cores",
            "decode_other_cores", "load_start", "load_end",
            "torch_threads", "cpu_count", *(k.lower() for k in THREAD_ENV),
-           "model", "dtype", "device", "attn_impl", "method_params", "tpot_mean_cpu_s", "tpot_mean_ref"]  # fmt: skip
+           "model", "dtype", "device", "attn_impl", "method_params", "tpot_mean_cpu_s", "tpot_mean_ref",
+           "kv_quant"]  # fmt: skip
 CLOCKS = ("ref", "cpu", "wall")
 # Top-level shortcuts for the model config's keys (`dtype=bfloat16` -> `model.dtype=bfloat16`).
 MODEL_ALIASES = ("dtype", "device", "attn_implementation")
@@ -59,16 +60,24 @@ MODEL_ALIASES = ("dtype", "device", "attn_implementation")
 
 @dataclass(frozen=True)
 class Config:
-    """One benchmark configuration: a method (with all its parameters) at one input length and batch."""
+    """One benchmark configuration: a method (with all its parameters) at one input length and batch,
+    on the plain cache or on the quantized storage `storage` names (`kv_quants`; `kv_quant` its
+    fields). Its rows' `method` is its `label`: `snapkv`, or `snapkv+kivi4` on storage `kivi4`."""
 
     method: str
     params: tuple[tuple[str, Any], ...]
     input_tokens: int
     batch_size: int
+    storage: str | None = None
+    kv_quant: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.method if self.storage is None else f"{self.method}+{self.storage}"
 
     @property
     def key(self) -> tuple[str, int, int]:
-        return self.method, self.input_tokens, self.batch_size
+        return self.label, self.input_tokens, self.batch_size
 
 
 def _model_options() -> list[str]:
@@ -119,6 +128,8 @@ def split_overrides(argv: list[str]) -> tuple[list[str], dict[str, dict[str, str
             per_method.setdefault(head, {})[rest] = value
         elif key in bench_keys or head == "model":
             hydra_args.append(arg)
+        elif head == "kv_quants" and rest:
+            hydra_args.append(f"++{arg}")  # a storage of one's own naming: kv_quants.kivi4={kind:kivi,bits:4}
         elif any(key in cls.__dataclass_fields__ for cls in METHODS.values()):
             every[key] = value
         else:
@@ -149,8 +160,22 @@ def compose(argv: list[str]) -> DictConfig:
         values.pop("name")
         params[name] = build_method(name, **values).params()  # raises ValueError on a bad value
     cfg.method_params = params
+    cfg.kv_quants = {name: storage(name, node) for name, node in (cfg.kv_quants or {}).items()}
     validate(cfg)
     return cfg
+
+
+def storage(name: str, node: Any) -> dict[str, Any]:
+    """The fields of quantized storage `name`: `node`'s `kind` names conf/kv_quant/<kind>.yaml, its
+    other keys override that file's fields (ValueError naming a bad node or an unknown kind)."""
+    node = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
+    if not isinstance(node, dict) or not isinstance(node.get("kind"), str) or node["kind"] == "none":
+        raise ValueError(
+            f"kv_quants.{name} must be {{kind: <conf/kv_quant name>, ...}}, got kv_quants.{name}={node!r}"
+        )
+    base = OmegaConf.to_container(load_option("kv_quant", node["kind"]), resolve=True)
+    base.pop("defaults", None)
+    return {**base, **node}
 
 
 def build_method_fields(name: str) -> set[str]:
@@ -201,23 +226,42 @@ def validate(cfg: DictConfig) -> None:
 def plan(cfg: DictConfig) -> list[Config]:
     """The configurations of one round, in the first round's order."""
     pairs = []
+    stores = cfg.get("kv_quants") or {}
     if cfg.configs is None:
-        pairs = [(m, n) for n in cfg.lengths for m in cfg.methods]
+        pairs = [(m, None, n) for n in cfg.lengths for m in cfg.methods]
     else:
         for item in cfg.configs:
-            name, at, length = str(item).partition("@")
+            head, at, length = str(item).partition("@")
             if not at or not length.isdigit() or int(length) < 1:
-                raise ValueError(f"configs entries are 'method@length', got {item!r}")
+                raise ValueError(
+                    f"configs entries are 'method@length' or 'method+storage@length', got {item!r}"
+                )
+            name, plus, store = head.partition("+")
             if name not in cfg.method_params:
                 raise ValueError(
                     f"configs entry {item!r}: method {name!r} is not in methods={list(cfg.methods)}"
                 )
-            pairs.append((name, int(length)))
+            if plus and store not in stores:
+                raise ValueError(
+                    f"configs entry {item!r}: storage {store!r} is not in kv_quants (known: {', '.join(stores) or 'none'})"
+                )
+            pairs.append((name, store or None, int(length)))
     return [
-        Config(m, tuple(sorted(cfg.method_params[m].items())), n, b)
+        Config(
+            m,
+            tuple(sorted(cfg.method_params[m].items())),
+            n,
+            b,
+            s,
+            tuple(sorted(_plain(stores[s]).items())) if s else (),
+        )
         for b in cfg.batch_sizes
-        for m, n in pairs
+        for m, s, n in pairs
     ]
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else node
 
 
 def _cell(value: str) -> Any:
@@ -249,11 +293,12 @@ def resumed(cfg: DictConfig, configs: list[Config]) -> list[dict[str, Any]]:
     with out.open(newline="") as f:
         rows = [{k: _cell(v) for k, v in r.items()} for r in csv.DictReader(f)]
     planned = {
-        _key(c.method, c.input_tokens, c.batch_size): {
+        _key(c.label, c.input_tokens, c.batch_size): {
             k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in c.params
         }
         for c in configs
     }
+    quants = {_key(c.label, c.input_tokens, c.batch_size): dict(c.kv_quant) or None for c in configs}
     for row in rows:
         key = _key(row["method"], row["input_tokens"], row["batch_size"])
         what = f"{out} round {row['round']} {key[0]}@{key[1]} batch {key[2]}"
@@ -261,6 +306,8 @@ def resumed(cfg: DictConfig, configs: list[Config]) -> list[dict[str, Any]]:
             raise ValueError(f"resume=true: {what} is not in this run's configurations")
         if json.loads(row["method_params"]) != planned[key]:
             raise ValueError(f"resume=true: {what} ran with other parameters: {row['method_params']}")
+        if json.loads(row.get("kv_quant") or "null") != quants[key]:
+            raise ValueError(f"resume=true: {what} ran on other storage: {row.get('kv_quant')}")
         for field, want in (("model", cfg.model.name), ("dtype", cfg.model.dtype)):
             if str(row[field]) != str(want):
                 raise ValueError(f"resume=true: {what} ran with {field}={row[field]}, not {want}")
@@ -276,8 +323,10 @@ def rotated(configs: list[Config], r: int) -> list[Config]:
 def spec_of(cfg: DictConfig, c: Config) -> dict[str, Any]:
     return dict(
         method=c.method,
+        label=c.label,
         # list-valued parameters (knorm's skip_layers) are ListConfig inside the composed config
         params={k: OmegaConf.to_container(v) if OmegaConf.is_config(v) else v for k, v in c.params},
+        kv_quant=dict(c.kv_quant) or None,
         input_tokens=c.input_tokens,
         batch_size=c.batch_size,
         decode_tokens=cfg.decode_tokens,
@@ -293,7 +342,7 @@ def run_subprocess(spec: dict[str, Any], timeout_s: float, threads: int | None =
     OMP_NUM_THREADS, set before torch loads; None: inherited)."""
     cmd = [sys.executable, "-m", "eval.bench.measure", json.dumps(spec)]
     env = dict(os.environ, **({"OMP_NUM_THREADS": str(threads)} if threads else {}))
-    base = dict(method=spec["method"], batch_size=spec["batch_size"], input_tokens=spec["input_tokens"],
+    base = dict(method=spec.get("label", spec["method"]), batch_size=spec["batch_size"], input_tokens=spec["input_tokens"],
                 model=spec["model"]["name"], dtype=spec["model"]["dtype"], device=spec["model"]["device"])  # fmt: skip
     try:
         proc = subprocess.run(
@@ -328,7 +377,7 @@ def run(cfg: DictConfig) -> list[dict[str, Any]]:
         round_rows = [row for row in before if row["round"] == r]
         later = [row for row in before if row["round"] > r]
         for order, c in enumerate(rotated(configs, r)):
-            if (r, *_key(c.method, c.input_tokens, c.batch_size)) in done:
+            if (r, *c.key) in done:
                 continue
             t = time.perf_counter()
             spec = spec_of(cfg, c)

@@ -1,0 +1,511 @@
+"""Eviction against quantization at equal bytes: the report of a results folder whose configs store
+fewer KV bytes in different ways (`python -m eval.report.equal_bytes RESULTS_DIR [--out DIR]
+[--tolerance 0.1]`; `scripts/make_figures.py` renders `results/equal_bytes/` when it holds rows).
+
+A configuration is a method config (its label, `eval.labels.method_label`) on a KV storage: the
+rows' `kv_quant` ({kind, bits, group_size, residual, order}, absent or None for the plain cache).
+Its kind:
+
+- `full`: the full cache in the model's dtype (the reference);
+- `quantized`: the full cache, quantized (every entry kept, fewer bits each);
+- `eviction`: a compression method in the model's dtype (fewer entries, every bit);
+- `combined`: a compression method on quantized storage (fewer entries, fewer bits).
+
+Bytes are the rows' `kv_bytes` (what was stored: quantized values, scales and zero points, the
+full-precision residual, index bookkeeping) and `kv_bytes_full` (the full cache at the same dtype):
+a configuration's byte fraction is Σ kv_bytes / Σ kv_bytes_full over its samples.
+
+What it writes (`render`), per model:
+
+- `equal_bytes_<model>.png`: score x100 against mean KV MiB (log axis), every configuration, on
+  the samples it shares with the full cache; the full cache a star with a dashed line at its score,
+  dotted verticals at the `FRACTIONS` of its bytes; a line joins one method on one kind of storage
+  across budgets and bit widths.
+- `equal_bytes.md` and CSVs: `equal_bytes_pairs.csv`, every two configurations of different kinds
+  whose mean bytes on their shared samples are within `TOLERANCE` of each other (|a / b - 1| <=
+  tolerance), the first minus the second (kinds in `KINDS` order: quantized before combined before
+  eviction); `equal_bytes_costs.csv`, every configuration whose byte fraction lies within
+  `TOLERANCE` of one of `FRACTIONS` (relative: 1/4 takes 0.225-0.275) minus the full cache; and
+  `equal_bytes_configs.csv`, each configuration's score, n and bytes.
+
+Every difference comes from `eval.stats.compare` on the samples both sides ran (matched as the
+report's paired comparisons match them, `eval.report.paired`): x100, the paired unit bootstrap's
+95% interval resampling the units of independence (a context's questions together) within strata
+(task / dataset, weighed equally), the exact sign-flip p below `FEW_UNITS` units, and Holm's
+adjustment over each table of one model (its family). Below `MIN_N` units the interval and p are
+withheld.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from omegaconf import OmegaConf
+
+from eval import protocols
+from eval.labels import BUDGET_KEYS, method_label
+from eval.report import leaderboard
+from eval.report.build import prepare
+from eval.report.paired import _shared, units
+from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm, units_of
+from eval.store import ResultStore
+from eval.tables import cell, md_table, slug
+
+ROOT = Path(__file__).resolve().parents[2]
+GRID = ROOT / "conf" / "experiment" / "equal_bytes.yaml"
+TOLERANCE = 0.10
+FRACTIONS = (1 / 4, 1 / 8)
+KINDS = ("full", "quantized", "combined", "eviction")
+FOLDER = "equal_bytes"  # the results folder scripts/make_figures.py renders
+MARKDOWN = "equal_bytes.md"
+QUANT_FIELDS = ("kind", "bits", "group_size", "residual", "order")
+
+CONFIG_COLUMNS = ["model", "config", "kind", "series", "method", "budget", "kv_quant", "n", "n_units", "score",
+                  "kv_bytes", "kv_bytes_full", "fraction", "vs_full"]  # fmt: skip
+PAIR_COLUMNS = ["model", "config", "kind", "minus", "minus_kind", "n_shared", "n_units", "kv_bytes",
+                "minus_kv_bytes", "bytes_ratio", "diff", "lo", "hi", "p", "p_exact", "p_holm", "test"]  # fmt: skip
+COST_COLUMNS = ["model", "target", "config", "kind", "fraction", "n_shared", "n_units", "score", "full_score",
+                "diff", "lo", "hi", "p", "p_exact", "p_holm", "test"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- the grid
+@dataclass(frozen=True)
+class Run:
+    """One `run.py` config of the grid (conf/experiment/equal_bytes.yaml): `overrides` in full."""
+
+    task: str
+    method: str
+    budget: int | None
+    storage: str | None
+    overrides: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        at = "" if self.budget is None else f"@{self.budget}"
+        return f"{self.task}/{self.method}{at}" + ("" if self.storage is None else f"+{self.storage}")
+
+
+def load_plan(path: Path = GRID) -> list[Run]:
+    """Every config of the grid file's `equal_bytes` node: per task, per entry of `runs`, its methods
+    x budgets x storages (`methods: leaderboard`: every registered method but the full cache)."""
+    node = OmegaConf.to_container(OmegaConf.load(path), resolve=True).get("equal_bytes") or {}
+    tasks, storage = node.get("tasks") or {}, node.get("storage") or {}
+    if not tasks or not node.get("runs"):
+        raise ValueError(f"{path} must list equal_bytes.tasks and equal_bytes.runs")
+    plan = []
+    for task, task_overrides in tasks.items():
+        for entry in node["runs"]:
+            names = entry.get("methods")
+            names = (
+                [m for m in leaderboard.methods() if m != leaderboard.BASELINE]
+                if names == "leaderboard"
+                else names
+            )
+            unknown = [s for s in entry.get("storage") or [] if s not in storage]
+            if unknown:
+                raise ValueError(f"unknown storage {unknown[0]!r} in {path}; known: {', '.join(storage)}")
+            for method in names:
+                for budget in entry.get("budgets") or [None]:
+                    for store in entry.get("storage") or [None]:
+                        overrides = [*node.get("common", []), *task_overrides, f"method={method}"]
+                        overrides += [] if budget is None else [f"budget={budget}"]
+                        overrides += [] if store is None else storage[store]
+                        plan.append(Run(task, method, budget, store, tuple(overrides)))
+    return plan
+
+
+# ----------------------------------------------------------------------------------- configurations
+def quant_of(value: Any) -> dict | None:
+    """A row's `kv_quant` as a dict, None for the plain cache (absent, None, NaN or kind none)."""
+    if isinstance(value, dict) and value.get("kind") not in (None, "none"):
+        return value
+    return None
+
+
+def kind_of(method: str, quant: dict | None) -> str:
+    """`full`, `quantized`, `eviction` or `combined` (module doc)."""
+    if method == "full":
+        return "full" if quant is None else "quantized"
+    return "eviction" if quant is None else "combined"
+
+
+def quant_texts(quants: Sequence[dict | None], bits: bool = True) -> dict[str, str]:
+    """{repr(q): text} of the storages in `quants`: `kivi-4`, plus `field=value` for every other field
+    that differs between them (so two storages never share a text); '' for the plain cache.
+    bits=False: without the bits (`kivi`), the figure's line through one storage's bit widths."""
+    present = [q for q in quants if q is not None]
+    keys = sorted({k for q in present for k in q} - {"kind", "bits"})
+    varying = [k for k in keys if len({repr(q.get(k)) for q in present}) > 1]
+    texts = {repr(None): ""}
+    for q in present:
+        head = f"{q['kind']}-{q.get('bits')}" if bits else str(q["kind"])
+        texts[repr(q)] = " ".join([head, *(f"{k}={q.get(k)}" for k in varying)])
+    return texts
+
+
+def label_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """`prepare`d rows with `quant` (dict or None), `kind`, `config` (the method config's label + its
+    storage) and `series` (the same without the budget and the bits: one line of the figure). A config label
+    that several config hashes share within one (model, task) gets `#hash8` appended."""
+    none = pd.Series([None] * len(df), index=df.index, dtype=object)
+    quants = df["kv_quant"].map(quant_of).astype(object) if "kv_quant" in df.columns else none
+    texts, kinds = quant_texts(list(quants)), quant_texts(list(quants), bits=False)
+    storage = quants.map(lambda q: texts[repr(q)])
+    line = quants.map(lambda q: f" + {kinds[repr(q)]}" if q is not None else "")
+    params = df["method_params"].map(lambda p: p if isinstance(p, dict) else {})
+    suffix = df["protocol"].map(protocols.label_suffix)
+    base = [method_label(m, p) for m, p in zip(df["method"], params)]
+    bare = [
+        method_label(m, {k: v for k, v in p.items() if k not in BUDGET_KEYS})
+        for m, p in zip(df["method"], params)
+    ]
+    plus = storage.map(lambda s: f" + {s}" if s else "")
+    out = df.assign(
+        quant=quants.astype(object),
+        kind=[kind_of(m, q) for m, q in zip(df["method"], quants)],
+        config=[b + s + p for b, s, p in zip(base, suffix, plus)],
+        series=[b + s + p for b, s, p in zip(bare, suffix, line)],
+    )
+    hashes = out["method_hash"].astype(str)
+    for _, idx in out.groupby(["model", "task", "config"], sort=False).groups.items():
+        if hashes.loc[idx].nunique() > 1:
+            out.loc[idx, "config"] = out.loc[idx, "config"] + " #" + hashes.loc[idx].str[:8]
+    return out
+
+
+def _strata(rows: pd.DataFrame) -> np.ndarray | None:
+    """task/dataset per row where the rows hold more than one (weighed equally), else None."""
+    labels = rows["task"].astype(str) + "/" + rows["dataset"].astype(str)
+    return labels.to_numpy() if labels.nunique() > 1 else None
+
+
+def _score(rows: pd.DataFrame) -> tuple[float, int]:
+    """(mean score x100 over strata, units) of aligned rows."""
+    u = units_of(rows["score"].to_numpy(float), units(rows).to_numpy(), _strata(rows))
+    return 100 * u.estimate(), u.n_units
+
+
+def _compare(a: pd.DataFrame, b: pd.DataFrame):
+    return compare(a["score"].to_numpy(float), b["score"].to_numpy(float), units(b).to_numpy(), _strata(b))
+
+
+@dataclass
+class Analysis:
+    """One model's tables (`CONFIG_COLUMNS`, `PAIR_COLUMNS`, `COST_COLUMNS` frames)."""
+
+    model: str
+    configs: pd.DataFrame
+    pairs: pd.DataFrame
+    costs: pd.DataFrame
+    fractions: tuple[float, ...]
+    tolerance: float
+
+
+def _full_config(rows: pd.DataFrame) -> str | None:
+    """The full cache's config (the one with most rows where several are), None without one."""
+    full = rows[rows["kind"] == "full"]
+    return str(full["config"].value_counts().index[0]) if len(full) else None
+
+
+def analyse(
+    rows: pd.DataFrame, tolerance: float = TOLERANCE, fractions: Sequence[float] = FRACTIONS
+) -> Analysis:
+    """The tables of one model's `label_rows` (ok, scored rows only)."""
+    if not tolerance >= 0:
+        raise ValueError(f"tolerance must be >= 0, got tolerance={tolerance}")
+    bad = [f for f in fractions if not 0 < f <= 1]
+    if bad:
+        raise ValueError(f"fractions must lie in (0, 1], got fractions={list(fractions)}")
+    rows = rows[rows["ok"] & rows["score"].notna()]
+    model = str(rows["model"].iloc[0])
+    order = sorted(
+        rows["config"].unique(),
+        key=lambda c: (KINDS.index(rows.loc[rows["config"] == c, "kind"].iloc[0]), -rows.loc[rows["config"] == c, "kv_bytes"].mean(), c),
+    )  # fmt: skip
+    by = {c: rows[rows["config"] == c] for c in order}
+    full = _full_config(rows)
+
+    records = []
+    for c in order:
+        mine, vs_full = by[c], False
+        if full is not None and c != full:
+            a, _, _ = _shared(mine, by[full])
+            if not a.empty:
+                mine, vs_full = a, True
+        elif c == full:
+            mine = _shared(mine, mine)[0]
+        score, n_units = _score(mine)
+        first = mine.iloc[0]
+        quant = first["quant"]
+        records.append(
+            [model, c, first["kind"], first["series"], first["method"], first["budget"],
+             None if quant is None else {k: quant.get(k) for k in quant}, len(mine), n_units, score,
+             mine["kv_bytes"].mean(), mine["kv_bytes_full"].mean(),
+             mine["kv_bytes"].sum() / mine["kv_bytes_full"].sum(), vs_full]
+        )  # fmt: skip
+    configs = pd.DataFrame(records, columns=CONFIG_COLUMNS)
+
+    pair_records = []
+    compressed = [c for c in order if c != full and by[c]["kind"].iloc[0] != "full"]
+    for i, first in enumerate(compressed):
+        for second in compressed[i + 1 :]:
+            if by[first]["kind"].iloc[0] == by[second]["kind"].iloc[0]:
+                continue  # same kind: the leaderboard's comparison, not this one
+            a, b, _ = _shared(by[first], by[second])
+            if a.empty or not b["kv_bytes"].mean() > 0:
+                continue
+            ratio = a["kv_bytes"].mean() / b["kv_bytes"].mean()
+            if abs(ratio - 1) > tolerance:
+                continue
+            r = _compare(a, b)
+            pair_records.append(
+                [model, first, a["kind"].iloc[0], second, b["kind"].iloc[0], r.n, r.n_units, a["kv_bytes"].mean(),
+                 b["kv_bytes"].mean(), ratio, r.diff, r.lo, r.hi, r.p, r.p_exact, math.nan, r.test]
+            )  # fmt: skip
+    pairs = _with_holm(pd.DataFrame(pair_records, columns=PAIR_COLUMNS))
+
+    cost_records = []
+    if full is not None:
+        for target in fractions:
+            for c in compressed:
+                a, b, _ = _shared(by[c], by[full])
+                if a.empty or not a["kv_bytes_full"].sum() > 0:
+                    continue
+                fraction = a["kv_bytes"].sum() / a["kv_bytes_full"].sum()
+                if abs(fraction / target - 1) > tolerance:
+                    continue
+                r = _compare(a, b)
+                cost_records.append(
+                    [model, target, c, a["kind"].iloc[0], fraction, r.n, r.n_units, _score(a)[0], _score(b)[0],
+                     r.diff, r.lo, r.hi, r.p, r.p_exact, math.nan, r.test]
+                )  # fmt: skip
+    costs = _with_holm(pd.DataFrame(cost_records, columns=COST_COLUMNS))
+    return Analysis(model, configs, pairs, costs, tuple(fractions), tolerance)
+
+
+def _with_holm(table: pd.DataFrame) -> pd.DataFrame:
+    """`p_holm`: Holm over the table (its family) of the p a statement rests on (exact where there is one)."""
+    if len(table):
+        read = table["p_exact"].where(table["p_exact"].notna(), table["p"])
+        table["p_holm"] = holm(read.to_numpy(float))
+    return table
+
+
+def analyses(
+    df: pd.DataFrame, tolerance: float = TOLERANCE, fractions: Sequence[float] = FRACTIONS
+) -> list[Analysis]:
+    """`analyse` per model of raw rows (`ResultStore.load_dir`); [] without ok, scored rows."""
+    if df.empty:
+        return []
+    rows = label_rows(prepare(df))
+    rows = rows[rows["ok"] & rows["score"].notna()]
+    return [analyse(part, tolerance, fractions) for _, part in rows.groupby("model", sort=True)]
+
+
+# ------------------------------------------------------------------------------------------- figure
+MARKERS = {"quantized": "s", "combined": "^", "eviction": "o"}
+STYLES = {"quantized": "--", "combined": "-.", "eviction": "-"}
+
+
+def fraction_text(f: float) -> str:
+    """`1/4` for 0.25, else the number."""
+    inverse = 1 / f
+    return f"1/{round(inverse)}" if abs(inverse - round(inverse)) < 1e-9 else f"{f:.3g}"
+
+
+def figure(a: Analysis):
+    """Score x100 against mean KV MiB (log x axis) of every configuration of `a` (a `Figure`)."""
+    from matplotlib.figure import Figure  # lazy: the tables need no plotting
+
+    fig = Figure(figsize=(10, 5.5))
+    ax = fig.add_subplot()
+    palette = [f"C{i}" for i in range(10)] + ["#8c564b", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939",
+                                              "#8c6d31", "#843c39", "#7b4173", "#3182bd"]  # fmt: skip
+    c = a.configs
+    for i, (series, g) in enumerate(c[c["kind"] != "full"].groupby("series", sort=False)):
+        g = g.sort_values("kv_bytes")
+        kind = str(g["kind"].iloc[0])
+        ax.plot(g["kv_bytes"] / 2**20, g["score"], marker=MARKERS[kind], linestyle=STYLES[kind],
+                color=palette[i % len(palette)], label=f"{series} ({kind})")  # fmt: skip
+    for _, r in c[c["kind"] == "full"].iterrows():
+        mib = r["kv_bytes"] / 2**20
+        ax.axhline(r["score"], color="black", linestyle="--", linewidth=0.8)
+        ax.plot([mib], [r["score"]], marker="*", markersize=14, color="black", linestyle="",
+                label=f"{r['config']} (full cache)")  # fmt: skip
+        for f in a.fractions:
+            ax.axvline(mib * f, color="grey", linestyle=":", linewidth=0.8)
+            ax.annotate(f"{fraction_text(f)} of full", (mib * f, 1.0), xycoords=("data", "axes fraction"),
+                        rotation=90, va="top", ha="right", fontsize=7, color="grey")  # fmt: skip
+    ax.set_xscale("log")
+    ax.set_xlabel("KV cache MiB stored (mean over the samples shared with the full cache; log scale)")
+    ax.set_ylabel("score x100")
+    ax.set_title(f"Eviction against quantization at equal bytes ({a.model})")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.subplots_adjust(left=0.07, right=0.62, bottom=0.1)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------- markdown
+def _interval(r: pd.Series) -> str:
+    return f"n<{MIN_N}" if r["n_units"] < MIN_N else f"[{r['lo']:+.1f}, {r['hi']:+.1f}]"
+
+
+def _p(p: float) -> str:
+    return "—" if isinstance(p, float) and math.isnan(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
+
+
+def _n(r: pd.Series) -> str:
+    n, u = int(r["n_shared"]), int(r["n_units"])
+    return f"n={n}" if n == u else f"n={n}, {u} units"
+
+
+def _difference(r: pd.Series) -> str:
+    return f"{r['diff']:+.1f} {_interval(r)} ({_n(r)})"
+
+
+def sentences(costs: pd.DataFrame) -> list[str]:
+    """Per kind and target fraction, what that fraction of the full cache's bytes costs: the one
+    configuration's difference from the full cache [95% interval] (n), or the range over several
+    (lowest and highest difference)."""
+    out = []
+    for target in sorted(costs["target"].unique(), reverse=True):
+        for kind in KINDS[1:]:
+            g = costs[(costs["target"] == target) & (costs["kind"] == kind)].sort_values("diff")
+            if g.empty:
+                continue
+            at = f"{kind} at {fraction_text(target)} of the full cache's bytes"
+            lo, hi = g.iloc[0], g.iloc[-1]
+            if len(g) == 1:
+                out.append(f"{at} ({lo['config']}, {lo['fraction']:.3f}): {_difference(lo)}.")
+            else:
+                out.append(
+                    f"{at}: {len(g)} configurations, from {lo['config']} ({lo['fraction']:.3f}) "
+                    f"{_difference(lo)} to {hi['config']} ({hi['fraction']:.3f}) {_difference(hi)}."
+                )
+    return out
+
+
+def markdown(items: Sequence[Analysis], figures: dict[str, str] | None = None) -> str:
+    """equal_bytes.md: per model the figure, the cost sentences and table, the equal-bytes pairs and
+    every configuration."""
+    figures = figures or {}
+    t = items[0].tolerance if items else TOLERANCE
+    parts = [
+        "# Eviction against quantization at equal bytes",
+        "",
+        "Written by `eval/report/equal_bytes.py` from the rows of this folder. Bytes are the rows' "
+        "`kv_bytes` (what was stored: quantized values, scales and zero points, the full-precision "
+        "residual, index bookkeeping); a byte fraction is Σ kv_bytes / Σ kv_bytes_full (the full cache "
+        f"in the model's dtype) over the samples. Differences x100 on the samples both sides ran, with "
+        f"the 95% interval of {RESAMPLES} paired bootstrap resamples of whole units (a context's "
+        "questions together) within strata (task / dataset, weighed equally); p exact: the exact "
+        f"sign-flip p over units, below {FEW_UNITS} units (read it there: a percentile interval over few "
+        f"units is too narrow); below {MIN_N} units interval and p are withheld (n<{MIN_N}); p Holm: "
+        "Holm's adjustment over the rows of one table.",
+    ]
+    for a in items:
+        parts += ["", f"## {a.model}", ""]
+        if a.model in figures:
+            parts += [f"![score against KV bytes]({figures[a.model]})", ""]
+        fr = " and ".join(fraction_text(f) for f in a.fractions)
+        parts += [f"### What {fr} of the full cache's bytes cost", ""]
+        if a.costs.empty:
+            parts += [f"No configuration within ±{a.tolerance:.0%} of {fr} of the full cache's bytes "
+                      "with the full cache beside it.", ""]  # fmt: skip
+        else:
+            parts += [f"Configurations whose byte fraction lies within ±{a.tolerance:.0%} of the target, "
+                      "minus the full cache:", ""]  # fmt: skip
+            parts += [f"- {s}" for s in sentences(a.costs)] + [""]
+            rows = [[fraction_text(r["target"]), r["config"], r["kind"], f"{r['fraction']:.3f}", cell(r["score"], 1),
+                     cell(r["full_score"], 1), f"{r['diff']:+.1f} ({_n(r)})", _interval(r), _p(r["p"]),
+                     _p(r["p_exact"]), _p(r["p_holm"])] for _, r in a.costs.iterrows()]  # fmt: skip
+            parts += [md_table(["target", "config", "kind", "bytes / full", "score", "full", "difference x100 (n)",
+                                "95% interval", "p", "p exact", "p Holm"], rows, text_columns=3), ""]  # fmt: skip
+        parts += ["### Equal-bytes pairs", ""]
+        if a.pairs.empty:
+            parts += [f"No two configurations of different kinds within ±{t:.0%} of each other's bytes.", ""]
+        else:
+            parts += [f"Configurations of different kinds whose mean bytes on the shared samples lie within "
+                      f"±{a.tolerance:.0%} of each other, the first minus the second:", ""]  # fmt: skip
+            rows = [[r["config"], r["minus"], f"{r['kv_bytes'] / 2**20:.2f} / {r['minus_kv_bytes'] / 2**20:.2f}",
+                     f"{r['diff']:+.1f} ({_n(r)})", _interval(r), _p(r["p"]), _p(r["p_exact"]), _p(r["p_holm"]),
+                     r["test"]] for _, r in a.pairs.iterrows()]  # fmt: skip
+            parts += [md_table(["config", "minus", "KV MiB (config / minus)", "difference x100 (n)", "95% interval",
+                                "p", "p exact", "p Holm", "test"], rows, text_columns=2), ""]  # fmt: skip
+        parts += ["### Configurations", ""]
+        rows = [[r["config"], r["kind"], f"{r['fraction']:.3f}", cell(r["kv_bytes"] / 2**20, 2), cell(r["score"], 1),
+                 f"{int(r['n'])}" + ("" if r["vs_full"] or r["kind"] == "full" else " (own samples)")]
+                for _, r in a.configs.iterrows()]  # fmt: skip
+        parts += [
+            md_table(["config", "kind", "bytes / full", "KV MiB", "score x100", "n"], rows, text_columns=2),
+            "",
+        ]
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------- render
+def render(
+    results_dir: str | Path,
+    out: str | Path | None = None,
+    tolerance: float = TOLERANCE,
+    fractions: Sequence[float] = FRACTIONS,
+) -> list[Path]:
+    """Write the figure(s), equal_bytes.md and the CSVs of `results_dir` into `out` (default: the
+    folder itself); [] and nothing written where the folder is missing or holds no ok, scored rows."""
+    results_dir = Path(results_dir)
+    if not results_dir.is_dir():
+        return []
+    items = analyses(ResultStore.load_dir(results_dir), tolerance, fractions)
+    if not items:
+        return []
+    out = Path(out) if out is not None else results_dir
+    out.mkdir(parents=True, exist_ok=True)
+    written, figures = [], {}
+    for a in items:
+        path = out / f"equal_bytes_{slug(a.model)}.png"
+        figure(a).savefig(path, dpi=150)
+        figures[a.model] = path.name
+        written.append(path)
+    for name, frames in (("configs", [a.configs for a in items]), ("pairs", [a.pairs for a in items]),
+                         ("costs", [a.costs for a in items])):  # fmt: skip
+        path = out / f"equal_bytes_{name}.csv"
+        pd.concat(frames, ignore_index=True).to_csv(path, index=False, float_format="%.6g")
+        written.append(path)
+    md = out / MARKDOWN
+    md.write_text(markdown(items, figures), encoding="utf-8")
+    return [*written, md]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description="Eviction against quantization at equal bytes (eval/report/equal_bytes.py)"
+    )
+    ap.add_argument("results_dir", type=Path)
+    ap.add_argument("--out", type=Path, default=None, help="output dir (default: RESULTS_DIR)")
+    ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="relative bytes tolerance of a match")
+    args = ap.parse_args(argv)
+    if not args.results_dir.is_dir():
+        print(f"error: results dir not found: {args.results_dir}", file=sys.stderr)
+        return 2
+    try:
+        written = render(args.results_dir, args.out, args.tolerance)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not written:
+        print(f"error: no ok, scored result rows under {args.results_dir}", file=sys.stderr)
+        return 2
+    print("\n".join(f"wrote {p}" for p in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

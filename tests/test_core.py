@@ -310,6 +310,41 @@ def test_chunked_generation_equals_single_pass():
     torch.testing.assert_close(ra.logits[-1], rb.logits[-1], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("query_aware", [True, False])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("snapkv", dict(budget=40, window=8, protect="question")),
+        ("h2o", dict(budget=40, evict_during_decode=True)),
+    ],
+)
+def test_generate_ids_is_compress_then_decode(name, params, query_aware):
+    """`generate_ids` composes `compress` and `decode`: called one after the other they give the same
+    tokens and logits, and between them every measurement of its result (the same values but the
+    seconds; the memory peak, implementation and device are the composition's own)."""
+    model = tiny_model("llama")
+    ids = random_ids(PROMPT)
+    ctx, q = ids[:, :80], ids[:, 80:]
+    cfg = snapkv.GenerationConfig(
+        query_aware=query_aware, max_new_tokens=NEW, keep_logits=True, chunk_size=32
+    )
+    out, res = generate_ids(model, ctx, q, build_method(name, **params), config=cfg)
+    prompt = snapkv.compress(model, ctx, build_method(name, **params), question_ids=q, config=cfg)
+    assert (prompt.question is None) == query_aware and prompt.input_tokens == PROMPT
+    (decoded,) = snapkv.decode(model, prompt, config=cfg)
+    assert torch.equal(decoded.ids, out) and out.shape == (1, NEW)
+    assert len(decoded.logits) == len(res.logits) == NEW
+    assert all(torch.equal(a, b) for a, b in zip(decoded.logits, res.logits))
+    got = {**prompt.measurements(), **decoded.measurements()}
+    want = res.measurements()
+    assert set(got) == set(want) - {"peak_mem_bytes", "attn_impl", "device"}
+    seconds = {k for k in got if k.endswith("_s")}
+    assert seconds == {"prefill_s", "scoring_s", "ttft_s", "tpot_s", "e2e_s"}
+    assert {k: v for k, v in got.items() if k not in seconds} == {k: want[k] for k in got if k not in seconds}
+    assert res.compressed and (name != "h2o" or res.evicted_during_decode)
+    assert 0 < got["prefill_s"] <= got["ttft_s"] <= got["e2e_s"]
+
+
 @pytest.mark.parametrize("name,params", UNPROTECTED, ids=ids(UNPROTECTED))
 def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, params):
     model = tiny_model("llama")

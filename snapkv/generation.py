@@ -260,8 +260,9 @@ class Decoded:
 @dataclass(frozen=True)
 class GenerationConfig:
     """How a prompt is generated, in one object: every entry point (`generate`, `generate_samples`,
-    `generate_ids`, `sample_ids`) takes it as `config=` and its fields as keywords, which override
-    it (as transformers' `generate(generation_config, **kwargs)` does).
+    `generate_ids`, `sample_ids`, `compress`, `decode`, `answer`) takes it as `config=` and its
+    fields as keywords, which override it (as transformers' `generate(generation_config, **kwargs)`
+    does); `compress` and `decode` each read the fields of their step.
 
     query_aware: True, context + question are prefilled (and compressed) together; False, the
     context is prefilled and compressed alone, then the question is fed on the compressed cache.
@@ -598,13 +599,9 @@ def compress_context(
     chunk_size: int | None = None,
 ) -> CompressedCache:
     """Prefill `context_ids` `[batch, len]` and compress it with `method`; returns the cache, ready
-    for `answer()` (`compress` of the context alone: the context half of
-    `generate_ids(..., query_aware=False)`, same forwards).
-
-    `attention_mask` `[batch, len]`: a left-padded batch (1 = real token; positions as
-    `model.generate` derives them, rows handled as in `snapkv.padding`); one prefill forward then
-    (`chunk_size` must be None).
-    """
+    for `answer()`: `compress` of the context alone (the context half of
+    `generate_ids(..., query_aware=False)`, same forwards). `attention_mask` `[batch, len]`: a
+    left-padded batch (`compress`; `chunk_size` must be None then)."""
     return compress(model, context_ids, method, attention_mask=attention_mask, chunk_size=chunk_size).cache
 
 

@@ -347,6 +347,13 @@ def _protected_tail(method: Method, question: int, generation_prompt: int, fed: 
     return tail
 
 
+def _session(
+    model, method: Method, cache: CompressedCache, session: Session | None
+) -> contextlib.AbstractContextManager[Session]:
+    """`session` (the caller's, left open) or a new one for `method` on `cache`."""
+    return contextlib.nullcontext(session) if session is not None else hooks.session(model, method, cache)
+
+
 @contextlib.contextmanager
 def _feeding(
     model, method: Method, cache: CompressedCache, session: Session | None = None, **step_kwargs: Any
@@ -356,7 +363,7 @@ def _feeding(
     prompt_pads = next(
         (layer.prompt_pads for _, layer in cache.compressible_layers() if layer.prompt_pads is not None), None
     )
-    with contextlib.nullcontext(session) if session is not None else hooks.session(model, method, cache) as s:
+    with _session(model, method, cache, session) as s:
         s.phase = "decode"
         yield stepper(model, cache, prompt_pads=prompt_pads, session=s, **step_kwargs)
 
@@ -428,7 +435,7 @@ def compress(
         if end < context_len:
             paused += _notify(cfg.on_progress, device, "prefill", end, input_tokens)
 
-    with contextlib.nullcontext(session) if session is not None else hooks.session(model, method, cache) as s:
+    with _session(model, method, cache, session) as s:
         _notify(cfg.on_progress, device, "prefill", 0, input_tokens)
         t0 = clock(device)
         out = prefill(
@@ -466,7 +473,8 @@ def decode(
 
     Timing: `ttft_s` = `prompt.prompt_s` + the question's forward + the first pick; each step's
     seconds cover its forward and pick; the progress callback runs off the clock. session: the open
-    session `compress` prefilled in (kept open); None: one of its own.
+    session `compress` prefilled in (kept open); None: one of its own. The cache moves on with the
+    tokens: a prompt is decoded once (several samples: `seeds`).
     """
     cfg = GenerationConfig.of(config, options)
     device, cache, new = model.device, prompt.cache, cfg.max_new_tokens

@@ -345,6 +345,33 @@ def test_generate_ids_is_compress_then_decode(name, params, query_aware):
     assert 0 < got["prefill_s"] <= got["ttft_s"] <= got["e2e_s"]
 
 
+@pytest.mark.parametrize("query_aware", [True, False])
+@pytest.mark.parametrize(
+    "name,params",
+    [("snapkv", dict(budget=40, window=8)), ("h2o", dict(budget=40, evict_during_decode=True))],
+)
+def test_a_left_padded_prompt_decodes_each_row_as_alone(name, params, query_aware):
+    """`compress` with an attention mask and a question (prefilled with the context, or fed on it by
+    `decode`): each row's tokens as its prompt's alone, logits within fp32 rounding."""
+    model = tiny_model("llama")
+    rows = [random_ids(90, seed=1)[0], random_ids(50, seed=2)[0]]
+    ctx = torch.zeros(2, 90, dtype=torch.long)
+    mask = torch.zeros_like(ctx)
+    for r, row in enumerate(rows):
+        ctx[r, 90 - len(row) :], mask[r, 90 - len(row) :] = row, 1
+    q = torch.cat([random_ids(6, seed=5), random_ids(6, seed=6)])
+    cfg = snapkv.GenerationConfig(query_aware=query_aware, max_new_tokens=NEW, keep_logits=True)
+    prompt = snapkv.compress(
+        model, ctx, build_method(name, **params), question_ids=q, attention_mask=mask, config=cfg
+    )
+    (decoded,) = snapkv.decode(model, prompt, config=cfg)
+    for r, row in enumerate(rows):
+        alone, res = generate_ids(model, row[None], q[r : r + 1], build_method(name, **params), config=cfg)
+        assert torch.equal(decoded.ids[r], alone[0]), f"row {r}"
+        for x, y in zip(decoded.logits, res.logits, strict=True):
+            torch.testing.assert_close(x[r], y[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name,params", UNPROTECTED, ids=ids(UNPROTECTED))
 def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, params):
     model = tiny_model("llama")

@@ -39,7 +39,7 @@ import torch
 from eval.tasks import Sample
 from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, clock
-from snapkv.generation import answer, compress_context, generate
+from snapkv.generation import answer, cache_sizes, compress_context, generate
 from snapkv.methods import Method
 from snapkv.prompts import (
     chat_templated,
@@ -174,19 +174,6 @@ class Outcome:
     error: BaseException | None = None
 
 
-def _cache_fields(cache: CompressedCache) -> dict[str, Any]:
-    """The cache's size columns (as `GenerationResult` measures them after compression)."""
-    kept = cache.kept_tokens()
-    return {
-        "compressed": any(layer.compressed for _, layer in cache.compressible_layers()),
-        "kv_tokens": sum(kept) / len(kept) if kept else 0.0,
-        "kv_tokens_per_layer": kept,
-        "kv_bytes": cache.kv_bytes(),
-        "kv_bytes_full": cache.kv_bytes_full(),
-        "kv_bytes_logical": cache.kv_bytes_logical(),
-    }
-
-
 def _text(tokenizer: Any, ids: list[int], stops: set[int]) -> str:
     """The prediction as `generate` decodes it: the final stop token dropped, special tokens skipped."""
     if ids and ids[-1] in stops:
@@ -224,7 +211,7 @@ class _Shared:
             seconds = clock(self.device) - t0
         self.peak = int(mem.peak)
         self.shared.update(
-            _cache_fields(cache), context_prefill_s=seconds, prefill_s=seconds, scoring_s=cache.scoring_s
+            cache_sizes(cache), context_prefill_s=seconds, prefill_s=seconds, scoring_s=cache.scoring_s
         )
         return cache
 
@@ -347,7 +334,7 @@ class _Shared:
             cache = held["cache"]
             rolled_back = cache.rollback(held["mark"])
             self.shared.update(
-                _cache_fields(cache),
+                cache_sizes(cache),
                 context_prefill_s=result.prefill_s if result is not None else None,
                 prefill_s=result.prefill_s if result is not None else None,
             )

@@ -1,8 +1,9 @@
 """One forward step of a generation on a (compressed) cache, and what every caller measures around it.
 
 `step` feeds tokens on a cache with explicit positions continuing from `cache.get_seq_length()`
-(a left-padded batch's rows at their own positions) and keeps only the last position's logits;
-`prefill` forwards a prompt, optionally in chunks, the last chunk marked for compression. `clock`
+(a left-padded batch's rows at their own positions) and keeps only the last position's logits: the
+one forward every caller makes; `prefill` steps through a prompt, optionally in chunks, the last
+chunk marked for compression. `clock`
 is the one wall clock (the device synchronized first) and `PeakMemory` the one memory probe.
 `cache_kwarg` is the forward argument that takes the cache (it changed name inside the supported
 transformers range).
@@ -89,9 +90,10 @@ def step(
     the forward.
 
     prompt_pads `[batch]`: the leading pad slots of a left-padded batch's rows (a padded row's
-    positions count its real tokens only, its pads stay masked); the mask is also handed to the
-    open `session` (`Session.padding`), whose hooks run per row on it. cache_arg: `cache_kwarg(model)`
-    when the caller already has it (a decode loop reads the signature once, not per token).
+    positions count its real tokens only, its pads stay masked at position 0, where
+    `model.generate` puts them); the mask is also handed to the open `session`
+    (`Session.padding`), whose hooks run per row on it. cache_arg: `cache_kwarg(model)` when the
+    caller already has it (a decode loop reads the signature once, not per token).
     """
     device = model.device
     batch, q = ids.shape
@@ -99,7 +101,7 @@ def step(
     pos = torch.arange(start, start + q, device=device).unsqueeze(0).expand(batch, -1)
     if prompt_pads is not None:
         pads = prompt_pads.to(device)
-        pos = pos - pads[:, None]
+        pos = (pos - pads[:, None]).clamp_min(0)  # only a padded prompt's own pad slots go below 0
         mask = (torch.arange(start + q, device=device)[None, :] >= pads[:, None]).long()
         model_kwargs["attention_mask"] = mask
         if session is not None:
@@ -147,12 +149,14 @@ def prefill(
     session: Session | None = None,
     chunk_size: int | None = None,
     on_chunk: Callable[[int, int, Any], None] | None = None,
+    prompt_pads: torch.Tensor | None = None,
     **model_kwargs: Any,
 ) -> Any:
     """Forward the prompt `ids` `[batch, n]` into `cache`, in chunks of `chunk_size` tokens (None:
-    one forward), with explicit `position_ids` continuing from `cache.get_seq_length()`,
-    `use_cache=True` and `logits_to_keep=1`; `model_kwargs` go to every forward (e.g.
-    `output_attentions=True`). Runs under the caller's grad mode.
+    one forward), each a `step` (positions continuing from `cache.get_seq_length()`,
+    `use_cache=True`, `logits_to_keep=1`); `model_kwargs` go to every forward (e.g.
+    `output_attentions=True`). Runs under the caller's grad mode. prompt_pads `[batch]`: a
+    left-padded batch's pads (`step`; one forward, the hooks read the padding on a layer's first).
 
     session: the open compression `Session`; its phase is "prefill" for every chunk but the last
     and "final" for the last (compression right after it), and the last chunk holds at least
@@ -162,21 +166,13 @@ def prefill(
     on_chunk(start, end, output): called after each chunk's forward (offsets into `ids`).
     Returns the last chunk's model output (logits `[batch, 1, vocab]`).
     """
-    batch, n = ids.shape
-    offset = cache.get_seq_length()
-    spans = _chunks(n, chunk_size, session.method.min_last_chunk if session is not None else 1)
+    spans = _chunks(ids.shape[1], chunk_size, session.method.min_last_chunk if session is not None else 1)
     kw = cache_kwarg(model)
     for i, (a, b) in enumerate(spans):
         if session is not None:
             session.phase = "final" if i == len(spans) - 1 else "prefill"
-        pos = torch.arange(offset + a, offset + b, device=ids.device).unsqueeze(0).expand(batch, -1)
-        out = model(
-            input_ids=ids[:, a:b],
-            position_ids=pos,
-            use_cache=True,
-            logits_to_keep=1,
-            **model_kwargs,
-            **{kw: cache},
+        out = step(
+            model, cache, ids[:, a:b], prompt_pads=prompt_pads, session=session, cache_arg=kw, **model_kwargs
         )
         if on_chunk is not None:
             on_chunk(a, b, out)

@@ -2,11 +2,15 @@
 The pieces it composes live beside it: the prompt's text and tokens (`snapkv.prompts`), the token
 picker (`snapkv.sampling`), the forward step, prefill, clock and peak memory (`snapkv.forward`).
 
-`generate()` is the one call the harness makes per sample. The prefill runs through the model's own
+`generate()` is the one call the harness makes per sample. Every entry point is a composition of
+two steps sharing one `GenerationConfig`: `compress()` prefills the prompt through the model's own
 attention (sdpa / flash / eager) with `logits_to_keep=1` (never full-sequence logits), optionally
-in chunks with explicit positions; each compressible layer is compressed right after its attention
-in the last prefill chunk. Decoding is one loop (`_decode`, shared by `generate_ids` and `answer`)
-with explicit `position_ids`; it picks each token greedily (argmax, the default) or samples it
+in chunks with explicit positions, each compressible layer compressed right after its attention in
+the last prefill chunk, and returns the cache with the prefill's measurements (`Compressed`);
+`decode()` feeds the question where it was left out of the prefill, then decodes token by token
+with explicit `position_ids` (`Decoded`: the tokens and the decode's measurements). `generate_ids`
+runs both in one session (the method's `post_init_from_model` once) under one peak-memory probe.
+Decoding picks each token greedily (argmax, the default) or samples it
 (`Sampling`: transformers' `TemperatureLogitsWarper` then `TopPLogitsWarper`, then
 `torch.multinomial` drawing from a `torch.Generator` seeded for that sample alone, never the global
 RNG), so a seed gives the same tokens under every method wherever the logits agree.
@@ -47,16 +51,18 @@ the same continuation scored on the full and on a compressed cache).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
-from snapkv import hooks
+from snapkv import hooks, padding
 from snapkv.cache import CompressedCache
-from snapkv.forward import PeakMemory, cache_kwarg, clock, prefill, stepper
+from snapkv.forward import PeakMemory, clock, prefill, stepper
+from snapkv.hooks import Session
 from snapkv.methods import Method, build_method
 from snapkv.prompts import chat_templated, encode_prompt, generation_prompt_length, stop_token_ids
 from snapkv.sampling import Sampling, TokenPicker
@@ -66,6 +72,26 @@ class ProgressCallback(Protocol):
     """Called by `generate` / `generate_ids` as a sample advances (stages: see the module doc)."""
 
     def __call__(self, stage: str, done: int, total: int) -> None: ...
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def cache_sizes(cache: CompressedCache) -> dict[str, Any]:
+    """The cache's size fields of a `GenerationResult`, read from `cache` now (`compress` reads them
+    right after compression; a caller that compresses with `compress_context` reads them the same
+    way): `compressed`, `kv_tokens`, `kv_tokens_per_layer`, `kv_bytes_full`, `kv_bytes`,
+    `kv_bytes_logical`."""
+    kept = cache.kept_tokens()
+    return {
+        "compressed": any(layer.compressed for _, layer in cache.compressible_layers()),
+        "kv_tokens": _mean(kept),
+        "kv_tokens_per_layer": kept,
+        "kv_bytes_full": cache.kv_bytes_full(),
+        "kv_bytes": cache.kv_bytes(),
+        "kv_bytes_logical": cache.kv_bytes_logical(),
+    }
 
 
 @dataclass
@@ -134,63 +160,109 @@ class GenerationResult:
         (`text`, `output_ids`), the per-step timings and the logits."""
         return {k: v for k, v in self.to_dict().items() if k not in ("text", "output_ids")}
 
+    @classmethod
+    def of(cls, model, prompt: Compressed, decoded: Decoded, peak_mem_bytes: int) -> GenerationResult:
+        """The result of one sample: `decoded` from `prompt` on `model`, under a memory peak of
+        `peak_mem_bytes` (text left empty: the id entry points return ids)."""
+        return cls(
+            text="",
+            output_ids=decoded.ids[0].tolist(),
+            **prompt.measurements(),
+            **decoded.measurements(),
+            peak_mem_bytes=peak_mem_bytes,
+            attn_impl=model.config._attn_implementation,
+            device=str(model.device),
+            decode_s=decoded.steps,
+            logits=decoded.logits,
+        )
+
+
+@dataclass
+class Compressed:
+    """A prompt in its compressed cache (`compress`), ready for `decode`.
+
+    `logits` `[batch, vocab]`: the last prompt position's; None while `question` `[batch, q]` is
+    pending (query_aware=False, `answer`): `decode` feeds it on the compressed cache first.
+    `input_tokens`: the prompt's tokens, the pending question included. Measured (the progress and
+    `on_compressed` callbacks' time left out): `prefill_s`, the prompt's forwards with compression
+    and the method's own pass (`scoring_s`); `prompt_s`, from the first forward until the sizes
+    (`cache_sizes`, read right after compression) were taken: where `ttft_s` starts.
+    """
+
+    cache: CompressedCache
+    method: Method
+    input_tokens: int
+    logits: torch.Tensor | None = None
+    question: torch.Tensor | None = None
+    prefill_s: float = 0.0
+    prompt_s: float = 0.0
+    scoring_s: float = 0.0
+    sizes: dict[str, Any] = field(default_factory=dict)
+
+    def measurements(self) -> dict[str, Any]:
+        """The `GenerationResult` fields measured up to compression."""
+        return {
+            "input_tokens": self.input_tokens,
+            **self.sizes,
+            "prefill_s": self.prefill_s,
+            "scoring_s": self.scoring_s,
+        }
+
 
 @dataclass
 class Decoded:
-    """What one decode loop produced (`_decode`): the tokens `[batch]` in order, each step's seconds
-    after the first token, the kept logits, and whether every row stopped at a stop token."""
+    """One sample decoded from a `Compressed` prompt (`decode`): the tokens `[batch]` in order, each
+    step's seconds after the first token, the kept logits, whether every row stopped at a stop
+    token, `ttft_s` (the prompt's `prompt_s`, the pending question's forward and the first pick)
+    and the cache at the end (`kept_end` per layer, `evicted` per layer while decoding,
+    `CompressedCache.decode_stats`)."""
 
     tokens: list[torch.Tensor]
     steps: list[float]
     logits: list[torch.Tensor] | None
     eos: bool
+    ttft_s: float
+    kept_end: list[float]
+    evicted: list[float]
+    stats: tuple[int, float | None, float | None]
 
     @property
     def ids(self) -> torch.Tensor:
         return torch.stack(self.tokens, dim=1)
 
+    @property
+    def stop_reason(self) -> str:
+        return "eos" if self.eos else "length"
 
-def _decode(
-    forward: Callable[[torch.Tensor], Any],
-    token: torch.Tensor,
-    pick: TokenPicker,
-    *,
-    max_new_tokens: int,
-    stop: torch.Tensor,
-    device: torch.device,
-    logits: list[torch.Tensor] | None = None,
-    on_token: Callable[[int], Any] | None = None,
-) -> Decoded:
-    """The decode loop of `generate_ids` and `answer`: from the first token `[batch]` (already
-    picked), feed each token and pick the next until every row has emitted a stop token or
-    `max_new_tokens` are out. Each step's timing covers the forward and the pick; `on_token(n)`
-    runs after step n, off the clock. `logits` (a list holding the first token's logits, or None)
-    receives each step's last-position logits (fp32, CPU)."""
-    finished = torch.zeros(token.shape[0], dtype=torch.bool, device=device)
-    generated = [token]
-    steps: list[float] = []
-    while len(generated) < max_new_tokens:
-        finished |= torch.isin(token, stop)
-        if bool(finished.all()):
-            break
-        t = clock(device)
-        out = forward(token[:, None])
-        token = pick(out.logits[:, -1])
-        steps.append(clock(device) - t)
-        generated.append(token)
-        if logits is not None:
-            logits.append(out.logits[:, -1].float().cpu())
-        if on_token is not None:
-            on_token(len(generated))
-    finished |= torch.isin(token, stop)
-    return Decoded(generated, steps, logits, bool(finished.all()))
+    @property
+    def tpot_s(self) -> float | None:
+        return statistics.median(self.steps) if self.steps else None
+
+    def measurements(self) -> dict[str, Any]:
+        """The `GenerationResult` fields measured while decoding."""
+        compressions, entries_peak, entries_mean = self.stats
+        return {
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "new_tokens": len(self.tokens),
+            "stop_reason": self.stop_reason,
+            "evicted_during_decode": any(n > 0 for n in self.evicted),
+            "decode_evicted": _mean(self.evicted),
+            "kv_tokens_end": _mean(self.kept_end),
+            "kv_tokens_end_per_layer": self.kept_end,
+            "e2e_s": self.ttft_s + sum(self.steps),
+            "decode_compressions": compressions,
+            "kv_entries_peak": entries_peak,
+            "kv_entries_mean": entries_mean,
+        }
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """How a prompt is generated, in one object: every entry point (`generate`, `generate_samples`,
-    `generate_ids`, `sample_ids`) takes it as `config=` and its fields as keywords, which override
-    it (as transformers' `generate(generation_config, **kwargs)` does).
+    `generate_ids`, `sample_ids`, `compress`, `decode`, `answer`) takes it as `config=` and its
+    fields as keywords, which override it (as transformers' `generate(generation_config, **kwargs)`
+    does); `compress` and `decode` each read the fields of their step.
 
     query_aware: True, context + question are prefilled (and compressed) together; False, the
     context is prefilled and compressed alone, then the question is fed on the compressed cache.
@@ -249,6 +321,233 @@ def _ids_config(config: GenerationConfig | None, options: dict[str, Any], entry:
     return cfg
 
 
+def _method(method: Method | str | None) -> Method:
+    if isinstance(method, str):
+        return build_method(method)
+    return method if method is not None else build_method("full")
+
+
+def _notify(
+    on_progress: ProgressCallback | None, device: torch.device, stage: str, done: int, total: int
+) -> float:
+    """Run the progress callback; return the seconds it took (device synchronized on both sides),
+    which a caller takes off its clock when it ran inside a timed stretch."""
+    if on_progress is None:
+        return 0.0
+    t = clock(device)
+    on_progress(stage, done, total)
+    return clock(device) - t
+
+
+def _protected_tail(method: Method, question: int, generation_prompt: int, fed: int) -> int:
+    """How many of the `fed` tokens about to be fed, at their end, `method.protect` keeps (the
+    question part is the last `question` of them); ValueError when they leave nothing to evict."""
+    tail = min(method.protected_tail(question, generation_prompt), fed)
+    method.check_protected(tail)
+    return tail
+
+
+def _session(
+    model, method: Method, cache: CompressedCache, session: Session | None
+) -> contextlib.AbstractContextManager[Session]:
+    """`session` (the caller's, left open) or a new one for `method` on `cache`."""
+    return contextlib.nullcontext(session) if session is not None else hooks.session(model, method, cache)
+
+
+@contextlib.contextmanager
+def _feeding(
+    model, method: Method, cache: CompressedCache, session: Session | None = None, **step_kwargs: Any
+) -> Iterator[Callable[[torch.Tensor], Any]]:
+    """`forward(ids)`: tokens fed on a compressed cache (phase "decode"; positions continuing from
+    it, a left-padded batch's rows at their own), in `session` or in one of its own meanwhile."""
+    prompt_pads = next(
+        (layer.prompt_pads for _, layer in cache.compressible_layers() if layer.prompt_pads is not None), None
+    )
+    with _session(model, method, cache, session) as s:
+        s.phase = "decode"
+        yield stepper(model, cache, prompt_pads=prompt_pads, session=s, **step_kwargs)
+
+
+# Every entry point reaches the model under inference mode: without it (model weights require grad
+# after `from_pretrained`) each cached key and value would hold its autograd graph, keeping every
+# forward's activations alive until the sample ends (memory growing with every token).
+@torch.inference_mode()
+def compress(
+    model,
+    context_ids: torch.Tensor,
+    method: Method | None = None,
+    *,
+    question_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    session: Session | None = None,
+    config: GenerationConfig | None = None,
+    **options: Any,
+) -> Compressed:
+    """Prefill `context_ids` `[batch, len]` (with `question_ids` `[batch, q]` where `query_aware`;
+    else the question is left to `decode`) and compress it with `method`: the cache and what was
+    measured (`Compressed`). The options are `GenerationConfig`'s fields (those that apply here:
+    query_aware, chunk_size, on_progress, on_compressed, generation_prompt).
+
+    attention_mask `[batch, len]`: a left-padded context (1 = real token; positions as
+    `model.generate` derives them, rows handled as in `snapkv.padding`), prefilled in one forward.
+    session: an open `snapkv.session(model, method, cache)` on a fresh cache, to prefill into and
+    leave open for `decode` (`method` is the session's); None: a new cache, in a session of its own.
+    """
+    cfg = GenerationConfig.of(config, options)
+    method = session.method if session is not None else _method(method)
+    device = model.device
+    context_ids = context_ids.to(device)
+    question_ids = question_ids.to(device) if question_ids is not None and question_ids.numel() else None
+    batch, n = context_ids.shape
+    asked = question_ids.shape[1] if question_ids is not None else 0
+    if (n + asked if cfg.query_aware else n) == 0:  # the prefill's tokens
+        raise ValueError("empty prompt: the context has 0 tokens")
+    pads = None
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (batch, n):
+            raise ValueError(
+                f"attention_mask must be [batch, len] = {(batch, n)}, got {tuple(attention_mask.shape)}"
+            )
+        pads = padding.left_pads(attention_mask.to(device))
+    if pads is not None:
+        if cfg.chunk_size:
+            raise ValueError(
+                f"a left-padded batch is prefilled in one forward, got chunk_size={cfg.chunk_size}"
+            )
+        method.check_model_generate()  # what padded batches support is what model.generate supports
+    if cfg.query_aware and question_ids is not None:
+        context_ids, question_ids = torch.cat([context_ids, question_ids], dim=1), None
+    context_len = context_ids.shape[1]
+    input_tokens = n + asked
+    # The prompt's protected end (`Method.protect`), compressed with the prompt (query-aware) or
+    # fed after it: kept at the end of prefill and by every eviction while decoding.
+    tail = _protected_tail(method, asked, cfg.generation_prompt, input_tokens)
+    cache = (
+        session.cache
+        if session is not None
+        else CompressedCache(model.config, layer_factory=method.cache_layer)
+    )
+    cache.protect(input_tokens - tail, input_tokens)
+    paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
+
+    def between_chunks(start: int, end: int, out) -> None:
+        nonlocal paused
+        if end < context_len:
+            paused += _notify(cfg.on_progress, device, "prefill", end, input_tokens)
+
+    with _session(model, method, cache, session) as s:
+        _notify(cfg.on_progress, device, "prefill", 0, input_tokens)
+        t0 = clock(device)
+        out = prefill(
+            model, context_ids, cache, session=s, chunk_size=cfg.chunk_size, on_chunk=between_chunks,
+            prompt_pads=pads,
+        )  # fmt: skip
+        prefill_s = clock(device) - t0 - paused
+        sizes = cache_sizes(cache)
+        prompt_s = clock(device) - t0 - paused
+        if cfg.on_compressed is not None:
+            cfg.on_compressed(cache)
+    return Compressed(
+        cache, method, input_tokens, logits=out.logits[:, -1] if question_ids is None else None,
+        question=question_ids, prefill_s=prefill_s, prompt_s=prompt_s, scoring_s=cache.scoring_s, sizes=sizes,
+    )  # fmt: skip
+
+
+@torch.inference_mode()
+def decode(
+    model,
+    prompt: Compressed,
+    *,
+    seeds: Sequence[int | None] = (None,),
+    session: Session | None = None,
+    config: GenerationConfig | None = None,
+    **options: Any,
+) -> list[Decoded]:
+    """Decode from a compressed prompt, one sample per seed (None: greedy): feed the pending question
+    (`prompt.question`) once, then for each seed pick the first token from the prompt's last logits
+    and feed each token and pick the next until every row has emitted a stop token or
+    `max_new_tokens` are out. With several seeds the cache is checkpointed once the prompt is in it
+    and rolled back before every sample but the first, off the clock. The options are
+    `GenerationConfig`'s fields (those that apply here: max_new_tokens, stop_ids, sampling,
+    keep_logits, on_progress).
+
+    Timing: `ttft_s` = `prompt.prompt_s` + the question's forward + the first pick; each step's
+    seconds cover its forward and pick; the progress callback runs off the clock. session: the open
+    session `compress` prefilled in (kept open); None: one of its own. The cache moves on with the
+    tokens: a prompt is decoded once (several samples: `seeds`).
+    """
+    cfg = GenerationConfig.of(config, options)
+    device, cache, new = model.device, prompt.cache, cfg.max_new_tokens
+    pickers = [TokenPicker(cfg.sampling, seed, device) for seed in seeds]
+    stop = torch.tensor(sorted(cfg.stop_ids or ()), dtype=torch.long, device=device)
+
+    def notify(stage: str, done: int, total: int) -> None:
+        _notify(cfg.on_progress, device, stage, done, total)
+
+    decoded = []
+    with _feeding(model, prompt.method, cache, session) as forward:
+        logits, prompt_s = prompt.logits, prompt.prompt_s
+        if prompt.question is not None:
+            question = prompt.question.to(device)
+            notify("prefill", prompt.input_tokens - question.shape[1], prompt.input_tokens)
+            t = clock(device)
+            logits = forward(question).logits[:, -1]
+            prompt_s += clock(device) - t
+        mark = cache.checkpoint() if len(pickers) > 1 else None
+        for i, pick in enumerate(pickers):
+            if i > 0:
+                cache.rollback(mark)
+            t = clock(device)
+            token = pick(logits)
+            ttft_s = prompt_s + clock(device) - t
+            if i == 0:
+                notify("prefill", prompt.input_tokens, prompt.input_tokens)
+            notify("decode", 1, new)
+            finished = torch.zeros(token.shape[0], dtype=torch.bool, device=device)
+            tokens, steps = [token], []
+            kept = [logits.float().cpu()] if cfg.keep_logits else None
+            while len(tokens) < new:
+                finished |= torch.isin(token, stop)
+                if bool(finished.all()):
+                    break
+                t = clock(device)
+                out = forward(token[:, None])
+                token = pick(out.logits[:, -1])
+                steps.append(clock(device) - t)
+                tokens.append(token)
+                if kept is not None:
+                    kept.append(out.logits[:, -1].float().cpu())
+                notify("decode", len(tokens), new)
+            finished |= torch.isin(token, stop)
+            evicted = [layer.decode_evicted for _, layer in cache.compressible_layers()]
+            eos = bool(finished.all())
+            decoded.append(
+                Decoded(tokens, steps, kept, eos, ttft_s, cache.kept_tokens(), evicted, cache.decode_stats())
+            )
+    return decoded
+
+
+@torch.inference_mode()
+def _generate(
+    model,
+    context_ids: torch.Tensor,
+    question_ids: torch.Tensor | None,
+    method: Method | None,
+    seeds: list[int | None],
+    cfg: GenerationConfig,
+) -> list[tuple[torch.Tensor, GenerationResult]]:
+    """`compress` then `decode` (`generate_ids`: one seed, None when greedy; `sample_ids`: several)
+    in one session, under one memory probe."""
+    method = _method(method)
+    for seed in seeds:  # before any forward
+        TokenPicker.check(cfg.sampling, seed)
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    with hooks.session(model, method, cache) as s, PeakMemory(model.device) as mem:
+        prompt = compress(model, context_ids, question_ids=question_ids, session=s, config=cfg)
+        decoded = decode(model, prompt, seeds=seeds, session=s, config=cfg)
+    return [(d.ids, GenerationResult.of(model, prompt, d, int(mem.peak))) for d in decoded]
+
+
 @torch.inference_mode()
 def generate_ids(
     model,
@@ -298,135 +597,6 @@ def sample_ids(
     return _generate(model, context_ids, question_ids, method, list(seeds), cfg)
 
 
-# Every entry point reaches the model through here: without inference mode (model weights require
-# grad after `from_pretrained`) each cached key and value would hold its autograd graph, keeping
-# every forward's activations alive until the sample ends (memory growing with every token).
-@torch.inference_mode()
-def _generate(
-    model,
-    context_ids: torch.Tensor,
-    question_ids: torch.Tensor | None,
-    method: Method | None,
-    seeds: list[int | None],
-    cfg: GenerationConfig,
-) -> list[tuple[torch.Tensor, GenerationResult]]:
-    """One prefill + compression, then one decode per seed (`generate_ids`: one seed, None when
-    greedy; `sample_ids`: several, from a checkpoint)."""
-    method = method if method is not None else build_method("full")
-    max_new_tokens, on_progress, on_compressed = cfg.max_new_tokens, cfg.on_progress, cfg.on_compressed
-    device = model.device
-    context_ids = context_ids.to(device)
-    question_ids = question_ids.to(device) if question_ids is not None and question_ids.numel() else None
-    asked = question_ids.shape[1] if question_ids is not None else 0
-    if cfg.query_aware and question_ids is not None:
-        context_ids, question_ids = torch.cat([context_ids, question_ids], dim=1), None
-    if context_ids.shape[1] == 0:
-        raise ValueError("empty prompt: the context has 0 tokens")
-    input_tokens = context_ids.shape[1] + (question_ids.shape[1] if question_ids is not None else 0)
-    pickers = [TokenPicker(cfg.sampling, seed, device) for seed in seeds]  # checks the seeds first
-
-    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    # The prompt's protected end (`Method.protect`), compressed with the prompt (query-aware) or
-    # fed after it: kept at the end of prefill and by every eviction while decoding.
-    tail = min(method.protected_tail(asked, cfg.generation_prompt), input_tokens)
-    method.check_protected(tail)
-    cache.protect(input_tokens - tail, input_tokens)
-    stop = torch.tensor(sorted(cfg.stop_ids or ()), dtype=torch.long, device=device)
-    forward = stepper(model, cache)
-
-    def notify(stage: str, done: int, total: int) -> float:
-        """Run the callback; return the seconds it took (device synchronized on both sides), which
-        the caller takes off the clock when it ran between two timed forwards."""
-        if on_progress is None:
-            return 0.0
-        t = clock(device)
-        on_progress(stage, done, total)
-        return clock(device) - t
-
-    context_len = context_ids.shape[1]
-    paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
-
-    def between_chunks(start: int, end: int, out) -> None:
-        nonlocal paused
-        if end < context_len:
-            paused += notify("prefill", end, input_tokens)
-
-    decoded: list[tuple[Decoded, float, list[float], list[float]]] = []
-    with hooks.session(model, method, cache) as s, PeakMemory(device) as mem:
-        notify("prefill", 0, input_tokens)
-        t0 = clock(device)
-        out = prefill(
-            model, context_ids, cache, session=s, chunk_size=cfg.chunk_size, on_chunk=between_chunks
-        )
-        prefill_s = clock(device) - t0 - paused
-        kept = cache.kept_tokens()
-        kv_bytes, kv_bytes_full = cache.kv_bytes(), cache.kv_bytes_full()
-        kv_bytes_logical = cache.kv_bytes_logical()
-        compressed = any(layer.compressed for _, layer in cache.compressible_layers())
-        if on_compressed is not None:
-            t = clock(device)
-            on_compressed(cache)
-            paused += clock(device) - t
-        s.phase = "decode"
-        if question_ids is not None:
-            paused += notify("prefill", context_len, input_tokens)
-            out = forward(question_ids)
-        first_logits = out.logits[:, -1]
-        prompt_s = clock(device) - t0 - paused  # the prompt's forwards, up to its last logits
-        mark = cache.checkpoint() if len(pickers) > 1 else None  # off the clock: between samples
-        for i, pick in enumerate(pickers):
-            if i > 0:
-                cache.rollback(mark)
-            t = clock(device)
-            token = pick(first_logits)
-            ttft_s = prompt_s + clock(device) - t
-            if i == 0:
-                notify("prefill", input_tokens, input_tokens)
-            notify("decode", 1, max_new_tokens)
-            logits = [first_logits.float().cpu()] if cfg.keep_logits else None
-            d = _decode(
-                forward, token, pick, max_new_tokens=max_new_tokens, stop=stop, device=device,
-                logits=logits, on_token=lambda n: notify("decode", n, max_new_tokens),
-            )  # fmt: skip
-            evicted = [layer.decode_evicted for _, layer in cache.compressible_layers()]
-            decoded.append((d, ttft_s, cache.kept_tokens(), evicted, cache.decode_stats()))
-    results = []
-    for d, ttft_s, kept_end, evicted, (compressions, entries_peak, entries_mean) in decoded:
-        ids = d.ids
-        result = GenerationResult(
-            text="",
-            output_ids=ids[0].tolist(),
-            input_tokens=input_tokens,
-            compressed=compressed,
-            kv_tokens=sum(kept) / len(kept) if kept else 0.0,
-            kv_tokens_per_layer=kept,
-            kv_bytes_full=kv_bytes_full,
-            kv_bytes=kv_bytes,
-            kv_bytes_logical=kv_bytes_logical,
-            prefill_s=prefill_s,
-            ttft_s=ttft_s,
-            tpot_s=statistics.median(d.steps) if d.steps else None,
-            peak_mem_bytes=int(mem.peak),
-            attn_impl=model.config._attn_implementation,
-            device=str(device),
-            new_tokens=ids.shape[1],
-            stop_reason="eos" if d.eos else "length",
-            evicted_during_decode=any(n > 0 for n in evicted),
-            decode_evicted=sum(evicted) / len(evicted) if evicted else 0.0,
-            kv_tokens_end=sum(kept_end) / len(kept_end) if kept_end else 0.0,
-            kv_tokens_end_per_layer=kept_end,
-            e2e_s=ttft_s + sum(d.steps),
-            decode_compressions=compressions,
-            kv_entries_peak=entries_peak,
-            kv_entries_mean=entries_mean,
-            decode_s=d.steps,
-            logits=d.logits,
-            scoring_s=cache.scoring_s,
-        )
-        results.append((ids, result))
-    return results
-
-
 @torch.inference_mode()
 def compress_context(
     model,
@@ -437,46 +607,10 @@ def compress_context(
     chunk_size: int | None = None,
 ) -> CompressedCache:
     """Prefill `context_ids` `[batch, len]` and compress it with `method`; returns the cache, ready
-    for `answer()` (the context half of `generate_ids(..., query_aware=False)`, same forwards).
-
-    `attention_mask` `[batch, len]`: a left-padded batch (1 = real token; positions as
-    `model.generate` derives them, rows handled as in `snapkv.padding`); one prefill forward then
-    (`chunk_size` must be None).
-    """
-    method = method if method is not None else build_method("full")
-    device = model.device
-    context_ids = context_ids.to(device)
-    batch, n = context_ids.shape
-    if n == 0:
-        raise ValueError("empty prompt: the context has 0 tokens")
-    padded = attention_mask is not None and not bool(attention_mask.bool().all())
-    if attention_mask is not None and tuple(attention_mask.shape) != (batch, n):
-        raise ValueError(
-            f"attention_mask must be [batch, len] = {(batch, n)}, got {tuple(attention_mask.shape)}"
-        )
-    if padded and chunk_size:
-        raise ValueError(f"a left-padded batch is prefilled in one forward, got chunk_size={chunk_size}")
-    if padded:
-        method.check_model_generate()  # what padded batches support is what model.generate supports
-    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
-    kw = cache_kwarg(model)
-    with hooks.session(model, method, cache) as s:
-        if padded:
-            mask = attention_mask.to(device)
-            s.padding, s.phase = mask, "final"
-            pos = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-            model(
-                input_ids=context_ids,
-                attention_mask=mask,
-                position_ids=pos,
-                use_cache=True,
-                logits_to_keep=1,
-                **{kw: cache},
-            )
-            s.after_prefill(context_ids)
-            return cache
-        prefill(model, context_ids, cache, session=s, chunk_size=chunk_size)
-    return cache
+    for `answer()`: `compress` of the context alone (the context half of
+    `generate_ids(..., query_aware=False)`, same forwards). `attention_mask` `[batch, len]`: a
+    left-padded batch (`compress`; `chunk_size` must be None then)."""
+    return compress(model, context_ids, method, attention_mask=attention_mask, chunk_size=chunk_size).cache
 
 
 @dataclass
@@ -513,12 +647,13 @@ def answer(
     `cache` comes from `compress_context` (with the same `method`); `question_ids` `[batch, q]`
     (q >= 1; a padded batch's rows need no extra padding, each continues at its own position).
     Takes `cache.checkpoint()` (replacing an earlier mark), feeds the question, decodes (greedily, or
-    sampled with `sampling` and `seed`) like `generate_ids(..., query_aware=False)` (the method may
-    evict while decoding), then `cache.rollback()`s, also when a forward raises. The options are
-    `GenerationConfig`'s fields that apply once the context is compressed: max_new_tokens,
-    stop_ids, keep_logits, sampling, generation_prompt (the last tokens of `question_ids` that are
-    the chat template's generation prompt; the question's entries `method.protect` names are kept
-    from eviction while it decodes); the others are refused, naming them.
+    sampled with `sampling` and `seed`) like `generate_ids(..., query_aware=False)` (`decode`; the
+    method may evict while decoding), then `cache.rollback()`s, also when a forward raises. The
+    options are `GenerationConfig`'s fields that apply once the context is compressed:
+    max_new_tokens, stop_ids, keep_logits, sampling, generation_prompt (the last tokens of
+    `question_ids` that are the chat template's generation prompt; the question's entries
+    `method.protect` names are kept from eviction while it decodes); the others are refused, naming
+    them.
 
     rollback=False: no checkpoint and no rollback; the question and every generated token but the
     last (never fed: decoding stops once it is out) stay in the cache, for a conversation's next turn.
@@ -532,44 +667,24 @@ def answer(
         raise ValueError(
             f"answer() feeds a question on a compressed context: {', '.join(unused)} do not apply"
         )
-    method = method if method is not None else build_method("full")
-    max_new_tokens, stop_ids, keep_logits, sampling = (
-        cfg.max_new_tokens, cfg.stop_ids, cfg.keep_logits, cfg.sampling
-    )  # fmt: skip
-    device = model.device
-    question_ids = question_ids.to(device)
+    method = _method(method)
+    question_ids = question_ids.to(model.device)
     if question_ids.dim() != 2 or question_ids.shape[1] == 0:
         raise ValueError(f"question_ids must be [batch, q>=1], got shape {tuple(question_ids.shape)}")
-    prompt_pads = next(
-        (layer.prompt_pads for _, layer in cache.compressible_layers() if layer.prompt_pads is not None), None
-    )
-    stop = torch.tensor(sorted(stop_ids or ()), dtype=torch.long, device=device)
-    pick = TokenPicker(sampling, seed, device)
+    TokenPicker.check(cfg.sampling, seed)
     q = question_ids.shape[1]
-    tail = min(method.protected_tail(q, cfg.generation_prompt), q)
-    method.check_protected(tail)
+    tail = _protected_tail(method, q, cfg.generation_prompt, q)
     mark = cache.checkpoint() if rollback else None
     layers = cache.compressible_layers()
-    if layers:  # the question's protected end, at the positions it is fed to (the rollback clears it)
-        start = layers[0][1].seen
-        cache.protect(start + q - tail, start + q)
-    with hooks.session(model, method, cache) as s:
-        s.phase = "decode"
-        forward = stepper(model, cache, prompt_pads=prompt_pads, session=s)
-
-        try:
-            t0 = clock(device)
-            out = forward(question_ids)
-            token = pick(out.logits[:, -1])
-            ttft_s = clock(device) - t0
-            logits = [out.logits[:, -1].float().cpu()] if keep_logits else None
-            d = _decode(
-                forward, token, pick, max_new_tokens=max_new_tokens, stop=stop, device=device, logits=logits
-            )
-        finally:
-            held = cache.rollback(mark) if mark is not None else 0
-    tpot_s = statistics.median(d.steps) if d.steps else None
-    return Answer(d.ids, d.logits, "eos" if d.eos else "length", held, ttft_s, tpot_s)
+    start = layers[0][1].seen if layers else 0
+    # The question's protected end, at the positions it is fed to (the rollback clears it).
+    cache.protect(start + q - tail, start + q)
+    prompt = Compressed(cache, method, start + q, question=question_ids)
+    try:
+        (d,) = decode(model, prompt, seeds=[seed], config=cfg)
+    finally:
+        held = cache.rollback(mark) if mark is not None else 0
+    return Answer(d.ids, d.logits, d.stop_reason, held, d.ttft_s, d.tpot_s)
 
 
 @torch.inference_mode()
@@ -592,22 +707,17 @@ def teacher_force(
     it. rollback: checkpoint the cache first and restore it after (also when the forward raises);
     False leaves the q tokens in it.
     """
-    method = method if method is not None else build_method("full")
+    method = _method(method)
     ids = ids.to(model.device)
     if ids.dim() != 2 or ids.shape[1] == 0:
         raise ValueError(f"ids must be [batch, q>=1], got shape {tuple(ids.shape)}")
-    prompt_pads = next(
-        (layer.prompt_pads for _, layer in cache.compressible_layers() if layer.prompt_pads is not None), None
-    )
     mark = cache.checkpoint() if rollback else None
-    with hooks.session(model, method, cache) as s:
-        s.phase = "decode"
-        forward = stepper(model, cache, prompt_pads=prompt_pads, session=s, logits_to_keep=0)
-        try:
+    try:
+        with _feeding(model, method, cache, logits_to_keep=0) as forward:
             return forward(ids).logits.float()
-        finally:
-            if mark is not None:
-                cache.rollback(mark)
+    finally:
+        if mark is not None:
+            cache.rollback(mark)
 
 
 def generate(
@@ -670,20 +780,17 @@ def _generate_text(
     context = prompt if prompt is not None else context
     if not context:
         raise ValueError("empty prompt: context is empty")
-    if isinstance(method, str):
-        method = build_method(method)
-    method = method if method is not None else build_method("full")
+    method = _method(method)
     head, tail = encode_prompt(tokenizer, context, question, cfg.chat_template)
     method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, cfg.chat_template))
-    cfg = replace(cfg, generation_prompt=generation_prompt_length(tokenizer, head + tail))
     stops = (
         set()
         if cfg.ignore_eos
         else (cfg.stop_ids if cfg.stop_ids is not None else stop_token_ids(model, tokenizer))
     )
-    ids_cfg = replace(cfg, stop_ids=stops)
+    cfg = replace(cfg, generation_prompt=generation_prompt_length(tokenizer, head + tail), stop_ids=stops)
     outputs = _generate(
-        model, torch.tensor([head]), torch.tensor([tail]) if tail else None, method, seeds, ids_cfg
+        model, torch.tensor([head]), torch.tensor([tail]) if tail else None, method, seeds, cfg
     )
     results = []
     for ids, result in outputs:

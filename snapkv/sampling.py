@@ -49,14 +49,20 @@ class TokenPicker:
     drawing random numbers cannot shift a sample's tokens)."""
 
     def __init__(self, sampling: Sampling | None, seed: int | None, device: torch.device):
-        if sampling is not None and seed is None:
-            raise ValueError("sampling needs a seed per sample, got seed=None")
+        self.check(sampling, seed)
         self.sampling = sampling
         self.processors = sampling.processors() if sampling is not None else None
         self.generator = None
         if sampling is not None:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(int(seed))
+
+    @staticmethod
+    def check(sampling: Sampling | None, seed: int | None) -> None:
+        """ValueError where a picker could not be built: sampling without a seed (a caller checks
+        its seeds with it before the prompt's forwards)."""
+        if sampling is not None and seed is None:
+            raise ValueError("sampling needs a seed per sample, got seed=None")
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         if self.sampling is None:

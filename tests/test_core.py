@@ -310,6 +310,68 @@ def test_chunked_generation_equals_single_pass():
     torch.testing.assert_close(ra.logits[-1], rb.logits[-1], atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("query_aware", [True, False])
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("snapkv", dict(budget=40, window=8, protect="question")),
+        ("h2o", dict(budget=40, evict_during_decode=True)),
+    ],
+)
+def test_generate_ids_is_compress_then_decode(name, params, query_aware):
+    """`generate_ids` composes `compress` and `decode`: called one after the other they give the same
+    tokens and logits, and between them every measurement of its result (the same values but the
+    seconds; the memory peak, implementation and device are the composition's own)."""
+    model = tiny_model("llama")
+    ids = random_ids(PROMPT)
+    ctx, q = ids[:, :80], ids[:, 80:]
+    cfg = snapkv.GenerationConfig(
+        query_aware=query_aware, max_new_tokens=NEW, keep_logits=True, chunk_size=32
+    )
+    out, res = generate_ids(model, ctx, q, build_method(name, **params), config=cfg)
+    prompt = snapkv.compress(model, ctx, build_method(name, **params), question_ids=q, config=cfg)
+    assert (prompt.question is None) == query_aware and prompt.input_tokens == PROMPT
+    (decoded,) = snapkv.decode(model, prompt, config=cfg)
+    assert torch.equal(decoded.ids, out) and out.shape == (1, NEW)
+    assert len(decoded.logits) == len(res.logits) == NEW
+    assert all(torch.equal(a, b) for a, b in zip(decoded.logits, res.logits))
+    got = {**prompt.measurements(), **decoded.measurements()}
+    want = res.measurements()
+    assert set(got) == set(want) - {"peak_mem_bytes", "attn_impl", "device"}
+    seconds = {k for k in got if k.endswith("_s")}
+    assert seconds == {"prefill_s", "scoring_s", "ttft_s", "tpot_s", "e2e_s"}
+    assert {k: v for k, v in got.items() if k not in seconds} == {k: want[k] for k in got if k not in seconds}
+    assert res.compressed and (name != "h2o" or res.evicted_during_decode)
+    assert 0 < got["prefill_s"] <= got["ttft_s"] <= got["e2e_s"]
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+@pytest.mark.parametrize(
+    "name,params",
+    [("snapkv", dict(budget=40, window=8)), ("h2o", dict(budget=40, evict_during_decode=True))],
+)
+def test_a_left_padded_prompt_decodes_each_row_as_alone(name, params, query_aware):
+    """`compress` with an attention mask and a question (prefilled with the context, or fed on it by
+    `decode`): each row's tokens as its prompt's alone, logits within fp32 rounding."""
+    model = tiny_model("llama")
+    rows = [random_ids(90, seed=1)[0], random_ids(50, seed=2)[0]]
+    ctx = torch.zeros(2, 90, dtype=torch.long)
+    mask = torch.zeros_like(ctx)
+    for r, row in enumerate(rows):
+        ctx[r, 90 - len(row) :], mask[r, 90 - len(row) :] = row, 1
+    q = torch.cat([random_ids(6, seed=5), random_ids(6, seed=6)])
+    cfg = snapkv.GenerationConfig(query_aware=query_aware, max_new_tokens=NEW, keep_logits=True)
+    prompt = snapkv.compress(
+        model, ctx, build_method(name, **params), question_ids=q, attention_mask=mask, config=cfg
+    )
+    (decoded,) = snapkv.decode(model, prompt, config=cfg)
+    for r, row in enumerate(rows):
+        alone, res = generate_ids(model, row[None], q[r : r + 1], build_method(name, **params), config=cfg)
+        assert torch.equal(decoded.ids[r], alone[0]), f"row {r}"
+        for x, y in zip(decoded.logits, res.logits, strict=True):
+            torch.testing.assert_close(x[r], y[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name,params", UNPROTECTED, ids=ids(UNPROTECTED))
 def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, params):
     model = tiny_model("llama")

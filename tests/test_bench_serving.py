@@ -417,6 +417,52 @@ def test_run_interleaves_configurations_and_scores_the_same_requests(tokenizer, 
     assert [p.name for p in figures] == ["throughput_closed.png", "throughput_poisson.png"]
 
 
+class Failing(FakePipeline):
+    """A pipeline whose step raises after `after` steps (OpenVINO's internal checks raise RuntimeError)."""
+
+    def __init__(self, *a, after: int = 3, **k):
+        super().__init__(*a, **k)
+        self.after = after
+
+    def step(self) -> None:
+        self.after -= 1
+        if self.after < 0:
+            raise RuntimeError(
+                "Check 'x == y' failed at cache_eviction.cpp:335:\nDiversity score size mismatch"
+            )
+        super().step()
+
+
+def test_a_failing_pipeline_gives_an_error_row_and_the_run_goes_on(tokenizer, tmp_path):
+    settings = serving.parse([
+        "--haystack", "noise", "--length", "160", "--requests", "2", "--concurrency", "1,2",
+        "--max-new-tokens", "4", "--modes", "adaptive_rkv", "--budgets", "128", "--start-size", "8",
+        "--recent-size", "8", "--rounds", "1", "--reference-tokens", "0", "--out", str(tmp_path),
+    ])  # fmt: skip
+    clock = Clock()
+    built = []
+
+    def make(cfg: Config, max_seqs: int):
+        built.append(cfg.label)
+        kind = Failing if cfg.mode == "adaptive_rkv" else FakePipeline
+        return kind(clock, settings.pool_blocks, block=16, budget=cfg.budget)
+
+    res = serving.run(settings, tokenizer, make, clock=clock, sleep=clock.sleep, log=lambda s: None)
+    assert [(p["concurrency"], p["config"], p["status"]) for p in res.points] == [
+        (1, "full", "ok"), (1, "adaptive_rkv@128", "error"), (2, "full", "ok"), (2, "adaptive_rkv@128", "error")
+    ]  # fmt: skip
+    assert (
+        res.points[1]["error"]
+        == "Check 'x == y' failed at cache_eviction.cpp:335: | Diversity score size mismatch"
+    )
+    assert built == ["full", "adaptive_rkv@128", "adaptive_rkv@128"]  # built anew after its failure
+    assert len(res.requests) == 4  # the full cache's
+    assert not serving.ratios(res.points) and not serving.clean(res.points[1])
+    assert any("error: Check" in line for line in serving.summary_lines(res.points))
+    serving.write_outputs(res, tmp_path)
+    assert serving.plot(res.points, tmp_path / "throughput.png")
+
+
 # ---- the real pipeline
 
 

@@ -84,9 +84,9 @@ POINT_COLUMNS = ["round", "order", "arrival", "concurrency", "config", "mode", "
                  "ignored", "output_tokens", "wall_s", "steps", "tokens_per_s", "ref_s", "tokens_per_ref",
                  "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "preemptions", "stalled_requests",
                  "max_cache_usage", "avg_cache_usage", "exact", "partial", "other_cores", "load_start",
-                 "load_end", "pool_blocks", "threads", "model"]  # fmt: skip
+                 "load_end", "pool_blocks", "threads", "model", "status", "error"]  # fmt: skip
 SEARCH_COLUMNS = ["config", "mode", "budget", "concurrency", "preemptions", "ignored", "ok", "tokens_per_s",
-                  "max_cache_usage"]  # fmt: skip
+                  "max_cache_usage", "status", "error"]  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------
@@ -534,8 +534,8 @@ def summarize(records: Sequence[dict[str, Any]], point: dict[str, Any]) -> dict[
 
 
 def clean(point: dict[str, Any]) -> bool:
-    """A point ran without preemption: no stall, no request dropped."""
-    return point["preemptions"] == 0 and point["ignored"] == 0
+    """A point ran without preemption: no stall, no request dropped (and no pipeline error)."""
+    return point.get("status", "ok") == "ok" and point["preemptions"] == 0 and point["ignored"] == 0
 
 
 def search_concurrency(
@@ -584,8 +584,12 @@ def summary_lines(points: Sequence[dict[str, Any]], column: str = "tokens_per_s"
         tp = spread(p.get(column) for p in mine)
         r = spread(rat.get((arrival, conc, cfg), {}).values())
         rtext = f"{r.median:.3f} [{r.q1:.3f}, {r.q3:.3f}] n={r.n}" if r else "-"
-        pre = sum(p["preemptions"] for p in mine)
-        ex = statistics.fmean(p["exact"] for p in mine if p.get("exact") is not None) if mine else math.nan
+        pre = sum(p.get("preemptions") or 0 for p in mine)
+        scored = [p["exact"] for p in mine if p.get("exact") is not None]
+        if not scored:  # every point of the cell failed
+            lines.append(f"{arrival:>8} {conc:>4} {cfg:>18}  error: {mine[0].get('error')}")
+            continue
+        ex = statistics.fmean(scored)
         lines.append(f"{arrival:>8} {conc:>4} {cfg:>18} {tp.median if tp else math.nan:>14.3f} {rtext:>24} {pre:>7} {ex:>6.2f}")  # fmt: skip
     return lines
 
@@ -732,8 +736,19 @@ def run(
         if ref_pipe is not None:
             _, ref = drive(ref_pipe, [ref_request], 1, None, clock, sleep)
             ref_s = ref["wall_s"]
-        with CpuNoise() as noise:
-            records, stats = drive(pipe, requests, c, arrivals[arrival], clock, sleep)
+        common = dict(
+            arrival=arrival, concurrency=c, config=cfg.label, mode=cfg.mode, budget=cfg.budget, **extra
+        )
+        try:
+            with CpuNoise() as noise:
+                records, stats = drive(pipe, requests, c, arrivals[arrival], clock, sleep)
+        except RuntimeError as err:  # the pipeline's own checks (OpenVINO errors are RuntimeErrors)
+            pipes.pop(cfg, None)  # its scheduler's state is unknown after a failed step: built anew
+            message = " | ".join(line.strip() for line in str(err).splitlines() if line.strip())[:400]
+            log(f"  {arrival:>7} c={c:<3} {cfg.label:>18}: ERROR {message}")
+            return dict(
+                common, status="error", error=message, pool_blocks=settings.pool_blocks, model=model
+            ), []
         for rec in records:
             sample = requests[rec["request_id"]].sample
             rec["prediction"] = tokenizer.decode(rec.pop("tokens"), skip_special_tokens=True)
@@ -741,10 +756,7 @@ def run(
             rec.update(exact=scores.get("exact"), partial=scores.get("partial"))
         row = summarize(records, stats)
         tokens_per_ref = row["tokens_per_s"] * ref_s if ref_s and row["tokens_per_s"] is not None else None
-        common = dict(
-            arrival=arrival, concurrency=c, config=cfg.label, mode=cfg.mode, budget=cfg.budget, **extra
-        )
-        row.update(common, ref_s=ref_s, tokens_per_ref=tokens_per_ref, pool_blocks=settings.pool_blocks,
+        row.update(common, status="ok", ref_s=ref_s, tokens_per_ref=tokens_per_ref, pool_blocks=settings.pool_blocks,
                    threads=settings.threads, model=model, other_cores=noise.other_cores,
                    load_start=noise.load_start, load_end=noise.load_end)  # fmt: skip
         for rec in records:

@@ -645,6 +645,9 @@ def plot(points: Sequence[dict[str, Any]], path: Path, column: str = "tokens_per
         bottom.set_ylabel("ratio to the full cache")
         bottom.set_xlabel("concurrency")
         top.set_xscale("log", base=2)
+        ticks = sorted({p["concurrency"] for p in mine})
+        bottom.set_xticks(ticks, [str(c) for c in ticks])
+        bottom.minorticks_off()
         rounds = len({p["round"] for p in mine})
         top.set_title(
             f"{arrival} arrivals, {mine[0].get('pool_blocks')} KV blocks: median, IQR over {rounds} round(s)"

@@ -417,6 +417,16 @@ def test_run_interleaves_configurations_and_scores_the_same_requests(tokenizer, 
     assert [p.name for p in figures] == ["throughput_closed.png", "throughput_poisson.png"]
 
 
+def test_a_pool_too_small_for_one_request_is_refused_before_any_pipeline(tokenizer, tmp_path):
+    settings = serving.parse(["--haystack", "noise", "--length", "160", "--requests", "2", "--concurrency", "1",
+                              "--pool-blocks", "5", "--max-new-tokens", "4", "--out", str(tmp_path)])  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match="the pool of 5 blocks \\(160 tokens\\) cannot hold one request of 1[56]\\d prompt \\+ 4 new tokens",
+    ):
+        serving.run(settings, tokenizer, lambda *a: pytest.fail("built a pipeline"), log=lambda s: None)
+
+
 class Failing(FakePipeline):
     """A pipeline whose step raises after `after` steps (OpenVINO's internal checks raise RuntimeError)."""
 

@@ -715,6 +715,12 @@ def run(
     point (the script writes its CSVs there)."""
     requests, task = make_requests(tokenizer, settings)
     longest = max(len(r.ids) for r in requests)
+    if longest + settings.max_new_tokens > settings.pool_blocks * BLOCK_SIZE:
+        raise ValueError(
+            f"the pool of {settings.pool_blocks} blocks ({settings.pool_blocks * BLOCK_SIZE} tokens) cannot hold "
+            f"one request of {longest} prompt + {settings.max_new_tokens} new tokens with the full cache; "
+            f"raise pool_blocks or lower length"
+        )
     conc = settings.concurrency or default_concurrency(
         settings.pool_blocks, longest, settings.max_new_tokens, settings.budgets,
         min(settings.requests, settings.batched_tokens),
@@ -726,7 +732,8 @@ def run(
     pipes: dict[Config, Pipeline] = {}
     arrivals = {"closed": None, "poisson": poisson_arrivals(len(requests), settings.rate, settings.seed)}
     ref_pipe = make_pipeline(Config("full"), 1) if settings.reference_tokens else None
-    ref_request = Request(-1, requests[0].ids, requests[0].sample, settings.reference_tokens)
+    # the reference: the start of the first prompt (a fixed workload, small beside any pool)
+    ref_request = Request(-1, requests[0].ids[:128], requests[0].sample, settings.reference_tokens)
 
     def pipe_of(cfg: Config) -> Pipeline:
         if cfg not in pipes:
@@ -826,7 +833,11 @@ def main(argv: Sequence[str]) -> int:
     def make(cfg: Config, max_seqs: int) -> OvPipeline:
         return OvPipeline(str(path), settings, cfg, max_seqs)
 
-    res = run(settings, tokenizer, make, model=path.name, on_point=lambda r: write_outputs(r, out))
+    try:
+        res = run(settings, tokenizer, make, model=path.name, on_point=lambda r: write_outputs(r, out))
+    except ValueError as err:  # what the prompts tell (a pool too small for one request)
+        print(f"error: {first_line(err)}", file=sys.stderr)
+        return 2
     write_outputs(res, out)
     print(
         f"\nwrote {out / 'points.csv'}, {out / 'requests.csv'}"

@@ -314,6 +314,11 @@ def test_rotation_and_default_concurrency():
         (["--modes", "snapkv,h2o"], "unknown name(s) ['h2o']"),
         (["--arrivals", "bursty"], "unknown name(s) ['bursty']"),
         (["--budgets", "96"], "budgets must exceed start_size + recent_size = 96"),
+        (
+            ["--budgets", "256,200"],
+            "budgets must be multiples of the KV block (32 tokens on CPU), got budgets=200",
+        ),
+        (["--start-size", "16"], "start_size must be multiples of the KV block"),
         (["--budgets", "256,x"], "comma-separated integers"),
         (["--concurrency", "1,32"], "concurrency 32 exceeds requests=16"),
         (["--rate", "0"], "rate=0.0"),
@@ -376,8 +381,8 @@ def test_run_interleaves_configurations_and_scores_the_same_requests(tokenizer, 
     out = tmp_path / "serving"
     settings = serving.parse([
         "--haystack", "noise", "--length", "160", "--requests", "4", "--concurrency", "1,2",
-        "--max-new-tokens", "12", "--modes", "snapkv,sum", "--budgets", "128", "--start-size", "8",
-        "--recent-size", "8", "--rounds", "2", "--arrivals", "closed,poisson", "--rate", "0.5",
+        "--max-new-tokens", "12", "--modes", "snapkv,sum", "--budgets", "128", "--start-size", "32",
+        "--recent-size", "32", "--rounds", "2", "--arrivals", "closed,poisson", "--rate", "0.5",
         "--reference-tokens", "2", "--pool-blocks", "200", "--out", str(out), "--search",
     ])  # fmt: skip
     clock = Clock()
@@ -446,8 +451,8 @@ class Failing(FakePipeline):
 def test_a_failing_pipeline_gives_an_error_row_and_the_run_goes_on(tokenizer, tmp_path):
     settings = serving.parse([
         "--haystack", "noise", "--length", "160", "--requests", "2", "--concurrency", "1,2",
-        "--max-new-tokens", "4", "--modes", "adaptive_rkv", "--budgets", "128", "--start-size", "8",
-        "--recent-size", "8", "--rounds", "1", "--reference-tokens", "0", "--out", str(tmp_path),
+        "--max-new-tokens", "4", "--modes", "adaptive_rkv", "--budgets", "128", "--start-size", "32",
+        "--recent-size", "32", "--rounds", "1", "--reference-tokens", "0", "--out", str(tmp_path),
     ])  # fmt: skip
     clock = Clock()
     built = []

@@ -209,6 +209,19 @@ def parse(argv: Sequence[str]) -> Settings:
         raise ValueError(f"rate must be a positive number of requests per second, got rate={s.rate}")
     if "snapkv" in s.modes and s.snapkv_window < 1:
         raise ValueError(f"the snapkv mode needs snapkv_window >= 1, got snapkv_window={s.snapkv_window}")
+    # the pipeline evicts whole blocks and refuses other sizes (once it serves, not when it is built)
+    if any(m != "full" for m in s.modes):
+        sizes = [
+            ("start_size", s.start_size),
+            ("recent_size", s.recent_size),
+            *(("budgets", b) for b in s.budgets),
+        ]
+        off = [(k, v) for k, v in sizes if v % BLOCK_SIZE]
+        if off:
+            key, value = off[0]
+            raise ValueError(
+                f"{key} must be multiples of the KV block ({BLOCK_SIZE} tokens on CPU), got {key}={value}"
+            )
     kept = s.start_size + s.recent_size
     small = [b for b in s.budgets if b <= kept]
     if small:
@@ -706,13 +719,14 @@ def run(
     model: str = "",
     clock: Callable[[], float] = time.perf_counter,
     sleep: Callable[[float], None] = time.sleep,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
     on_point: Callable[[Results], None] | None = None,
 ) -> Results:
     """Every round (configurations interleaved per (arrival, concurrency) point, rotated per round),
     then the concurrency search when asked. `make_pipeline(config, max_num_seqs)` builds a
     configuration's pipeline (once per configuration); `on_point` sees the results after every
     point (the script writes its CSVs there)."""
+    log = log or (lambda line: print(line, flush=True))  # a point's line as soon as it ends
     requests, task = make_requests(tokenizer, settings)
     longest = max(len(r.ids) for r in requests)
     if longest + settings.max_new_tokens > settings.pool_blocks * BLOCK_SIZE:

@@ -33,6 +33,7 @@ DISTRIBUTION = {
     "submitit": "hydra-submitit-launcher",
     "reasoning_gym": "reasoning-gym",
     "math_verify": "math-verify",
+    "openvino": "openvino-genai",  # openvino-genai's own dependency (its Tensor), imported directly
 }
 # What transformers needs at run time for the library's own paths, never imported by the library itself:
 # the embedded models are GGUF files (transformers reads them with gguf, and refuses without accelerate).

@@ -96,8 +96,7 @@ class H2O(Method):
         return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
-        if layer.state == "ready" and not self.evict_during_decode:
-            return  # prefill-only variant: scores are not needed any more
+        # After the prefill the hooks call it only under per-step eviction (`EveryStep`).
         q = query.shape[2]
         if q == 1 and layer.state == "ready":
             # A decode step: every stored entry precedes the query, so the column sums are the one

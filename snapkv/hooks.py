@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from snapkv import padding
 from snapkv.cache import CompressedCache, CompressibleLayer
 from snapkv.forward import cache_kwarg, clock, stepper
-from snapkv.methods.base import Method, OwnPass
+from snapkv.methods.base import Method, OwnAttention, OwnPass
 
 _ACTIVE: ContextVar[Session | None] = ContextVar("snapkv_session", default=None)
 _WRAPPED = ("sdpa", "flash_attention_2", "eager")
@@ -63,8 +63,8 @@ class Session:
         # The current forward's 2-D padding mask `[batch, length]` (None: no padding), set by
         # `apply` from the forward's `attention_mask` (see snapkv.padding).
         self.padding: torch.Tensor | None = None
-        # Whether the method computed the current forward's attention itself (`prefill_attention`
-        # / `decode_attention`) and took its statistics from it then: its `observe` is skipped.
+        # Whether the method computed the current forward's attention itself (`OwnAttention`) and
+        # took its statistics from it then: its `observe` is skipped.
         self.attended = False
         # `apply`: whether the current forward is the one that prefills the cache.
         self.prefilling = False
@@ -268,16 +268,17 @@ def _make_wrapper(impl: str, original):
             out = layer.attend(module, query, key, value, fn, impl, *args, **kwargs)
         else:
             out = None
-            plain = layer.pads is None and _plain_softmax(kwargs)
+            own = session.method if isinstance(session.method, OwnAttention) else None
+            plain = own is not None and layer.pads is None and _plain_softmax(kwargs)
             if (
                 layer.state in ("empty", "prefilling")
                 and plain
                 and _plain_causal(attention_mask, query, layer)
             ):
-                fused = session.method.prefill_attention(layer, query, key, value, module)
+                fused = own.prefill_attention(layer, query, key, value, module)
                 out = None if fused is None else (fused, None)
             elif layer.state == "ready" and plain and query.shape[2] == 1 and session.phase != "score":
-                fused = session.method.decode_attention(layer, query, key, value, module)
+                fused = own.decode_attention(layer, query, key, value, module)
                 out = None if fused is None else (fused, None)
             session.attended = out is not None
             if out is None:

@@ -139,6 +139,28 @@ class OwnPass:
         raise NotImplementedError
 
 
+class OwnAttention:
+    """What a method that computes some forwards' attention itself, fused with its scoring, adds to
+    `Method` (a mixin: `class H2O(OwnAttention, Method)`; H2O and TOVA); the attention hooks ask the
+    methods that are one (`isinstance`), and the model's own attention runs for the others."""
+
+    def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
+        """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.
+        fused with scoring, H2O); None: the model's own attention function runs. Only called for
+        plain causal prefill chunks (no padding). A method that returns the output takes the
+        chunk's statistics from the same computation: `observe` is not called for that forward."""
+        return None
+
+    def decode_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
+        """Optionally compute a decode step's attention output `[batch, 1, heads, d]` itself, from
+        the attention row the method scores with (H2O, TOVA: the step's softmax is both their score
+        and the attention, as in the originals, which read the model's attention weights); None:
+        the model's own attention function runs. Only called for one-token forwards after the
+        prefill, on unpadded layers with plain scaled softmax. As with `prefill_attention`, a
+        returned output means `observe` is not called for that forward."""
+        return None
+
+
 @dataclass
 class Method:
     """A KV-cache compression method. `budget` = entries kept per KV head per layer (None: no limit)."""
@@ -280,22 +302,6 @@ class Method:
         return CompressibleLayer(
             index=index, num_layers=num_layers, decode_eviction=self.decode_schedule.per_step
         )
-
-    def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
-        """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.
-        fused with scoring, H2O); None: the model's own attention function runs. Only called for
-        plain causal prefill chunks (no padding). A method that returns the output takes the
-        chunk's statistics from the same computation: `observe` is not called for that forward."""
-        return None
-
-    def decode_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
-        """Optionally compute a decode step's attention output `[batch, 1, heads, d]` itself, from
-        the attention row the method scores with (H2O, TOVA: the step's softmax is both their score
-        and the attention, as in the originals, which read the model's attention weights); None:
-        the model's own attention function runs. Only called for one-token forwards after the
-        prefill, on unpadded layers with plain scaled softmax. As with `prefill_attention`, a
-        returned output means `observe` is not called for that forward."""
-        return None
 
     def protected(self) -> tuple[int, int]:
         """(leading, trailing) entries always kept, e.g. StreamingLLM's sinks, SnapKV's window."""

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from snapkv.methods.base import Method, OwnPass
+from snapkv.methods.base import Method, OwnAttention, OwnPass
 from snapkv.methods.registry import METHODS, build_method
 from snapkv.methods.snapkv import SnapKV
 
@@ -52,7 +52,9 @@ def is_scorer(cls: type) -> bool:
         and cls.score is not Method.score
         and cls.compress is Method.compress
         and cls.prune is Method.prune
-        and cls.prefill_attention is Method.prefill_attention
+        and not (
+            issubclass(cls, OwnAttention) and cls.prefill_attention is not OwnAttention.prefill_attention
+        )
         and not issubclass(cls, OwnPass)
     )
 

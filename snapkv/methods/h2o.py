@@ -19,6 +19,7 @@ import torch
 from snapkv.methods.base import (
     GQA_REDUCTIONS,
     Method,
+    OwnAttention,
     attention_output,
     blockwise_attention,
     causal_column_sums,
@@ -31,7 +32,7 @@ from snapkv.methods.registry import register
 
 @register
 @dataclass
-class H2O(Method):
+class H2O(OwnAttention, Method):
     name = "h2o"
     schedulable = False  # see Method.schedulable
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from snapkv.methods.base import Method, attention_output, victim_by_position, window_attention
+from snapkv.methods.base import Method, OwnAttention, attention_output, victim_by_position, window_attention
 from snapkv.methods.checks import flag, integer
 from snapkv.methods.registry import register
 
@@ -58,7 +58,7 @@ def _head_mean(votes: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 @register
 @dataclass
-class TOVA(Method):
+class TOVA(OwnAttention, Method):
     name = "tova"
 
     budget: int | None = 1024  # entries kept per KV head per layer (the multi-state size)

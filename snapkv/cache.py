@@ -153,6 +153,9 @@ class CompressibleLayer(DynamicLayer):
     per_head = False
     # Whether entries can be evicted again after a compression (per-head storage cannot).
     evicts_after_compression = True
+    # Whether keys / values are the layer's own (False on a padded batch's row view,
+    # `snapkv.padding.row_view`, whose tensors are slices of the batch's): `evict_in_place` only then.
+    owns_buffers = True
 
     def __init__(self, index: int = 0, num_layers: int = 1, decode_eviction: bool = True, **kwargs):
         super().__init__()

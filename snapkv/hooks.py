@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from snapkv import padding
 from snapkv.cache import CompressedCache, CompressibleLayer
 from snapkv.forward import cache_kwarg, clock, stepper
-from snapkv.methods.base import Method
+from snapkv.methods.base import Method, OwnAttention, OwnPass
 
 _ACTIVE: ContextVar[Session | None] = ContextVar("snapkv_session", default=None)
 _WRAPPED = ("sdpa", "flash_attention_2", "eager")
@@ -63,8 +63,8 @@ class Session:
         # The current forward's 2-D padding mask `[batch, length]` (None: no padding), set by
         # `apply` from the forward's `attention_mask` (see snapkv.padding).
         self.padding: torch.Tensor | None = None
-        # Whether the method computed the current forward's attention itself (`prefill_attention`
-        # / `decode_attention`) and took its statistics from it then: its `observe` is skipped.
+        # Whether the method computed the current forward's attention itself (`OwnAttention`) and
+        # took its statistics from it then: its `observe` is skipped.
         self.attended = False
         # `apply`: whether the current forward is the one that prefills the cache.
         self.prefilling = False
@@ -76,15 +76,15 @@ class Session:
     ) -> None:
         method = self.method
         padded = layer.pads is not None
-        steps = method.decode_steps
-        # Scheduled compressions score with the window's queries; per-step eviction with the
-        # running scores `observe` keeps, from each step's own query.
-        if steps.on and not steps.per_step:
-            layer.remember_queries(query, method.schedule_window)
+        schedule = method.decode_schedule
+        # What the decode schedule scores with, from every forward: the window's queries, or (per-step
+        # eviction, `EveryStep`) the method's running scores, which `observe` keeps.
+        if schedule.on and not schedule.per_step:
+            layer.remember_queries(query, schedule.window or method.min_last_chunk)
         if layer.state in ("empty", "prefilling"):
             if self.phase == "prefill":
                 if padded:
-                    padding.observe_prefill_rows(method, layer, query, module)
+                    padding.observe_rows(method, layer, query, module)
                 else:
                     self.observe(module, layer, query, key)
                 layer.state = "prefilling"
@@ -97,11 +97,12 @@ class Session:
             layer.state = "ready"
         else:
             layer.decode_entries.append(layer.entries_now())  # what this forward attended to
-            if not steps.on:
-                return
-            if steps.per_step:
-                self.evict_step(module, layer, query, key)
-            else:
+            if schedule.per_step:
+                if padded:
+                    padding.observe_rows(method, layer, query, module)
+                else:
+                    self.observe(module, layer, query, key)
+            if schedule.on:
                 self.scheduled_step(module, layer, query.shape[2])
 
     def observe(self, module, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor) -> None:
@@ -110,39 +111,29 @@ class Session:
         if not self.attended:
             self.method.observe(layer, query, key, module)
 
-    def evict_step(self, module, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor) -> None:
-        """Per-step eviction (`snapkv.methods.base.EveryStep`): the method's running scores see
-        the step (`observe`), then `evict` drops what exceeds the layer's budget (a decode step's
-        one surplus entry in place)."""
-        method = self.method
-        if layer.pads is not None:
-            before = layer.row_entries()
-            padding.evict_rows(method, layer, query, module)
-            layer.decode_evicted += float((before - layer.row_entries()).double().mean())
-        else:  # every row holds `stored` entries: plain ints, no tensor ops on every step
-            before = layer.stored
-            self.observe(module, layer, query, key)
-            method.evict(layer, in_place=True)
-            layer.decode_evicted += float(before - layer.stored)
-
     def after_prefill(self, ids: torch.Tensor) -> None:
-        """Run `method.after_prefill` on the prefilled prompt `ids` `[batch, n]` (phase "score"
-        meanwhile) and record its wall time (device synchronized) as `cache.scoring_s`."""
+        """Run the method's own pass (`OwnPass.after_prefill`) on the prefilled prompt `ids`
+        `[batch, n]` (phase "score" meanwhile) and record its wall time (device synchronized) as
+        `cache.scoring_s` (~0 for a method without one)."""
         model, cache = self.model, self.cache
         forward = stepper(model, cache)
         phase, self.phase = self.phase, "score"
         t0 = clock(model.device)
         try:
-            self.method.after_prefill(ids, cache, forward)
+            if isinstance(self.method, OwnPass):
+                self.method.after_prefill(ids, cache, forward)
         finally:
             self.phase = phase
         cache.scoring_s = clock(model.device) - t0
 
     def scheduled_step(self, module, layer: CompressibleLayer, fed: int) -> None:
-        """Count the `fed` tokens of a forward after the prefill; every `interval` tokens, run the
-        method's scheduled compression with the window's queries (`Method.decode_schedule`).
-        `count_from="start"`: a step whenever the tokens before this forward, prompt included, are
-        a multiple of `interval` (padded rows count their pads, as R-KV's length does)."""
+        """The one decode-time mechanism (`Method.decode_schedule`): count the `fed` tokens of a
+        forward after the prefill; every `interval` tokens, run the method's scheduled compression
+        (`compress_decode`) with the window's queries, or on per-step eviction (`EveryStep`,
+        interval 1) with its running scores. `count_from="start"`: a step whenever the tokens before
+        this forward, prompt included, are a multiple of `interval` (padded rows count their pads,
+        as R-KV's length does). `decode_compressions` counts the window's compressions only (per-step
+        eviction's rows always said 0: its evictions are `decode_evicted`)."""
         method = self.method
         schedule = method.decode_schedule
         if schedule.count_from == "start":
@@ -153,14 +144,18 @@ class Session:
             if layer.since_schedule < schedule.interval:
                 return
             layer.since_schedule = 0
-        before = layer.row_entries()
         if layer.pads is not None:
+            before = layer.row_entries()
             pruned = padding.compress_decode_rows(method, layer, layer.window_queries, module)
-        else:
+            evicted = float((before - layer.row_entries()).double().mean())
+        else:  # every row holds `stored` entries: plain ints, no tensor ops on every step
+            before = layer.stored
             pruned = method.compress_decode(layer, layer.window_queries, module)
+            evicted = float(before - layer.stored)
         if pruned:
-            layer.decode_compressions.append(layer.seen)
-            layer.decode_evicted += float((before - layer.row_entries()).double().mean())
+            if not schedule.per_step:
+                layer.decode_compressions.append(layer.seen)
+            layer.decode_evicted += evicted
 
     def note_padding(self, layer: CompressibleLayer, q: int) -> None:
         """Record the prompt's left padding on `layer` (its first forward) from the current
@@ -273,16 +268,17 @@ def _make_wrapper(impl: str, original):
             out = layer.attend(module, query, key, value, fn, impl, *args, **kwargs)
         else:
             out = None
-            plain = layer.pads is None and _plain_softmax(kwargs)
+            own = session.method if isinstance(session.method, OwnAttention) else None
+            plain = own is not None and layer.pads is None and _plain_softmax(kwargs)
             if (
                 layer.state in ("empty", "prefilling")
                 and plain
                 and _plain_causal(attention_mask, query, layer)
             ):
-                fused = session.method.prefill_attention(layer, query, key, value, module)
+                fused = own.prefill_attention(layer, query, key, value, module)
                 out = None if fused is None else (fused, None)
             elif layer.state == "ready" and plain and query.shape[2] == 1 and session.phase != "score":
-                fused = session.method.decode_attention(layer, query, key, value, module)
+                fused = own.decode_attention(layer, query, key, value, module)
                 out = None if fused is None else (fused, None)
             session.attended = out is not None
             if out is None:

@@ -5,7 +5,7 @@ batch (transformers' convention for decoder-only generation). Semantics:
 
 - Pads are never scored or kept as entries: the hooks read the 2-D padding mask of each forward,
   and a compressible layer records `pads` `[batch]`, the leading slots of each row without a real
-  entry. Method hooks (`observe`, `compress_prefill`, `evict`) run once per row on a view of that
+  entry. Method hooks (`observe`, `compress_prefill`, `compress_decode`) run once per row on a view of that
   row's real entries (`row_view`): positions start at the row's first real token, `seen` counts the
   row's real tokens, so StreamingLLM's sinks are the row's first real tokens, H2O's column sums and
   recent window and SnapKV's observation window cover real tokens only, and per-layer budgets
@@ -86,11 +86,17 @@ def row_view(layer: CompressibleLayer, row: int) -> CompressibleLayer:
     view.pads = view.prompt_pads = None
     view.last_kept = None
     view.shared = layer.shared.setdefault(("row", row), {})  # the row's state across layers
+    view.owns_buffers = False  # its tensors are slices of the batch's: no eviction in place
     return view
 
 
-def _views(layer: CompressibleLayer, query: torch.Tensor) -> list[tuple[CompressibleLayer, torch.Tensor]]:
-    """(row view, the row's real queries `[1, heads, q_r, d]`) for every batch row."""
+def _views(
+    layer: CompressibleLayer, query: torch.Tensor | None
+) -> list[tuple[CompressibleLayer, torch.Tensor | None]]:
+    """(row view, the row's real queries `[1, heads, q_r, d]`, None without `query`) for every
+    batch row."""
+    if query is None:
+        return [(row_view(layer, r), None) for r in range(layer.dims[0])]
     q, stored = query.shape[2], layer.stored
     out = []
     for r in range(layer.dims[0]):
@@ -171,28 +177,18 @@ def compress_prefill_rows(method, layer: CompressibleLayer, query: torch.Tensor,
     _merge(layer, views)
 
 
-def observe_prefill_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> None:
-    """`method.observe` of a padded layer's non-final prefill chunk, row by row."""
+def observe_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> None:
+    """`method.observe` of a padded layer's forward (a non-final prefill chunk, or a decode step
+    under per-step eviction), row by row."""
     views = _views(layer, query)
     for v, q in views:
         method.observe(v, q, v.keys, module)
     _write_scores(layer, views)
 
 
-def evict_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> None:
-    """`method.observe` + decode-time `method.evict` of a padded layer, row by row."""
-    views = _views(layer, query)
-    for v, q in views:
-        method.observe(v, q, v.keys, module)
-    _write_scores(layer, views)
-    for v, _ in views:
-        method.evict(v)
-    _merge(layer, views)
-
-
-def compress_decode_rows(method, layer: CompressibleLayer, query: torch.Tensor, module) -> bool:
+def compress_decode_rows(method, layer: CompressibleLayer, query: torch.Tensor | None, module) -> bool:
     """A scheduled decode-time compression (`method.compress_decode`) of a padded layer, row by row;
-    `query`: the window's queries. Returns whether any row was pruned."""
+    `query`: the window's queries (None on per-step eviction). Returns whether any row was pruned."""
     views = _views(layer, query)
     pruned = [method.compress_decode(v, q, module) for v, q in views]
     _merge(layer, views)

@@ -99,7 +99,7 @@ def taken_paths(cache, method) -> frozenset[str]:
     paths = {f"per_head_{layer.layout}" for layer in layers if layer.per_head}
     if not paths:
         paths.add("per_layer" if len({layer.stored for layer in layers}) > 1 else "uniform")
-    if method.evicts_during_decode and any(layer.decode_evicted for layer in layers):
+    if method.decode_schedule.per_step and any(layer.decode_evicted for layer in layers):
         paths.add("decode_eviction")
     if any(layer.decode_compressions for layer in layers):
         paths.add("decode_schedule")

@@ -5,6 +5,8 @@ of the layer) and keeps exactly what the copying path keeps."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import random_ids, tiny_model
@@ -13,7 +15,7 @@ from test_rollback import feed
 import snapkv.hooks
 from eval.store import ROW_FIELDS
 from snapkv import build_method, compress_context, generate_ids
-from snapkv.methods.base import EVERY_STEP
+from snapkv.methods.base import DecodeSchedule, EveryStep
 
 PROMPT, BUDGET, NEW = 20, 24, 12
 DECODE_FIELDS = ("compressed", "evicted_during_decode", "decode_evicted", "kv_tokens_end")
@@ -233,15 +235,22 @@ def test_one_slot_victims_are_the_base_rule(monkeypatch, name, params, batch, pr
     ],
 )
 def test_evict_during_decode_is_the_every_step_schedule(name, params, per_step):
-    """One decode-time mechanism (`Method.decode_steps`): the flat `evict_during_decode` switch is
-    the per-step schedule (interval 1, back to the layer's budget); `params()` still names it by the
-    switch, so config hashes do not move."""
+    """One decode-time mechanism (`Method.decode_schedule`): the flat `evict_during_decode` switch is
+    stored as the per-step schedule (interval 1, back to the layer's budget); `params()` still names
+    it by the switch, so config hashes do not move, and a copy of the method (its schedule passed
+    back in) is the same method."""
     method = build_method(name, **params)
-    steps = method.decode_steps
-    assert steps.per_step is per_step and method.evicts_during_decode is per_step
+    steps = method.decode_schedule
+    assert steps.per_step is per_step and isinstance(steps, EveryStep) is per_step
     if per_step:
-        assert steps is EVERY_STEP
         assert (steps.interval, steps.buffer, steps.target, steps.window) == (1, 0, None, None)
         assert "decode_schedule" not in method.params()
-    else:
-        assert steps is method.decode_schedule
+    assert dataclasses.replace(method) == method
+    if per_step and name != "streamingllm":  # the switch turned off again: no schedule left behind
+        off = dataclasses.replace(method, evict_during_decode=False)
+        assert off.decode_schedule == DecodeSchedule() and not off.decode_schedule.per_step
+
+
+def test_per_step_eviction_and_a_decode_schedule_are_refused_together():
+    with pytest.raises(ValueError, match="already evicts while decoding"):
+        build_method("tova", budget=BUDGET, decode_schedule=dict(interval=2))

@@ -15,6 +15,7 @@ import snapkv
 from snapkv import generate_ids, prefill
 from snapkv.cache import CompressibleLayer
 from snapkv.methods import Method
+from snapkv.methods.base import OwnPass
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERIC = ["snapkv/hooks.py", "snapkv/generation.py", "snapkv/cache.py", "snapkv/methods/base.py"]
@@ -124,7 +125,7 @@ def test_layer_declares_what_the_hooks_read():
 
 
 @dataclass
-class _PassProbe(Method):
+class _PassProbe(OwnPass, Method):
     """Test-only method whose `after_prefill` runs a pass over the model and rolls it back."""
 
     name = "pass_probe"

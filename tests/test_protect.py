@@ -198,13 +198,13 @@ def test_answer_protects_the_question_while_decoding_and_the_rollback_clears_it(
     method = build_method("knorm", budget=40, evict_during_decode=True, protect="question")
     cache = compress_context(model, torch.tensor([head]), method)
     spans = []
-    real_evict = method.evict
+    real_step = method.compress_decode
 
-    def evict(layer, in_place=False):
+    def step(layer, query, module):
         spans.append(layer.protected_span)
-        real_evict(layer, in_place)
+        return real_step(layer, query, module)
 
-    method.evict = evict
+    method.compress_decode = step
     answer(model, cache, torch.tensor([tail]), method, max_new_tokens=3, generation_prompt=n)
     assert set(spans) == {(len(head), len(head) + len(tail))}
     assert all(layer.protected_span is None for _, layer in cache.compressible_layers())

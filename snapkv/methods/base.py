@@ -58,15 +58,18 @@ class DecodeSchedule:
     - `window`: the latest tokens (prompt tokens first, then generated ones) whose queries
       `[batch, heads, window, head_dim]` are kept and passed as `query` to the method's `score()`;
       None: the method's own observation window (`min_last_chunk`: SnapKV's `window`, 1 for
-      window-free methods). SnapKV-family scores may take fewer (`Method.min_schedule_window`):
-      the scheduled steps then vote with those queries only, the `window` entries staying protected.
+      window-free methods). SnapKV's scores may take fewer (its `validate_schedule`): the
+      scheduled steps then vote with those queries only, the `window` entries staying protected.
 
     At a scheduled step, after the step's attention: `score(layer, window_queries, layer.keys,
     module)`, then `prune(layer, scores, target)`, exactly as at the end of prefill. Per-step
-    eviction with the method's running scores is the schedule `EveryStep` (`Method.decode_steps`).
+    eviction with the method's running scores is this same schedule (`EveryStep`), which
+    `evict_during_decode: true` is stored as.
     """
 
-    # Whether this schedule is per-step eviction (`EveryStep`), read by the hooks at every step.
+    # Whether the schedule scores with the method's running scores (`EveryStep`) rather than with the
+    # window's queries. A class attribute, not a field: no config spells it, so neither the
+    # `method.decode_schedule.*` keys nor the hashes of scheduled configs change.
     per_step: ClassVar[bool] = False
 
     interval: int | None = None
@@ -103,19 +106,59 @@ class DecodeSchedule:
 @dataclass
 class EveryStep(DecodeSchedule):
     """Per-step eviction: the decode schedule `interval=1`, back to the layer's budget (`target`
-    None, no `buffer`), scored by the method's running scores rather than by window queries:
-    `observe` after every forward, then `evict` with `decode_score`, the step's one surplus entry
-    dropped in place (`CompressibleLayer.evict_in_place`). What `evict_during_decode: true` (H2O,
-    TOVA, K-norm: the flat switch their configs, hashes and rows keep) and StreamingLLM's rolling
-    cache run; it is never a `decode_schedule` value itself (see `Method.decode_steps`)."""
+    None, no `buffer`), scored by the method's running scores rather than by window queries: the
+    method's `observe` sees every forward after the prefill (where a window schedule keeps the
+    forward's queries), then the scheduled step (`compress_decode`) evicts with `decode_score`, a
+    decode step's one surplus entry dropped in place (`CompressibleLayer.evict_in_place`).
+
+    `evict_during_decode: true` (H2O, TOVA, K-norm; StreamingLLM's class says True) is stored as
+    this schedule in `Method.decode_schedule`, and is the only way to it: configs and rows keep
+    spelling it by the flat switch, and `params()` leaves the schedule out, so their hashes do not
+    move. Two differences from a window schedule of interval 1 are kept: its evictions count in
+    `decode_evicted` only, not in `decode_compressions` (the compressions with the window's
+    queries; rows of per-step eviction always said 0), and its in-place evictions leave the entries
+    out of position order (a window schedule's prune stores them in the method's kept order)."""
 
     per_step: ClassVar[bool] = True
 
     interval: int | None = 1
 
 
-# The one per-step schedule (read at every decode step: shared, never modified).
-EVERY_STEP = EveryStep()
+class OwnPass:
+    """What a method with its own pass over the model after the prefill (KVzip's context
+    reconstruction) adds to `Method` (a mixin: `class KVzip(OwnPass, Method)`); the hooks run
+    `after_prefill` for the methods that are one (`isinstance`)."""
+
+    def after_prefill(self, ids: torch.Tensor, cache, forward) -> None:
+        """Called once the whole prompt `ids` `[batch, n]` is in `cache` (every compressible layer
+        through `compress_prefill`), before anything else is fed: the method selects from a further
+        pass over the model, through `forward(new_ids)` (the model on `new_ids` `[batch, m]` at the
+        next positions; its attention calls reach only `observe`, the session's phase being
+        "score"), restores the cache (`cache.checkpoint()` / `rollback()`) and prunes. The pass's
+        wall time is recorded as `cache.scoring_s`."""
+        raise NotImplementedError
+
+
+class OwnAttention:
+    """What a method that computes some forwards' attention itself, fused with its scoring, adds to
+    `Method` (a mixin: `class H2O(OwnAttention, Method)`; H2O and TOVA); the attention hooks ask the
+    methods that are one (`isinstance`), and the model's own attention runs for the others."""
+
+    def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
+        """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.
+        fused with scoring, H2O); None: the model's own attention function runs. Only called for
+        plain causal prefill chunks (no padding). A method that returns the output takes the
+        chunk's statistics from the same computation: `observe` is not called for that forward."""
+        return None
+
+    def decode_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
+        """Optionally compute a decode step's attention output `[batch, 1, heads, d]` itself, from
+        the attention row the method scores with (H2O, TOVA: the step's softmax is both their score
+        and the attention, as in the originals, which read the model's attention weights); None:
+        the model's own attention function runs. Only called for one-token forwards after the
+        prefill, on unpadded layers with plain scaled softmax. As with `prefill_attention`, a
+        returned output means `observe` is not called for that forward."""
+        return None
 
 
 @dataclass
@@ -142,10 +185,6 @@ class Method:
     # and drops it with None.
     checks: ClassVar[dict[str, Check | None]] = {"budget": integer(none=True), "protect": one_of(PROTECTS)}
 
-    # Whether `protect` may be other than "none": a method whose cache is its protected entries alone
-    # (StreamingLLM: the sinks and the most recent tokens, exactly the budget) says no.
-    protectable: ClassVar[bool] = True
-
     budget: int | None = None
     # Compression while generating (see DecodeSchedule); keyword-only, so it never shifts positional
     # arguments. Left out of `params()` while off: configs without a schedule keep their hashes.
@@ -159,14 +198,11 @@ class Method:
 
     def __post_init__(self) -> None:
         check_all(self.param_checks(), self, self.name)
-        if self.protect != "none" and not self.protectable:
-            raise ValueError(
-                f"{self.name} keeps exactly its sinks and most recent tokens (its budget): protect must "
-                f"be none, got protect={self.protect!r}"
-            )
         self.validate()
         schedule = self.decode_schedule
-        if schedule is None:
+        if schedule is None or isinstance(schedule, EveryStep):
+            # EveryStep is the normalised `evict_during_decode` (a copy, `dataclasses.replace`):
+            # the flag below decides again.
             schedule = DecodeSchedule()
         elif isinstance(schedule, Mapping):
             unknown = sorted(set(schedule) - {f.name for f in dataclasses.fields(DecodeSchedule)})
@@ -176,13 +212,15 @@ class Method:
                     "count_from"
                 )
             schedule = DecodeSchedule(**schedule)
-        elif not isinstance(schedule, DecodeSchedule) or isinstance(schedule, EveryStep):
-            # EveryStep is spelt `evict_during_decode: true`, the name configs and hashes keep.
+        elif not isinstance(schedule, DecodeSchedule):
             raise ValueError(f"decode_schedule must be a mapping, got decode_schedule={schedule!r}")
         self.decode_schedule = schedule
         schedule.validate()
         if schedule.on:
             self.validate_schedule(schedule)
+        # `evict_during_decode`: a field of H2O, TOVA and K-norm (StreamingLLM's class says True).
+        if getattr(self, "evict_during_decode", False):
+            self.decode_schedule = EveryStep()  # the one decode-time mechanism, on running scores
 
     def validate_schedule(self, schedule: DecodeSchedule) -> None:
         """ValueError when this method cannot run `schedule` (it is on)."""
@@ -191,7 +229,7 @@ class Method:
                 f"{self.name} cannot take a decode_schedule (interval={schedule.interval}): it has no "
                 "scores to compress with while decoding, or evicts with its own state"
             )
-        if self.evicts_during_decode:
+        if getattr(self, "evict_during_decode", False):
             raise ValueError(
                 f"{self.name} already evicts while decoding: decode_schedule (interval={schedule.interval}) "
                 "needs evict_during_decode=false"
@@ -201,10 +239,10 @@ class Method:
                 f"{self.name} keeps per-head lengths (per-head storage cannot evict while decoding): "
                 f"decode_schedule (interval={schedule.interval}) is not supported"
             )
-        if schedule.window is not None and schedule.window < self.min_schedule_window:
+        if schedule.window is not None and schedule.window < self.min_last_chunk:
             raise ValueError(
                 f"decode_schedule.window must be >= the method's observation window "
-                f"{self.min_schedule_window}, got window={schedule.window}"
+                f"{self.min_last_chunk}, got window={schedule.window}"
             )
         first, last = self.protected()
         if isinstance(schedule.target, int) and schedule.target <= first + last:
@@ -212,20 +250,6 @@ class Method:
                 f"decode_schedule.target must exceed the {first + last} protected entries, "
                 f"got target={schedule.target}"
             )
-
-    @property
-    def evicts_during_decode(self) -> bool:
-        """Whether the method evicts at every decoding step (`EveryStep`): its flat switch
-        `evict_during_decode` (a field of H2O, TOVA and K-norm; StreamingLLM's class says True)."""
-        return getattr(self, "evict_during_decode", False)
-
-    @property
-    def decode_steps(self) -> DecodeSchedule:
-        """The one decode-time mechanism: what runs after each forward once the prompt is in.
-        `EVERY_STEP` (per-step eviction) where `evict_during_decode` is on, else `decode_schedule`
-        (off, or scheduled compressions with the window's queries). Both switches on at once are
-        refused (`validate_schedule`)."""
-        return EVERY_STEP if self.evicts_during_decode else self.decode_schedule
 
     @classmethod
     def param_checks(cls) -> dict[str, Check | None]:
@@ -260,26 +284,11 @@ class Method:
         method whose own pass feeds text (KVzip's repeat prompt) tokenizes it here. Token-id entry
         points (`generate_ids`, `compress_context`) do not call it."""
 
-    def after_prefill(self, ids: torch.Tensor, cache, forward) -> None:
-        """Called once the whole prompt `ids` `[batch, n]` is in `cache` (every compressible layer
-        through `compress_prefill`), before anything else is fed: a method that selects from a
-        further pass over the model (KVzip's context reconstruction) runs it here, through
-        `forward(new_ids)` (the model on `new_ids` `[batch, m]` at the next positions; its attention
-        calls reach only `observe`, the session's phase being "score"), restores the cache
-        (`cache.checkpoint()` / `rollback()`) and prunes. The pass's wall time is recorded as
-        `cache.scoring_s`."""
-
     @property
     def min_last_chunk(self) -> int:
         """Tokens the last prefill chunk must hold (SnapKV-style scores: the observation window);
         chunked prefill merges a shorter last chunk into the one before."""
         return 1
-
-    @property
-    def min_schedule_window(self) -> int:
-        """The fewest queries `score()` takes at a scheduled step (`decode_schedule.window`): the
-        observation window, unless the method's scores vote with fewer (SnapKV's family)."""
-        return self.min_last_chunk
 
     def layer_budget(self, layer: CompressibleLayer) -> int | None:
         """Entries kept per KV head in this layer (uniform by default; PyramidKV-style schedules
@@ -291,24 +300,8 @@ class Method:
         """The cache layer a compressible layer gets (`CompressedCache(config, method.cache_layer)`);
         methods with per-head lengths (Ada-KV) return `snapkv.headwise.HeadwiseLayer`."""
         return CompressibleLayer(
-            index=index, num_layers=num_layers, decode_eviction=self.evicts_during_decode
+            index=index, num_layers=num_layers, decode_eviction=self.decode_schedule.per_step
         )
-
-    def prefill_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
-        """Optionally compute a prefill chunk's attention output `[batch, q, heads, d]` itself (e.g.
-        fused with scoring, H2O); None: the model's own attention function runs. Only called for
-        plain causal prefill chunks (no padding). A method that returns the output takes the
-        chunk's statistics from the same computation: `observe` is not called for that forward."""
-        return None
-
-    def decode_attention(self, layer: CompressibleLayer, query, key, value, module) -> torch.Tensor | None:
-        """Optionally compute a decode step's attention output `[batch, 1, heads, d]` itself, from
-        the attention row the method scores with (H2O, TOVA: the step's softmax is both their score
-        and the attention, as in the originals, which read the model's attention weights); None:
-        the model's own attention function runs. Only called for one-token forwards after the
-        prefill, on unpadded layers with plain scaled softmax. As with `prefill_attention`, a
-        returned output means `observe` is not called for that forward."""
-        return None
 
     def protected(self) -> tuple[int, int]:
         """(leading, trailing) entries always kept, e.g. StreamingLLM's sinks, SnapKV's window."""
@@ -331,8 +324,9 @@ class Method:
     # ---- owned by the base class -------------------------------------------------------------
     def params(self) -> dict[str, Any]:
         params = dataclasses.asdict(self)
-        if not self.decode_schedule.on:
-            params.pop("decode_schedule")  # off: the hash of a config without a schedule
+        if not self.decode_schedule.on or self.decode_schedule.per_step:
+            # Off: the hash of a config without a schedule. Per-step: `evict_during_decode` names it.
+            params.pop("decode_schedule")
         elif self.decode_schedule.count_from == "prefill":
             params["decode_schedule"].pop("count_from")  # added later: scheduled configs keep their hashes
         for name in self.left_out_at_default:
@@ -361,7 +355,7 @@ class Method:
         first, last = self.protected()
         if (
             tail
-            and self.evicts_during_decode
+            and self.decode_schedule.per_step
             and self.budget is not None
             and first + last + tail > self.budget
         ):
@@ -391,11 +385,6 @@ class Method:
             )
         return scores.float().masked_fill(inside, math.inf)
 
-    @property
-    def schedule_window(self) -> int:
-        """Latest queries kept for the scheduled compressions (`DecodeSchedule.window`)."""
-        return self.decode_schedule.window or self.min_last_chunk
-
     def decode_target(self, layer: CompressibleLayer) -> int | None:
         """Entries per KV head a scheduled compression keeps in `layer` (None: never compressed,
         e.g. K-norm's `skip_layers`); at least the protected entries."""
@@ -407,14 +396,25 @@ class Method:
         n = int(target * layer.seen) if isinstance(target, float) else target
         return max(n, first + last + 1)
 
-    def compress_decode(self, layer: CompressibleLayer, query: torch.Tensor, module) -> bool:
-        """A scheduled step (`decode_schedule`): with `query` the window's queries `[batch, heads,
-        window, head_dim]`, score the stored entries and prune them to `decode_target` when the
-        layer holds more than target + buffer. Returns whether it pruned."""
+    def compress_decode(self, layer: CompressibleLayer, query: torch.Tensor | None, module) -> bool:
+        """A scheduled step (`decode_schedule`): prune the stored entries to `decode_target` when the
+        layer holds more than target + buffer, scored with `query`, the window's queries `[batch,
+        heads, window, head_dim]`, or on per-step eviction (`EveryStep`; `query` unused) with the
+        method's running scores (`decode_score`; evicted entries never return). Returns whether it
+        pruned."""
         target = self.decode_target(layer)
         if target is None or layer.stored <= target + self.decode_schedule.buffer:
             return False
-        self.compress(layer, query, layer.keys, module, target)
+        if not self.decode_schedule.per_step:
+            self.compress(layer, query, layer.keys, module, target)
+            return True
+        if layer.stored == target + 1 and layer.pads is None and layer.owns_buffers and self.evicts_in_place:
+            # A decode step's one surplus entry, dropped without copying the layer (not in a padded
+            # batch's row view, whose tensors are slices of the batch's).
+            layer.evict_in_place(self.victims(layer))
+        else:
+            self.prune(layer, self.shield(layer, self.decode_score(layer), target), target)
+        layer.compressed = True
         return True
 
     def compress(
@@ -458,13 +458,13 @@ class Method:
 
     def prune(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> None:
         """Keep `budget` entries per KV head given `scores` `[batch, kv_heads, stored]`: the one
-        overridable step of `compress_prefill` and `evict` (Ada-KV splits the layer's budget across
-        heads; StreamingLLM re-rotates the kept keys with compacted positions)."""
+        overridable step of `compress_prefill` and `compress_decode` (Ada-KV splits the layer's
+        budget across heads; StreamingLLM re-rotates the kept keys with compacted positions)."""
         layer.keep(self.select(scores, budget))
 
     @property
     def evicts_in_place(self) -> bool:
-        """Whether `evict` may drop a decode step's one surplus entry in place
+        """Whether per-step eviction may drop a decode step's one surplus entry in place
         (`CompressibleLayer.evict_in_place`: no copy of the layer): when `prune` is the base
         class's plain top-k keep. A method whose `prune` re-rotates keys or splits the budget
         (StreamingLLM's compacted positions, Ada-KV) takes the ordered path."""
@@ -474,44 +474,32 @@ class Method:
         """`[batch, kv_heads]` (or one int: the same slot in every row and head): the entry
         `select(scores, stored - 1)` would drop, found by position rather than by index (in-place
         evictions leave the entries out of position order); see `victim_by_position`."""
-        return self.victim_by_position(
-            self.decode_score(layer), layer.positions, layer.seen, layer.protected_span
+        return victim_by_position(
+            self.decode_score(layer), layer.positions, layer.seen, self.protected(), layer.protected_span
         )
 
-    def victim_by_position(
-        self,
-        scores: torch.Tensor,
-        positions: torch.Tensor,
-        seen: int,
-        span: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
-        """`[..., n]` scores and positions -> `[...]` the slot to drop: the protected first / last
-        entries are the oldest / newest positions (the protected ones are never evicted, so
-        positions `[0, first)` and `[seen - last, seen)` are all present), and those of the
-        protected `span` `[start, end)` (`CompressibleLayer.protected_span`); of the lowest-scored
-        of the rest, the newest (the stable sort keeps the earlier of a tie)."""
-        first, last = self.protected()
-        protected = positions >= seen - last
-        if first:
-            protected |= positions < first
-        if span is not None:
-            protected |= (positions >= span[0]) & (positions < span[1])
-        s = scores.float().masked_fill(protected, math.inf)
-        low = s.amin(dim=-1, keepdim=True)
-        return torch.where(s == low, positions, -1).argmax(dim=-1)
 
-    def evict(self, layer: CompressibleLayer, in_place: bool = False) -> None:
-        """Decode-time eviction back to the budget (evicted entries never return). `in_place`
-        (the caller's: the layer is not a padded batch's row view): a decode step's one surplus
-        entry is dropped without copying the layer when `evicts_in_place`."""
-        budget = self.layer_budget(layer)
-        if budget is None or layer.stored <= budget:
-            return
-        if in_place and layer.stored == budget + 1 and layer.pads is None and self.evicts_in_place:
-            layer.evict_in_place(self.victims(layer))
-        else:
-            self.prune(layer, self.shield(layer, self.decode_score(layer), budget), budget)
-        layer.compressed = True
+def victim_by_position(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    seen: int,
+    protected: tuple[int, int],
+    span: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """`[..., n]` scores and positions -> `[...]` the slot a per-step eviction drops: the protected
+    first / last entries (`protected`, `Method.protected()`) are the oldest / newest positions (the
+    protected ones are never evicted, so positions `[0, first)` and `[seen - last, seen)` are all
+    present), and those of the protected `span` `[start, end)` (`CompressibleLayer.protected_span`);
+    of the lowest-scored of the rest, the newest (the stable sort keeps the earlier of a tie)."""
+    first, last = protected
+    held = positions >= seen - last
+    if first:
+        held |= positions < first
+    if span is not None:
+        held |= (positions >= span[0]) & (positions < span[1])
+    s = scores.float().masked_fill(held, math.inf)
+    low = s.amin(dim=-1, keepdim=True)
+    return torch.where(s == low, positions, -1).argmax(dim=-1)
 
 
 # ---- scoring helpers -------------------------------------------------------------------------

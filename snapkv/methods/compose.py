@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from snapkv.methods.base import Method
+from snapkv.methods.base import Method, OwnAttention, OwnPass
 from snapkv.methods.registry import METHODS, build_method
 from snapkv.methods.snapkv import SnapKV
 
@@ -44,7 +44,7 @@ SNAPKV_FIELDS = ("window", "kernel_size", "pooling", "gqa_reduce", "gqa_order", 
 def is_scorer(cls: type) -> bool:
     """Whether a method class can be wrapped: it scores (`score` overridden) and keeps the base
     class's selection (`compress`, `prune`), without a prefill pass of its own (`prefill_attention`,
-    `after_prefill`) and without being a wrapper itself."""
+    an `OwnPass`) and without being a wrapper itself."""
     return (
         isinstance(cls, type)
         and issubclass(cls, Method)
@@ -52,8 +52,10 @@ def is_scorer(cls: type) -> bool:
         and cls.score is not Method.score
         and cls.compress is Method.compress
         and cls.prune is Method.prune
-        and cls.prefill_attention is Method.prefill_attention
-        and cls.after_prefill is Method.after_prefill
+        and not (
+            issubclass(cls, OwnAttention) and cls.prefill_attention is not OwnAttention.prefill_attention
+        )
+        and not issubclass(cls, OwnPass)
     )
 
 

@@ -19,6 +19,7 @@ import torch
 from snapkv.methods.base import (
     GQA_REDUCTIONS,
     Method,
+    OwnAttention,
     attention_output,
     blockwise_attention,
     causal_column_sums,
@@ -31,7 +32,7 @@ from snapkv.methods.registry import register
 
 @register
 @dataclass
-class H2O(Method):
+class H2O(OwnAttention, Method):
     name = "h2o"
     schedulable = False  # see Method.schedulable
 
@@ -96,8 +97,7 @@ class H2O(Method):
         return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
-        if layer.state == "ready" and not self.evict_during_decode:
-            return  # prefill-only variant: scores are not needed any more
+        # After the prefill the hooks call it only under per-step eviction (`EveryStep`).
         q = query.shape[2]
         if q == 1 and layer.state == "ready":
             # A decode step: every stored entry precedes the query, so the column sums are the one

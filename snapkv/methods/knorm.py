@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -70,6 +69,8 @@ class KNorm(Method):
     # kvpress compresses the context alone: the template's generation prompt is never evicted.
     protect: str = field(default="generation_prompt", kw_only=True)
 
+    left_out_at_default = ("keep_ratio",)  # off: configs from before the switch keep their hashes
+
     checks = {
         "budget": integer(needed=True),
         "skip_layers": Check("a list of layer indices >= 0", types=(int,), low=0, each=True),
@@ -89,12 +90,6 @@ class KNorm(Method):
         bad = [i for i in self.skip_layers if i >= n]
         if bad:
             raise ValueError(f"skip_layers names layers the model does not have (it has {n}), got {bad}")
-
-    def params(self) -> dict[str, Any]:
-        params = super().params()
-        if self.keep_ratio is None:
-            params.pop("keep_ratio")  # off: configs from before the switch keep their hashes
-        return params
 
     def layer_budget(self, layer) -> int | None:
         if layer.index in self.skip_layers or layer.stored < self.prune_after:

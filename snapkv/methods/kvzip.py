@@ -65,7 +65,7 @@ import torch
 from snapkv.cache import CompressibleLayer
 from snapkv.headwise import LAYOUTS, HeadwiseLayer
 from snapkv.methods.adakv import keep_top_per_head
-from snapkv.methods.base import Method, grouped, soft_cap, softmax_scores
+from snapkv.methods.base import Method, OwnPass, grouped, soft_cap, softmax_scores
 from snapkv.methods.checks import flag, integer, one_of
 from snapkv.methods.criticalkv import head_projections, output_projections
 from snapkv.methods.registry import register
@@ -196,7 +196,7 @@ class _Pass:
 
 @register
 @dataclass
-class KVzip(Method):
+class KVzip(OwnPass, Method):
     name = "kvzip"
 
     budget: int | None = 1024  # MEAN entries per KV head per layer, protected entries included

@@ -47,6 +47,7 @@ kept_order=topk, decode_schedule={interval: 1, window: 1}` is the decode-time Sn
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -108,13 +109,11 @@ class SnapKV(Method):
     def min_last_chunk(self) -> int:
         return self.window  # the observation window's queries come from the last prefill chunk
 
-    @property
-    def min_schedule_window(self) -> int:
-        return 1  # scheduled steps may vote with fewer queries than the prompt's window
-
     def validate_schedule(self, schedule) -> None:
-        super().validate_schedule(schedule)
-        votes = min(self.schedule_window, self.window)
+        # Scheduled steps may vote with fewer queries than the prompt's window (down to one): the
+        # base class's floor on decode_schedule.window (the observation window) does not hold here.
+        super().validate_schedule(dataclasses.replace(schedule, window=None))
+        votes = min(schedule.window or self.window, self.window)
         if self.kept_order == "topk" and votes > schedule.interval:
             # Top-k order moves older entries into the last slots: only tokens appended since the
             # last compression are known to be the voting queries' own keys (causal inside them).

@@ -25,7 +25,6 @@ class StreamingLLM(Method):
     name = "streamingllm"
     evict_during_decode = True  # a rolling cache: always (not a field, so not a switch)
     schedulable = False  # see Method.schedulable
-    protectable = False  # sinks + the most recent tokens are the whole budget (Method.protectable)
 
     budget: int | None = 1024
     n_sink: int = 4
@@ -39,6 +38,11 @@ class StreamingLLM(Method):
 
     def validate(self) -> None:
         super().validate()
+        if self.protect != "none":  # sinks + the most recent tokens are the whole budget
+            raise ValueError(
+                f"{self.name} keeps exactly its sinks and most recent tokens (its budget): protect must "
+                f"be none, got protect={self.protect!r}"
+            )
         if self.n_sink >= self.budget:
             raise ValueError(f"n_sink must be < budget, got n_sink={self.n_sink}, budget={self.budget}")
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from snapkv.methods.base import Method, attention_output, window_attention
+from snapkv.methods.base import Method, OwnAttention, attention_output, victim_by_position, window_attention
 from snapkv.methods.checks import flag, integer
 from snapkv.methods.registry import register
 
@@ -58,7 +58,7 @@ def _head_mean(votes: torch.Tensor, kv_heads: int) -> torch.Tensor:
 
 @register
 @dataclass
-class TOVA(Method):
+class TOVA(OwnAttention, Method):
     name = "tova"
 
     budget: int | None = 1024  # entries kept per KV head per layer (the multi-state size)
@@ -84,9 +84,10 @@ class TOVA(Method):
         return attention_output(probs, value, query.dtype)
 
     def observe(self, layer, query, key, module) -> None:
-        # After prefill, a forward that leaves the layer over budget scores its stored entries with
-        # its last query for `evict`; the scores are replaced (not accumulated) every step.
-        if layer.state == "ready" and self.evict_during_decode and layer.stored > self.budget:
+        # After prefill (called only under per-step eviction, `EveryStep`), a forward that leaves
+        # the layer over budget scores its stored entries with its last query for the eviction; the
+        # scores are replaced (not accumulated) every step.
+        if layer.state == "ready" and layer.stored > self.budget:
             layer.scores = last_query_attention(query, key, module, layer)
 
     def decode_score(self, layer) -> torch.Tensor:
@@ -97,4 +98,6 @@ class TOVA(Method):
         # row the victim is one slot, the base class's rule applied to head 0.
         if layer.positions.shape[0] != 1:
             return super().victims(layer)
-        return int(self.victim_by_position(layer.scores[0, 0], layer.positions[0, 0], layer.seen))
+        return int(
+            victim_by_position(layer.scores[0, 0], layer.positions[0, 0], layer.seen, self.protected())
+        )

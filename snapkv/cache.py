@@ -23,6 +23,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from snapkv import compat
+from snapkv import kv_quant as kvq
+from snapkv.kv_quant import KVQuant
 
 # Decode-time slots allocated ahead of the stored entries (`CompressibleLayer._append`).
 APPEND_ROOM = 64
@@ -62,6 +64,12 @@ class LayerState:
     # set by `CompressedCache.protect` before the prompt is fed); None: nothing beyond the method's
     # own sinks / window.
     protected_span: tuple[int, int] | None = None
+    # Quantized storage (`CompressibleLayer.kv_quant`): the leading stored keys / values held as
+    # their quantized values (the rest: the full-precision residual), and the bytes of the
+    # quantized part of quanto / hqq (codes, scales, zero points; KIVI's are computed).
+    quant_keys: int = 0
+    quant_values: int = 0
+    quant_bytes: int = 0
 
     def snapshot(self) -> LayerState:
         """A copy that later changes of this state cannot reach: the lists copied (the hooks append
@@ -177,6 +185,10 @@ class CompressibleLayer(DynamicLayer):
         # `evict_in_place` frees a slot) instead of copying the layer into a new tensor.
         self._kv_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # How kept entries are stored (`snapkv.kv_quant`; None: at the cache's dtype), set by
+        # CompressedCache; `_backend`: transformers' quanto / hqq layer that quantizes for it.
+        self.kv_quant: KVQuant | None = None
+        self._backend = None
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
@@ -203,6 +215,7 @@ class CompressibleLayer(DynamicLayer):
                 self.sort_by_position()
             if self.scores is not None:
                 self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, q)], dim=-1)
+            self.quantize_residual()
             self.seen += q
             return self._append(key_states, value_states)
         # Original token indices (with compacted positions the keys are rotated at their slot instead).
@@ -263,6 +276,7 @@ class CompressibleLayer(DynamicLayer):
         token's `update` fills. The entries are then no longer in position order; a decode step's
         attention does not depend on their order (every stored entry precedes the query), and
         `positions` says where each one came from."""
+        self._refuse_quantized_pruning()
         self._save_marked_entries()
         last = self.stored - 1
         if isinstance(victims, int):  # one slot everywhere: three slice copies, no index tensors
@@ -289,6 +303,77 @@ class CompressibleLayer(DynamicLayer):
         else:
             self.keys, self.values = self.keys[:, :, :last], self.values[:, :, :last]
             self.positions = self.positions[..., :last]
+
+    def quantize_residual(self) -> None:
+        """Store as quantized what `kv_quant`'s residual rule says is due (`snapkv.kv_quant`): the
+        prompt's kept entries once the prefill is done, then the residual as it fills. Runs before
+        a forward reads the layer after its prefill (and at `checkpoint()`, `kv_bytes()`); a no-op
+        without `kv_quant`, before the prefill is done, or with nothing due. The quantized entries
+        are rewritten in place with the values their quantized storage reads back."""
+        cfg = self.kv_quant
+        if cfg is None or self.state != "ready" or not self.is_initialized or self.stored == 0:
+            return
+        if self.pads is not None:
+            raise ValueError(
+                f"kv_quant={cfg.kind} does not support left-padded batches (a row's pads would join "
+                "its quantization groups)"
+            )
+        n, r, qk, qv = self.stored, cfg.residual, self.quant_keys, self.quant_values
+        if cfg.kind == "kivi":
+            # keys: whole residuals of `r` entries (groups never straddle the residual); values:
+            # all but the newest `r`
+            k_to, v_to = qk + (n - qk) // r * r, max(qv, n - r)
+            if k_to == qk and v_to == qv:
+                return
+            self._save_marked_entries()  # the marked entries are rewritten: copy them first
+            if k_to > qk:
+                self.keys[:, :, qk:k_to].copy_(
+                    kvq.kivi_keys(self.keys[:, :, qk:k_to], cfg.bits, cfg.group_size)
+                )
+            if v_to > qv:
+                self.values[:, :, qv:v_to].copy_(
+                    kvq.kivi_values(self.values[:, :, qv:v_to], cfg.bits, cfg.group_size)
+                )
+            self.quant_keys, self.quant_values = k_to, v_to
+            return
+        # transformers' QuantizedLayer: the whole prompt, then everything again once `r` are pending
+        if qk == n or (qk > 0 and n - qk < r):
+            return
+        if self._backend is None:
+            self._backend = cfg.backend(self.keys)
+        self._save_marked_entries()
+        backend = self._backend
+        qkeys = backend._quantize(self.keys.contiguous(), axis=backend.axis_key)
+        qvalues = backend._quantize(self.values.contiguous(), axis=backend.axis_value)
+        self.keys.copy_(backend._dequantize(qkeys))
+        self.values.copy_(backend._dequantize(qvalues))
+        self.quant_keys = self.quant_values = n
+        self.quant_bytes = kvq.quantized_nbytes(qkeys) + kvq.quantized_nbytes(qvalues)
+
+    def _refuse_quantized_pruning(self) -> None:
+        """ValueError for a pruning of entries already quantized (decode-time eviction or a decode
+        schedule under `kv_quant`): score_then_quantize prunes the prompt before quantizing it."""
+        if self.kv_quant is not None and (self.quant_keys or self.quant_values):
+            raise ValueError(
+                f"kv_quant={self.kv_quant.kind} order={self.kv_quant.order} prunes before quantizing: "
+                "decode-time eviction and decode schedules are not supported with it"
+            )
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored entries: `keys` + `values` at the cache's dtype, or with `kv_quant`
+        their quantized layout (codes, a scale and a zero point per group, the full-precision
+        residual; `quantize_residual` first, so that nothing due is counted at full precision)."""
+        cfg = self.kv_quant
+        tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
+        if cfg is None or self.dims is None:
+            return sum(t.numel() * t.element_size() for t in tensors)
+        self.quantize_residual()
+        (b, h, d), es = self.dims, self.keys.element_size()
+        qk, qv = self.quant_keys, self.quant_values
+        residual = (2 * self.stored - qk - qv) * b * h * d * es
+        if cfg.kind == "kivi":
+            return residual + kvq.kivi_bytes(self.dims, qk, qv, cfg, es)
+        return residual + self.quant_bytes
 
     def sort_by_position(self) -> None:
         """Put the stored entries back in position order (after `evict_in_place`); a no-op when
@@ -327,10 +412,9 @@ class CompressibleLayer(DynamicLayer):
         return n if self.pads is None else n - self.pads
 
     def logical_bytes(self) -> int:
-        """Bytes of the K/V entries kept (equal to the allocated bytes for this uniform layout)."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.keys, self.values) if isinstance(t, torch.Tensor)
-        )
+        """Bytes of the K/V entries kept (equal to the allocated bytes for this uniform layout;
+        with `kv_quant`, their quantized layout: `stored_bytes`)."""
+        return self.stored_bytes()
 
     @property
     def next_position(self) -> int:
@@ -352,6 +436,7 @@ class CompressibleLayer(DynamicLayer):
         batches, `snapkv.padding`)."""
         if self.pads is not None and pads is None:
             raise ValueError("keep() on a padded batch needs the kept rows' pads (snapkv.padding)")
+        self._refuse_quantized_pruning()
         self._save_marked_entries()
         # gathered into new tensors: the old buffer is not the layer's any more
         self._kv_buf = self._kv_views = None
@@ -380,6 +465,7 @@ class CompressibleLayer(DynamicLayer):
                 f"checkpoint() needs a prefilled (compressed) cache, layer {self.index} is in state "
                 f"{self.state!r}"
             )
+        self.quantize_residual()  # what is due now is marked quantized: no copy when it runs later
         self._mark = LayerMark(self)
         return self._mark
 
@@ -556,10 +642,11 @@ class CompressedCache(DynamicCache):
     Other layer kinds (sliding window, chunked, linear) keep transformers' own cache layers and are
     never compressed (hybrid models such as Gemma 3). `layer_factory(index=, num_layers=)` builds the
     compressible layers (default `CompressibleLayer`; methods with per-head storage pass their own,
-    see `Method.cache_layer`).
+    see `Method.cache_layer`). `kv_quant`: how the compressible layers store their kept entries
+    (`snapkv.kv_quant.KVQuant`; None: at the model's dtype); the other layers are not quantized.
     """
 
-    def __init__(self, config, layer_factory=None, **kwargs):
+    def __init__(self, config, layer_factory=None, kv_quant: KVQuant | None = None, **kwargs):
         super().__init__(config=config, **kwargs)
         layer_factory = layer_factory or CompressibleLayer
         compressible = set(full_attention_layers(config))
@@ -573,6 +660,14 @@ class CompressedCache(DynamicCache):
             self.layers[i] = layer_factory(index=i, num_layers=n)
             self.layers[i].rank, self.layers[i].num_compressible = rank, len(self.compressible)
             self.layers[i].shared = shared
+            if kv_quant is not None:
+                if self.layers[i].per_head:
+                    raise ValueError(
+                        f"kv_quant={kv_quant.kind} does not support per-head storage "
+                        f"({type(self.layers[i]).__name__}: Ada-KV and its relatives)"
+                    )
+                self.layers[i].kv_quant = kv_quant
+        self.kv_quant = kv_quant
         self._mark: CacheMark | None = None
         # Bytes the last `rollback()` had kept alive beyond the cache (for result rows).
         self.rollback_bytes = 0
@@ -680,9 +775,13 @@ class CompressedCache(DynamicCache):
         return [(i, self.layers[i]) for i in self.compressible]
 
     def kv_bytes(self) -> int:
-        """Bytes of the K/V tensors really stored, all layers (Σ numel · element_size)."""
+        """Bytes of the K/V tensors really stored, all layers (Σ numel · element_size); with
+        `kv_quant`, the compressible layers' quantized layout (`CompressibleLayer.stored_bytes`)."""
         total = 0
         for layer in self.layers:
+            if isinstance(layer, CompressibleLayer) and layer.kv_quant is not None:
+                total += layer.stored_bytes()
+                continue
             total += sum(t.numel() * t.element_size() for t in kv_tensors(layer))
         return total
 

@@ -57,6 +57,7 @@ import torch
 from snapkv import hooks
 from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, cache_kwarg, clock, prefill, stepper
+from snapkv.kv_quant import KVQuant
 from snapkv.methods import Method, build_method
 from snapkv.prompts import chat_templated, encode_prompt, generation_prompt_length, stop_token_ids
 from snapkv.sampling import Sampling, TokenPicker
@@ -205,6 +206,8 @@ class GenerationConfig:
     generation_prompt: how many of the prompt's last tokens are the chat template's generation
     prompt, what `Method.protect="generation_prompt"` keeps (the text entry points count them,
     `snapkv.prompts.generation_prompt_length`; the id entry points take the count given, 0: none).
+    kv_quant: how the cache stores the kept entries (`snapkv.kv_quant.KVQuant`; None: the model's
+    dtype).
     """
 
     query_aware: bool = True
@@ -218,6 +221,7 @@ class GenerationConfig:
     on_progress: ProgressCallback | None = None
     on_compressed: Callable[[CompressedCache], None] | None = None
     generation_prompt: int = 0
+    kv_quant: KVQuant | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -325,7 +329,7 @@ def _generate(
     input_tokens = context_ids.shape[1] + (question_ids.shape[1] if question_ids is not None else 0)
     pickers = [TokenPicker(cfg.sampling, seed, device) for seed in seeds]  # checks the seeds first
 
-    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer, kv_quant=cfg.kv_quant)
     # The prompt's protected end (`Method.protect`), compressed with the prompt (query-aware) or
     # fed after it: kept at the end of prefill and by every eviction while decoding.
     tail = min(method.protected_tail(asked, cfg.generation_prompt), input_tokens)
@@ -435,13 +439,14 @@ def compress_context(
     *,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> CompressedCache:
     """Prefill `context_ids` `[batch, len]` and compress it with `method`; returns the cache, ready
     for `answer()` (the context half of `generate_ids(..., query_aware=False)`, same forwards).
 
     `attention_mask` `[batch, len]`: a left-padded batch (1 = real token; positions as
     `model.generate` derives them, rows handled as in `snapkv.padding`); one prefill forward then
-    (`chunk_size` must be None).
+    (`chunk_size` must be None). `kv_quant`: as `GenerationConfig.kv_quant`.
     """
     method = method if method is not None else build_method("full")
     device = model.device
@@ -458,7 +463,7 @@ def compress_context(
         raise ValueError(f"a left-padded batch is prefilled in one forward, got chunk_size={chunk_size}")
     if padded:
         method.check_model_generate()  # what padded batches support is what model.generate supports
-    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    cache = CompressedCache(model.config, layer_factory=method.cache_layer, kv_quant=kv_quant)
     kw = cache_kwarg(model)
     with hooks.session(model, method, cache) as s:
         if padded:

@@ -313,6 +313,14 @@ class CompressibleLayer(DynamicLayer):
         cfg = self.kv_quant
         if cfg is None or self.state != "ready" or not self.is_initialized or self.stored == 0:
             return
+        # the entries are rewritten in place, also when a checkpoint or `kv_bytes()` asks outside
+        # the generation's inference mode (the cache's tensors are inference tensors then)
+        with torch.inference_mode():
+            self._quantize_due(cfg)
+
+    def _quantize_due(self, cfg: KVQuant) -> None:
+        if self.per_head:
+            raise ValueError(f"kv_quant={cfg.kind} does not support per-head storage (layer {self.index})")
         if self.pads is not None:
             raise ValueError(
                 f"kv_quant={cfg.kind} does not support left-padded batches (a row's pads would join "

@@ -329,6 +329,8 @@ def _generate(
     input_tokens = context_ids.shape[1] + (question_ids.shape[1] if question_ids is not None else 0)
     pickers = [TokenPicker(cfg.sampling, seed, device) for seed in seeds]  # checks the seeds first
 
+    if cfg.kv_quant is not None:
+        cfg.kv_quant.check_method(method)
     cache = CompressedCache(model.config, layer_factory=method.cache_layer, kv_quant=cfg.kv_quant)
     # The prompt's protected end (`Method.protect`), compressed with the prompt (query-aware) or
     # fed after it: kept at the end of prefill and by every eviction while decoding.
@@ -463,6 +465,8 @@ def compress_context(
         raise ValueError(f"a left-padded batch is prefilled in one forward, got chunk_size={chunk_size}")
     if padded:
         method.check_model_generate()  # what padded batches support is what model.generate supports
+    if kv_quant is not None:
+        kv_quant.check_method(method)
     cache = CompressedCache(model.config, layer_factory=method.cache_layer, kv_quant=kv_quant)
     kw = cache_kwarg(model)
     with hooks.session(model, method, cache) as s:

@@ -37,7 +37,7 @@ github.com/jy-yuan/KIVI at 876b4d2d08e3b1d5f70d0969c299d8c7c42ddfb6 (`quant/new_
   codes), here its codes are 0, read back as the exact value.
 
 quanto / hqq: transformers' own `QuantoQuantizedLayer` / `HQQQuantizedLayer` quantize and
-dequantize (`axis_key` / `axis_value` their defaults, 0 and 1); their residual rule is
+dequantize (`axis_key` / `axis_value` at the layers' defaults, as `QuantizedCache` leaves them); their residual rule is
 transformers' `QuantizedLayer`: the whole prompt quantized after the prefill, new entries kept at
 full precision, and once the residual reaches `residual`, all entries (the dequantized ones and the
 residual) quantized again as one tensor.
@@ -54,8 +54,6 @@ KINDS = ("kivi", "quanto", "hqq")
 ORDERS = ("score_then_quantize",)
 # The bit widths each backend stores (KIVI packs 32 / bits codes per int32; transformers' checks).
 BITS = {"kivi": (2, 4, 8), "quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
-# transformers' QuantizedCache default axes per backend (what its `QuantizedCache` uses unset).
-_AXES = {"quanto": (0, 0), "hqq": (1, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,18 +97,33 @@ class KVQuant:
         """Short name for row labels: `kivi4`."""
         return f"{self.kind}{self.bits}"
 
+    def check_method(self, method) -> None:
+        """ValueError naming the combination when `method` (a `snapkv.methods.Method`) cannot store
+        its entries this way, before any model runs: per-head storage (Ada-KV and its relatives,
+        KVzip: ragged heads fit no group along tokens), and any pruning after the prompt's (decode-
+        time eviction, decode schedules, a method's own pass after the prefill): with
+        score_then_quantize the entries are quantized once the prompt is pruned."""
+        name = getattr(method, "name", type(method).__name__)
+        if not method.cache_layer(0, 1).evicts_after_compression:
+            raise ValueError(
+                f"kv_quant={self.kind} does not support per-head storage, which method={name} uses"
+            )
+        if method.decode_steps.on:
+            raise ValueError(
+                f"kv_quant={self.kind} order={self.order} quantizes once the prompt is pruned: "
+                f"method={name} evicts while decoding (decode-time eviction or a decode schedule), "
+                "which is not supported with it"
+            )
+
     def backend(self, like: torch.Tensor):
         """transformers' quantized cache layer of `kind` (quanto / hqq), whose `_quantize` /
         `_dequantize` this storage calls; ValueError naming the package when it is missing."""
         from transformers.cache_utils import HQQQuantizedLayer, QuantoQuantizedLayer
 
         cls = {"quanto": QuantoQuantizedLayer, "hqq": HQQQuantizedLayer}[self.kind]
-        axis_key, axis_value = _AXES[self.kind]
-        try:
+        try:  # the axes left at the layer's defaults, as transformers' `QuantizedCache` leaves them
             layer = cls(
                 nbits=self.bits,
-                axis_key=axis_key,
-                axis_value=axis_value,
                 q_group_size=self.group_size,
                 residual_length=self.residual,
             )

@@ -1,0 +1,162 @@
+"""Quantized storage (`snapkv.kv_quant`) through the compressed cache: transformers' own
+`QuantizedCache` as the reference for quanto / hqq, checkpoint / rollback, bytes, and the
+combinations refused."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import QuantizedCache
+
+from snapkv import answer, build_method, compress_context, generate_ids
+from snapkv.kv_quant import KVQuant, kivi_bytes
+from tests.conftest import random_ids, tiny_model
+
+BACKENDS = [
+    pytest.param(
+        "quanto",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("optimum") is None, reason="optimum-quanto is not installed"
+        ),
+    ),
+    pytest.param(
+        "hqq",
+        marks=pytest.mark.skipif(importlib.util.find_spec("hqq") is None, reason="hqq is not installed"),
+    ),
+]
+
+
+def grab(store: dict, name: str):
+    return lambda cache: store.__setitem__(name, cache)
+
+
+@pytest.mark.parametrize("kind", BACKENDS)
+def test_full_cache_equals_transformers_quantized_cache(kind):
+    """method=full with kv_quant=quanto|hqq: the greedy tokens of transformers' `generate` on its
+    own `QuantizedCache`, and the same keys / values read back at the end (residual 4 with 11 new
+    tokens: several re-quantizations)."""
+    model, ids = tiny_model("llama"), random_ids(40)
+    quant = KVQuant(kind=kind, bits=4, group_size=16, residual=4)
+    ref_cache = QuantizedCache(kind, model.config, nbits=4, q_group_size=16, residual_length=4)
+    with torch.inference_mode():
+        want = model.generate(
+            ids, past_key_values=ref_cache, max_new_tokens=12, do_sample=False, min_new_tokens=12
+        )[:, ids.shape[1] :]
+    caches = {}
+    got, res = generate_ids(
+        model,
+        ids,
+        method=build_method("full"),
+        max_new_tokens=12,
+        kv_quant=quant,
+        on_compressed=grab(caches, "q"),
+    )
+    assert torch.equal(got, want)
+    for (_, layer), ref in zip(caches["q"].compressible_layers(), ref_cache.layers):
+        layer.quantize_residual()
+        keys = torch.cat([ref._dequantize(ref._quantized_keys), ref.keys], dim=-2)
+        values = torch.cat([ref._dequantize(ref._quantized_values), ref.values], dim=-2)
+        # ours holds the last generated token too (fed by no forward in either): compare the rest
+        n = keys.shape[-2]
+        torch.testing.assert_close(layer.keys[:, :, :n], keys, rtol=0, atol=1e-6)
+        torch.testing.assert_close(layer.values[:, :, :n], values, rtol=0, atol=1e-6)
+    assert res.kv_bytes < res.kv_bytes_full
+
+
+def test_rollback_restores_the_quantized_storage():
+    """A question fed after the checkpoint flushes the residual (entries rewritten in place); the
+    rollback returns keys, values and the quantized counts to the mark, and the same question then
+    gives the same logits."""
+    model, ids = tiny_model("qwen2"), random_ids(50)
+    method = build_method("snapkv", budget=30, window=4)
+    cache = compress_context(model, ids, method, kv_quant=KVQuant(bits=2, group_size=4, residual=8))
+    cache.checkpoint()
+    layers = [layer for _, layer in cache.compressible_layers()]
+    marked = [
+        (layer.keys.clone(), layer.values.clone(), layer.quant_keys, layer.quant_values) for layer in layers
+    ]
+    assert all(m[2] == 24 and m[3] == 22 for m in marked)
+    question = random_ids(12, seed=5)
+    first = answer(model, cache, question, method, max_new_tokens=12, keep_logits=True)
+    assert all(layer.quant_keys == 24 for layer in layers)
+    for layer, (k, v, qk, qv) in zip(layers, marked):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+        assert (layer.quant_keys, layer.quant_values) == (qk, qv)
+    again = answer(model, cache, question, method, max_new_tokens=12, keep_logits=True)
+    assert torch.equal(first.ids, again.ids)
+    # the question's tokens filled the residual: quantizing it rewrote marked entries, so the mark
+    # copied the layer's keys, values and positions first (copy-on-write)
+    assert first.rollback_bytes == again.rollback_bytes == 3 * (2 * 30 * 32 * 4 + 30 * 2 * 8)
+    for a, b in zip(first.logits, again.logits):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_kv_bytes_count_codes_scales_zero_points_and_residual():
+    model, ids = tiny_model("llama"), random_ids(50)
+    quant = KVQuant(kind="kivi", bits=4, group_size=4, residual=8)
+    cache = compress_context(model, ids, build_method("snapkv", budget=30, window=4), kv_quant=quant)
+    b, h, d = 1, 2, 16
+    per_layer = kivi_bytes((b, h, d), 24, 22, quant, 4) + (30 - 24 + 30 - 22) * b * h * d * 4
+    # codes: 46 entries x 32 values x 4 bits; scale + min: 6 key groups x 32 channels, 22 values x 8
+    assert per_layer == 46 * 32 // 2 + 2 * (6 * 32 + 22 * 8) * 4 + 14 * 32 * 4
+    assert cache.kv_bytes() == cache.kv_bytes_logical() == 3 * per_layer
+    assert cache.kv_bytes_full() == 3 * 2 * 50 * 32 * 4
+
+
+@pytest.mark.parametrize(
+    "name, params, says",
+    [
+        ("h2o", {"budget": 20, "evict_during_decode": True}, "method=h2o evicts while decoding"),
+        ("streamingllm", {"budget": 20}, "method=streamingllm evicts while decoding"),
+        ("snapkv", {"budget": 20, "window": 4, "decode_schedule": {"interval": 8}}, "evicts while decoding"),
+        ("kvzip", {"budget": 20}, "per-head storage, which method=kvzip"),
+        ("adakv", {"budget": 20, "window": 4}, "per-head storage, which method=adakv"),
+    ],
+)
+def test_unsupported_methods_are_refused_before_the_model_runs(name, params, says):
+    model, ids = tiny_model("llama"), random_ids(40)
+    quant = KVQuant(group_size=4, residual=8)
+    with pytest.raises(ValueError, match=says):
+        generate_ids(model, ids, method=build_method(name, **params), max_new_tokens=4, kv_quant=quant)
+    with pytest.raises(ValueError, match=says):
+        compress_context(model, ids, build_method(name, **params), kv_quant=quant)
+
+
+def test_pruning_quantized_entries_is_refused():
+    """The layer itself refuses to prune entries it already quantized (what `check_method` keeps
+    every method from reaching)."""
+    model, ids = tiny_model("llama"), random_ids(40)
+    cache = compress_context(
+        model, ids, build_method("snapkv", budget=30, window=4), kv_quant=KVQuant(group_size=4, residual=8)
+    )
+    _, layer = cache.compressible_layers()[0]
+    layer.quantize_residual()
+    with pytest.raises(ValueError, match="prunes before quantizing"):
+        layer.keep(torch.arange(20).expand(1, 2, 20))
+
+
+def test_padded_batch_is_refused():
+    model = tiny_model("llama")
+    ids = random_ids(30, batch=2)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    cache = compress_context(
+        model,
+        ids,
+        build_method("snapkv", budget=20, window=4),
+        attention_mask=mask,
+        kv_quant=KVQuant(group_size=4, residual=8),
+    )
+    with pytest.raises(ValueError, match="left-padded"):
+        cache.kv_bytes()
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("kind", "int3"), ("bits", 3), ("group_size", 0), ("residual", -1), ("residual", 6), ("order", "x")],
+)
+def test_bad_values_name_themselves(field, value):
+    with pytest.raises(ValueError, match=f"{field}={value!r}"):
+        KVQuant(**{"group_size": 4, "residual": 8, field: value})

@@ -5,14 +5,24 @@ combinations refused."""
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import QuantizedCache
 
+from eval import runner
+from eval.compare import compare_configs
+from eval.spec import RunSpec
+from eval.store import read_rows
 from snapkv import answer, build_method, compress_context, generate_ids
 from snapkv.kv_quant import KVQuant, kivi_bytes
 from tests.conftest import random_ids, tiny_model
+from tests.test_configs import compose_cfg
+from tests.test_runner import _no_model_load, make_cfg, result_files, run_cli_in_process, save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 BACKENDS = [
     pytest.param(
@@ -160,3 +170,93 @@ def test_padded_batch_is_refused():
 def test_bad_values_name_themselves(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         KVQuant(**{"group_size": 4, "residual": 8, field: value})
+
+
+# ---- the harness: config group, hash, rows, refusals before the model loads -----------------------
+COMMITTED = ROOT / "results/needle_budget/needle/smollm2-135m-instruct/snapkv-d69f199c.jsonl"
+
+
+def test_committed_rows_keep_their_hash_without_kv_quant():
+    """kv_quant=none (the default, or named) leaves the config hash of an existing committed row."""
+    row = json.loads(COMMITTED.read_text().splitlines()[0])
+    for overrides in ([], ["kv_quant=none"]):
+        assert RunSpec.from_config(compose_cfg(overrides)).method_hash == row["method_hash"]
+    assert "kv_quant" not in row
+
+
+def test_kv_quant_enters_the_hash_and_the_label():
+    specs = {
+        ov: RunSpec.from_config(compose_cfg(["kv_quant=kivi", *ov]))
+        for ov in ((), ("kv_quant.bits=2",), ("kv_quant.residual=64",))
+    }
+    plain = RunSpec.from_config(compose_cfg([]))
+    hashes = {s.method_hash for s in specs.values()} | {plain.method_hash}
+    assert len(hashes) == 4
+    assert specs[()].kv_quant == KVQuant(kind="kivi", bits=4, group_size=32, residual=128)
+    assert runner._label(specs[()]) == "snapkv b=512 w=32 k=7 max kivi4"
+    assert runner._label(specs[("kv_quant.residual=64",)]).endswith(" kivi4 r=64")
+    assert runner._label(plain) == "snapkv b=512 w=32 k=7 max"
+
+
+def test_compare_baselines_run_unquantized():
+    configs = compare_configs(compose_cfg(["kv_quant=kivi"]))
+    specs = [RunSpec.from_config(c) for c in configs]
+    assert [s.method.name for s in specs] == ["snapkv", "full", "streamingllm"]
+    assert specs[0].kv_quant is not None and all(s.kv_quant is None for s in specs[1:])
+
+
+REFUSED = {
+    "decode-time eviction": (["method=h2o", "kv_quant=kivi"], "method=h2o evicts while decoding"),
+    "rolling window": (["method=streamingllm", "kv_quant=kivi"], "method=streamingllm evicts while decoding"),
+    "per-head storage": (["method=adakv", "kv_quant=quanto"], "per-head storage, which method=adakv"),
+    "non-generating task": (["task=fidelity", "kv_quant=kivi"], "kv_quant=kivi is not supported with task"),
+    "bad bits": (["kv_quant=quanto", "kv_quant.bits=8"], "bits=8"),
+    "unknown kind": (["kv_quant=kivi", "kv_quant.kind=int4"], "kind='int4'"),
+    "options without a kind": (["+kv_quant.bits=2"], "kv_quant.bits needs a quantized storage"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_combinations_exit_2_before_the_model_loads(case, monkeypatch, tmp_path, capsys):
+    args, expected = REFUSED[case]
+    monkeypatch.setattr(runner, "load_model", _no_model_load)
+    code = run_cli_in_process(monkeypatch, tmp_path, f"results_dir={tmp_path}/results", *args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert expected in err[0]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> str:
+    return save_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+def test_run_rows_carry_kv_quant_and_its_bytes(tiny_dir, tmp_path):
+    """A needle run with snapkv + KIVI: the rows name the storage, count its bytes (below the same
+    run's at the model's dtype) and are in a file of their own."""
+    results = tmp_path / "results"
+    quant = ["kv_quant=kivi", "kv_quant.group_size=4", "kv_quant.residual=8", "compare=[]"]
+    runner.run(make_cfg(tiny_dir, results, *quant))
+    runner.run(make_cfg(tiny_dir, results, "compare=[]"))
+    rows = {}
+    for path in result_files(results):
+        for row in read_rows(path):
+            rows.setdefault("kv_quant" in row, []).append(row)
+    (q, *_), (plain, *_) = (
+        sorted(rows[True], key=lambda r: r["sample_id"]),
+        sorted(rows[False], key=lambda r: r["sample_id"]),
+    )
+    assert q["kv_quant"] == {
+        "kind": "kivi",
+        "bits": 4,
+        "group_size": 4,
+        "residual": 8,
+        "order": "score_then_quantize",
+    }
+    assert q["status"] == "ok" and q["method_hash"] != plain["method_hash"]
+    assert q["kv_tokens"] == plain["kv_tokens"] and q["kv_bytes_full"] == plain["kv_bytes_full"]
+    # 2 layers of 64 entries (1 row, 2 KV heads, head_dim 16, fp32): keys all quantized, values but
+    # the newest 8
+    assert q["kv_tokens"] == 64
+    quantized = kivi_bytes((1, 2, 16), 64, 56, KVQuant(group_size=4, residual=8), 4) + 8 * 32 * 4
+    assert q["kv_bytes"] == q["kv_bytes_logical"] == 2 * quantized < plain["kv_bytes"]

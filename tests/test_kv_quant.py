@@ -14,6 +14,7 @@ from transformers import QuantizedCache
 
 from eval import runner
 from eval.compare import compare_configs
+from eval.conf import options
 from eval.spec import RunSpec
 from eval.store import read_rows
 from snapkv import answer, build_method, compress_context, generate_ids
@@ -213,7 +214,21 @@ REFUSED = {
     "bad bits": (["kv_quant=quanto", "kv_quant.bits=8"], "bits=8"),
     "unknown kind": (["kv_quant=kivi", "kv_quant.kind=int4"], "kind='int4'"),
     "options without a kind": (["+kv_quant.bits=2"], "kv_quant.bits needs a quantized storage"),
+    "unknown option": (["kv_quant=int4"], "unknown kv_quant 'int4'; known: hqq, kivi, none, quanto"),
+    "unknown key": (
+        ["kv_quant=kivi", "kv_quant.bitz=2"],
+        "unknown config key 'kv_quant.bitz'; known keys of",
+    ),
+    "key of none": (["kv_quant.bits=2"], "unknown config key 'kv_quant.bits'; known keys of kv_quant: kind"),
 }
+
+
+@pytest.mark.parametrize("name", options("kv_quant"))
+def test_every_kv_quant_config_builds(name):
+    spec = RunSpec.from_config(compose_cfg([f"kv_quant={name}"]))
+    assert (spec.kv_quant is None) == (name == "none")
+    if spec.kv_quant is not None:
+        assert spec.kv_quant.kind == name and spec.kv_quant.order == "score_then_quantize"
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
@@ -260,3 +275,24 @@ def test_run_rows_carry_kv_quant_and_its_bytes(tiny_dir, tmp_path):
     assert q["kv_tokens"] == 64
     quantized = kivi_bytes((1, 2, 16), 64, 56, KVQuant(group_size=4, residual=8), 4) + 8 * 32 * 4
     assert q["kv_bytes"] == q["kv_bytes_logical"] == 2 * quantized < plain["kv_bytes"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["protocol=context_only"],
+        ["protocol=multi_request", "task.needles=2"],
+        ["protocol=first_question", "task.needles=2"],
+        ["protocol=multi_turn", "task.needles=2"],
+        ["generation.do_sample=true", "generation.samples_per_prompt=2"],
+    ],
+    ids=lambda o: o[0].split("=")[1] if o[0].startswith("protocol") else "sampling",
+)
+def test_every_protocol_runs_with_kv_quant(tiny_dir, tmp_path, overrides):
+    results = tmp_path / "results"
+    quant = ["kv_quant=kivi", "kv_quant.group_size=4", "kv_quant.residual=8", "compare=[]"]
+    grid = ["task.lengths=[300]", "task.depths=[50]"]
+    runner.run(make_cfg(tiny_dir, results, *quant, *grid, *overrides))
+    rows = [row for path in result_files(results) for row in read_rows(path)]
+    assert rows and all(r["status"] == "ok" and r["kv_quant"]["kind"] == "kivi" for r in rows), rows
+    assert all(r["kv_bytes"] < r["kv_bytes_full"] for r in rows)

@@ -303,6 +303,7 @@ class CompressibleLayer(DynamicLayer):
         else:
             self.keys, self.values = self.keys[:, :, :last], self.values[:, :, :last]
             self.positions = self.positions[..., :last]
+        self._pruned()
 
     def quantize_residual(self) -> None:
         """Store as quantized what `kv_quant`'s residual rule says is due (`snapkv.kv_quant`): the
@@ -358,14 +359,34 @@ class CompressibleLayer(DynamicLayer):
         self.quant_keys = self.quant_values = n
         self.quant_bytes = kvq.quantized_nbytes(qkeys) + kvq.quantized_nbytes(qvalues)
 
+    def before_compress(self) -> None:
+        """The end of the prefill, before the method scores it: with `kv_quant` order
+        dequant_prune_requant (kvpress' order with transformers' `QuantizedCache`) the prompt is
+        stored quantized now, so that the method scores the values read back from it (the keys
+        attention was given are this layer's `keys`, rewritten in place); then the pruning
+        re-quantizes what it keeps (`_pruned`). A no-op otherwise."""
+        cfg = self.kv_quant
+        if cfg is None or cfg.order != "dequant_prune_requant" or not self.is_initialized or self.stored == 0:
+            return
+        with torch.inference_mode():
+            self._quantize_due(cfg)
+
     def _refuse_quantized_pruning(self) -> None:
-        """ValueError for a pruning of entries already quantized (decode-time eviction or a decode
-        schedule under `kv_quant`): score_then_quantize prunes the prompt before quantizing it."""
-        if self.kv_quant is not None and (self.quant_keys or self.quant_values):
+        """ValueError for a pruning of entries already quantized under score_then_quantize
+        (decode-time eviction or a decode schedule: `KVQuant.check_method` refuses them first),
+        which prunes the prompt before quantizing it."""
+        cfg = self.kv_quant
+        if cfg is not None and cfg.order == "score_then_quantize" and (self.quant_keys or self.quant_values):
             raise ValueError(
-                f"kv_quant={self.kv_quant.kind} order={self.kv_quant.order} prunes before quantizing: "
+                f"kv_quant={cfg.kind} order={cfg.order} prunes before quantizing: "
                 "decode-time eviction and decode schedules are not supported with it"
             )
+
+    def _pruned(self) -> None:
+        """After a pruning under dequant_prune_requant: the kept entries (read-back values and
+        residual alike) are quantized again, as one prompt, before the next forward reads them."""
+        if self.kv_quant is not None:
+            self.quant_keys = self.quant_values = self.quant_bytes = 0
 
     def stored_bytes(self) -> int:
         """Bytes of the stored entries: `keys` + `values` at the cache's dtype, or with `kv_quant`
@@ -456,6 +477,7 @@ class CompressibleLayer(DynamicLayer):
         self.positions = self.positions.gather(2, indices)
         if self.scores is not None:
             self.scores = self.scores.gather(2, indices)
+        self._pruned()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(

@@ -1,10 +1,18 @@
 """Quantized storage of a compressed cache's entries: KIVI, and transformers' quanto / HQQ backends.
 
 `KVQuant` says how the entries a method keeps are stored; `CompressedCache(..., kv_quant=q)` applies
-it to every compressible layer (`CompressibleLayer.quantize_residual`). Order
-`score_then_quantize`: the prompt is scored and pruned on full-precision keys (the prefill's
-attention is full precision in KIVI and in transformers' `QuantizedCache` alike), then the kept
-entries are quantized before the first forward that reads them.
+it to every compressible layer (`CompressibleLayer.quantize_residual`). The prefill's attention is
+full precision in KIVI and in transformers' `QuantizedCache` alike; `order` says when the method
+scores:
+
+- `score_then_quantize`: the prompt is scored and pruned at full precision, then the kept entries
+  are quantized before the first forward that reads them; a later pruning (decode-time eviction,
+  decode schedules) is refused.
+- `dequant_prune_requant`: kvpress' order on transformers' `QuantizedCache` (its presses read the
+  cache's dequantized keys and values, prune, and quantize what they keep again): the prompt is
+  stored quantized when the prefill ends (`CompressibleLayer.before_compress`), the method scores
+  the values read back, and every pruning (the prompt's, and any while decoding) has the kept
+  entries quantized again by the prompt's rule.
 
 The stored `keys` / `values` `[batch, kv_heads, stored, head_dim]` hold, for the quantized entries,
 exactly the values attention reads from the quantized storage (codes x scale + zero point), and the
@@ -51,7 +59,7 @@ import math
 import torch
 
 KINDS = ("kivi", "quanto", "hqq")
-ORDERS = ("score_then_quantize",)
+ORDERS = ("score_then_quantize", "dequant_prune_requant")
 # The bit widths each backend stores (KIVI packs 32 / bits codes per int32; transformers' checks).
 BITS = {"kivi": (2, 4, 8), "quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 
@@ -62,7 +70,9 @@ class KVQuant:
     `group_size`: entries (KIVI keys) or channels (KIVI values; quanto / hqq: their own grouping)
     sharing one scale and zero point; `residual`: the most recent entries kept at full precision
     (KIVI's `residual_length`, transformers' `residual_length`); `order`: score_then_quantize
-    (methods score the full-precision prompt; the kept entries are quantized)."""
+    (methods score the full-precision prompt; the kept entries are quantized) or
+    dequant_prune_requant (methods score the quantized prompt read back; what they keep is
+    quantized again after each pruning)."""
 
     kind: str = "kivi"
     bits: int = 4
@@ -101,18 +111,18 @@ class KVQuant:
         """ValueError naming the combination when `method` (a `snapkv.methods.Method`) cannot store
         its entries this way, before any model runs: per-head storage (Ada-KV and its relatives,
         KVzip: ragged heads fit no group along tokens), and any pruning after the prompt's (decode-
-        time eviction, decode schedules, a method's own pass after the prefill): with
-        score_then_quantize the entries are quantized once the prompt is pruned."""
+        time eviction, decode schedules) under score_then_quantize, which quantizes once the prompt
+        is pruned (dequant_prune_requant re-quantizes after every pruning)."""
         name = getattr(method, "name", type(method).__name__)
         if not method.cache_layer(0, 1).evicts_after_compression:
             raise ValueError(
                 f"kv_quant={self.kind} does not support per-head storage, which method={name} uses"
             )
-        if method.decode_steps.on:
+        if method.decode_steps.on and self.order == "score_then_quantize":
             raise ValueError(
                 f"kv_quant={self.kind} order={self.order} quantizes once the prompt is pruned: "
                 f"method={name} evicts while decoding (decode-time eviction or a decode schedule), "
-                "which is not supported with it"
+                "which is not supported with it (order=dequant_prune_requant re-quantizes after each pruning)"
             )
 
     def backend(self, like: torch.Tensor):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import QuantizedCache
+from transformers import DynamicCache, QuantizedCache
 
 from eval import runner
 from eval.compare import compare_configs
@@ -20,6 +20,8 @@ from eval.store import read_rows
 from snapkv import answer, build_method, compress_context, generate_ids
 from snapkv.kv_quant import KVQuant, kivi_bytes
 from tests.conftest import random_ids, tiny_model
+from tests.methods.test_kivi import naive_kcache, naive_vcache
+from tests.reference import naive_snapkv_selection
 from tests.test_configs import compose_cfg
 from tests.test_runner import _no_model_load, make_cfg, result_files, run_cli_in_process, save_tiny_model
 
@@ -296,3 +298,95 @@ def test_every_protocol_runs_with_kv_quant(tiny_dir, tmp_path, overrides):
     rows = [row for path in result_files(results) for row in read_rows(path)]
     assert rows and all(r["status"] == "ok" and r["kv_quant"]["kind"] == "kivi" for r in rows), rows
     assert all(r["kv_bytes"] < r["kv_bytes_full"] for r in rows)
+
+
+# ---- order=dequant_prune_requant: kvpress' order on transformers' QuantizedCache -----------------
+def _kivi_read_back(x: torch.Tensor, quant: KVQuant, keys: bool) -> torch.Tensor:
+    """The prompt as KIVI stores it (the naive transcription): keys but the last `n % residual`,
+    values but the last `residual`."""
+    n, r = x.shape[2], quant.residual
+    out = x.clone()
+    if keys and n >= r:
+        out[:, :, : n - n % r] = naive_kcache(x[:, :, : n - n % r], quant.group_size, quant.bits)
+    if not keys and n > r:
+        out[:, :, : n - r] = naive_vcache(x[:, :, : n - r], quant.group_size, quant.bits)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["kivi", *BACKENDS])
+def test_dequant_prune_requant_equals_its_reference(kind):
+    """The prompt stored quantized (transformers' `QuantizedCache` prefill, or KIVI's rule), SnapKV
+    scoring the values read back (the naive selection over eager weights from those keys), and the
+    kept entries quantized again as one prompt."""
+    model, ids = tiny_model("llama"), random_ids(48)
+    group = 4 if kind == "kivi" else 16
+    quant = KVQuant(kind=kind, bits=2, group_size=group, residual=8, order="dequant_prune_requant")
+    method = build_method("snapkv", budget=24, window=8, kernel_size=5)
+    seen, score = {}, method.score
+
+    def spy(layer, query, key, module):
+        seen[layer.index] = (query.clone(), key.clone())
+        return score(layer, query, key, module)
+
+    method.score = spy
+    cache = compress_context(model, ids, method, kv_quant=quant)
+    with torch.inference_mode():
+        if kind == "kivi":
+            ref = DynamicCache()
+            model(ids, past_key_values=ref)
+            read_back = [
+                (_kivi_read_back(r.keys, quant, True), _kivi_read_back(r.values, quant, False))
+                for r in ref.layers
+            ]
+        else:
+            ref = QuantizedCache(kind, model.config, nbits=2, q_group_size=group, residual_length=8)
+            model(ids, past_key_values=ref)
+            read_back = [
+                (r._dequantize(r._quantized_keys), r._dequantize(r._quantized_values)) for r in ref.layers
+            ]
+    for i, layer in cache.compressible_layers():
+        query, key = seen[i]
+        keys, values = read_back[i]
+        torch.testing.assert_close(key, keys, rtol=0, atol=1e-6)  # dequantize
+        logits = query @ keys.repeat_interleave(2, dim=1).transpose(-1, -2) / 4.0
+        logits = logits.masked_fill(torch.ones(48, 48, dtype=torch.bool).triu(1), float("-inf"))
+        kept = naive_snapkv_selection(logits.softmax(-1), 2, 24, 8, 5, "max", "mean")
+        assert layer.positions[0].tolist() == kept  # prune
+        layer.quantize_residual()
+        idx = torch.tensor(kept).unsqueeze(0).unsqueeze(-1).expand(1, 2, 24, 16)
+        k, v = keys.gather(2, idx), values.gather(2, idx)
+        if kind == "kivi":
+            want = _kivi_read_back(k, quant, True), _kivi_read_back(v, quant, False)
+        else:
+            backend = quant.backend(k)
+            want = tuple(backend._dequantize(backend._quantize(t.contiguous(), axis=0)) for t in (k, v))
+        torch.testing.assert_close(layer.keys, want[0], rtol=0, atol=1e-6)  # re-quantize
+        torch.testing.assert_close(layer.values, want[1], rtol=0, atol=1e-6)
+
+
+def test_dequant_prune_requant_takes_decode_time_eviction():
+    """Pruning after quantizing is this order's own: H2O evicting at every step runs, and after the
+    last eviction the kept entries are quantized again by KIVI's prompt rule (keys but the last
+    20 % 8, values but the last 8)."""
+    model, ids = tiny_model("llama"), random_ids(40)
+    quant = KVQuant(kind="kivi", bits=4, group_size=4, residual=8, order="dequant_prune_requant")
+    caches = {}
+    generate_ids(
+        model,
+        ids,
+        method=build_method("h2o", budget=20, evict_during_decode=True),
+        max_new_tokens=10,
+        kv_quant=quant,
+        on_compressed=grab(caches, "q"),
+    )
+    for _, layer in caches["q"].compressible_layers():
+        assert layer.stored == 20 and layer.decode_evicted > 0
+        layer.quantize_residual()
+        assert layer.quant_keys == 16 and layer.quant_values == 12
+
+
+def test_dequant_prune_requant_builds_with_decode_time_eviction():
+    spec = RunSpec.from_config(
+        compose_cfg(["method=h2o", "kv_quant=kivi", "kv_quant.order=dequant_prune_requant"])
+    )
+    assert spec.kv_quant.order == "dequant_prune_requant" and spec.method.decode_steps.on

@@ -8,6 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from transformers import DynamicCache, QuantizedCache
@@ -15,6 +16,7 @@ from transformers import DynamicCache, QuantizedCache
 from eval import runner
 from eval.compare import compare_configs
 from eval.conf import options
+from eval.report.build import prepare
 from eval.spec import RunSpec
 from eval.store import read_rows
 from snapkv import answer, build_method, compress_context, generate_ids
@@ -277,6 +279,9 @@ def test_run_rows_carry_kv_quant_and_its_bytes(tiny_dir, tmp_path):
     assert q["kv_tokens"] == 64
     quantized = kivi_bytes((1, 2, 16), 64, 56, KVQuant(group_size=4, residual=8), 4) + 8 * 32 * 4
     assert q["kv_bytes"] == q["kv_bytes_logical"] == 2 * quantized < plain["kv_bytes"]
+    # the report names the storage: its rows are not the unquantized config's
+    df = prepare(pd.DataFrame(rows[True] + rows[False]))
+    assert set(df["label"]) == {"snapkv b=64 w=32 k=7 max kivi4 g=4 r=8", "snapkv b=64 w=32 k=7 max"}
 
 
 @pytest.mark.parametrize(
@@ -390,3 +395,25 @@ def test_dequant_prune_requant_builds_with_decode_time_eviction():
         compose_cfg(["method=h2o", "kv_quant=kivi", "kv_quant.order=dequant_prune_requant"])
     )
     assert spec.kv_quant.order == "dequant_prune_requant" and spec.method.decode_steps.on
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+def test_chunked_prefill_stores_what_one_pass_stores(arch):
+    """The prompt is quantized after its compression, so a chunked prefill (same selection) stores
+    the same values; on Gemma 3 only the full-attention layers are quantized."""
+    model, ids = tiny_model(arch), random_ids(70)
+    quant = KVQuant(kind="kivi", bits=2, group_size=4, residual=8)
+    method = build_method("snapkv", budget=32, window=4)
+    one, chunked = (compress_context(model, ids, method, chunk_size=c, kv_quant=quant) for c in (None, 24))
+    for c in (one, chunked):
+        c.kv_bytes()  # quantizes what is due
+    for (_, a), (_, b) in zip(one.compressible_layers(), chunked.compressible_layers()):
+        assert a.quant_keys == 32 and a.quant_values == 24
+        # (chunked attention rounds differently in earlier layers: fp32 noise, no code flips)
+        torch.testing.assert_close(a.keys, b.keys, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.values, b.values, rtol=0, atol=1e-5)
+    # the other layers (Gemma 3's sliding windows) hold their tensors at the model's dtype
+    plain = compress_context(model, ids, method)
+    others = [plain.kv_bytes() - sum(layer.stored_bytes() for _, layer in plain.compressible_layers())]
+    others.append(one.kv_bytes() - sum(layer.stored_bytes() for _, layer in one.compressible_layers()))
+    assert others[0] == others[1] and (others[0] > 0) == (arch == "gemma3")

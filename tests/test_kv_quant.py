@@ -20,7 +20,7 @@ from eval.report.build import prepare
 from eval.spec import RunSpec
 from eval.store import read_rows
 from snapkv import answer, build_method, compress_context, generate_ids
-from snapkv.kv_quant import KVQuant, kivi_bytes
+from snapkv.kv_quant import KVQuant, kivi_bytes, quantized_nbytes
 from tests.conftest import random_ids, tiny_model
 from tests.methods.test_kivi import naive_kcache, naive_vcache
 from tests.reference import naive_snapkv_selection
@@ -77,7 +77,15 @@ def test_full_cache_equals_transformers_quantized_cache(kind):
         n = keys.shape[-2]
         torch.testing.assert_close(layer.keys[:, :, :n], keys, rtol=0, atol=1e-6)
         torch.testing.assert_close(layer.values[:, :, :n], values, rtol=0, atol=1e-6)
-    assert res.kv_bytes < res.kv_bytes_full
+    # after the prefill: the prompt quantized whole, as transformers' prefill stores it (codes,
+    # scales and zero points of its own quantized tensors), no residual
+    prompt_cache = QuantizedCache(kind, model.config, nbits=4, q_group_size=16, residual_length=4)
+    with torch.inference_mode():
+        model(ids, past_key_values=prompt_cache)
+    stored = [
+        quantized_nbytes(t) for r in prompt_cache.layers for t in (r._quantized_keys, r._quantized_values)
+    ]
+    assert res.kv_bytes == sum(stored) == res.kv_bytes_full / 4  # 4-bit codes + fp32 scale, zero per 16
 
 
 def test_rollback_restores_the_quantized_storage():

@@ -262,6 +262,7 @@ class RunSpec:
             )
         kv_quant = kv_quant_from_config(cfg.get("kv_quant"))
         if kv_quant is not None:
+            kv_quant.check_available()
             kv_quant.check_method(method)
             if not task.generates:
                 raise ValueError(

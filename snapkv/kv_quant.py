@@ -54,6 +54,7 @@ residual) quantized again as one tensor.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 
 import torch
@@ -123,6 +124,23 @@ class KVQuant:
                 f"kv_quant={self.kind} order={self.order} quantizes once the prompt is pruned: "
                 f"method={name} evicts while decoding (decode-time eviction or a decode schedule), "
                 "which is not supported with it (order=dequant_prune_requant re-quantizes after each pruning)"
+            )
+
+    def check_available(self) -> None:
+        """ValueError naming the package a backend needs when it is not installed (checked before
+        a model loads; KIVI needs none)."""
+        needs = {"quanto": ("optimum.quanto", "optimum-quanto"), "hqq": ("hqq", "hqq")}
+        if self.kind not in needs:
+            return
+        module, package = needs[self.kind]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # the parent package (optimum) is missing
+            found = False
+        if not found:
+            raise ValueError(
+                f"kv_quant={self.kind} needs the package {package} (pip install {package}), which is not "
+                "installed"
             )
 
     def backend(self, like: torch.Tensor):

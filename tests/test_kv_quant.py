@@ -425,3 +425,13 @@ def test_chunked_prefill_stores_what_one_pass_stores(arch):
     others = [plain.kv_bytes() - sum(layer.stored_bytes() for _, layer in plain.compressible_layers())]
     others.append(one.kv_bytes() - sum(layer.stored_bytes() for _, layer in one.compressible_layers()))
     assert others[0] == others[1] and (others[0] > 0) == (arch == "gemma3")
+
+
+def test_a_missing_backend_package_is_named_before_the_model_loads(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "hqq" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match="kv_quant=hqq needs the package hqq"):
+        RunSpec.from_config(compose_cfg(["kv_quant=hqq"]))
+    KVQuant(kind="kivi").check_available()  # KIVI needs no package

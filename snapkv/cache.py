@@ -307,10 +307,11 @@ class CompressibleLayer(DynamicLayer):
 
     def quantize_residual(self) -> None:
         """Store as quantized what `kv_quant`'s residual rule says is due (`snapkv.kv_quant`): the
-        prompt's kept entries once the prefill is done, then the residual as it fills. Runs before
-        a forward reads the layer after its prefill (and at `checkpoint()`, `kv_bytes()`); a no-op
-        without `kv_quant`, before the prefill is done, or with nothing due. The quantized entries
-        are rewritten in place with the values their quantized storage reads back."""
+        prompt's kept entries when the prefill ends (`state` set to "ready", inside the prefill's
+        last forward), then the residual as it fills, before each later forward reads the layer
+        (and at `checkpoint()`, `kv_bytes()`); a no-op without `kv_quant`, before the prefill is
+        done, or with nothing due. The quantized entries are rewritten in place with the values
+        their quantized storage reads back."""
         cfg = self.kv_quant
         if cfg is None or self.state != "ready" or not self.is_initialized or self.stored == 0:
             return
@@ -582,6 +583,19 @@ class CompressibleLayer(DynamicLayer):
 for _field in dataclasses.fields(LayerState):
     setattr(CompressibleLayer, _field.name, _state_field(_field.name))
 del _field
+
+
+def _set_state(layer: CompressibleLayer, value: str) -> None:
+    layer.st.state = value
+    if value == "ready":
+        # The prefill is done (and compressed): quantized storage stores the kept entries now, so
+        # that its time is the prefill's, as in KIVI, whose prefill forward quantizes the prompt.
+        layer.quantize_residual()
+
+
+CompressibleLayer.state = property(
+    operator.attrgetter("st.state"), _set_state, doc="`st.state` (`LayerState`)"
+)
 
 
 def _held_bytes(held: list[torch.Tensor], own) -> int:

@@ -6,7 +6,7 @@ full precision in KIVI and in transformers' `QuantizedCache` alike; `order` says
 scores:
 
 - `score_then_quantize`: the prompt is scored and pruned at full precision, then the kept entries
-  are quantized before the first forward that reads them; a later pruning (decode-time eviction,
+  are quantized as the prefill ends; a later pruning (decode-time eviction,
   decode schedules) is refused.
 - `dequant_prune_requant`: kvpress' order on transformers' `QuantizedCache` (its presses read the
   cache's dequantized keys and values, prune, and quantize what they keep again): the prompt is

@@ -161,19 +161,19 @@ def test_pruning_quantized_entries_is_refused():
 
 
 def test_padded_batch_is_refused():
+    """Refused when the prefill ends (before any token is generated from it)."""
     model = tiny_model("llama")
     ids = random_ids(30, batch=2)
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    cache = compress_context(
-        model,
-        ids,
-        build_method("snapkv", budget=20, window=4),
-        attention_mask=mask,
-        kv_quant=KVQuant(group_size=4, residual=8),
-    )
     with pytest.raises(ValueError, match="left-padded"):
-        cache.kv_bytes()
+        compress_context(
+            model,
+            ids,
+            build_method("snapkv", budget=20, window=4),
+            attention_mask=mask,
+            kv_quant=KVQuant(group_size=4, residual=8),
+        )
 
 
 @pytest.mark.parametrize(

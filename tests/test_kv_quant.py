@@ -405,7 +405,7 @@ def test_dequant_prune_requant_builds_with_decode_time_eviction():
     assert spec.kv_quant.order == "dequant_prune_requant" and spec.method.decode_steps.on
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])
 def test_chunked_prefill_stores_what_one_pass_stores(arch):
     """The prompt is quantized after its compression, so a chunked prefill (same selection) stores
     the same values; on Gemma 3 only the full-attention layers are quantized."""
@@ -435,3 +435,44 @@ def test_a_missing_backend_package_is_named_before_the_model_loads(monkeypatch):
     with pytest.raises(ValueError, match="kv_quant=hqq needs the package hqq"):
         RunSpec.from_config(compose_cfg(["kv_quant=hqq"]))
     KVQuant(kind="kivi").check_available()  # KIVI needs no package
+
+
+ONCE = [
+    ("full", {}),
+    ("snapkv", {"window": 4}),
+    ("pyramidkv", {"window": 4}),
+    ("chunkkv", {"window": 4, "chunk_length": 4}),
+    ("criticalkv", {"window": 4}),
+    ("knorm", {}),
+    ("expected_attention", {}),
+    ("tova", {"evict_during_decode": False}),
+    ("h2o", {"evict_during_decode": False}),
+]
+
+
+@pytest.mark.parametrize("name, params", ONCE, ids=[n for n, _ in ONCE])
+def test_methods_that_prune_once_keep_their_selection_and_store_it_quantized(name, params):
+    """score_then_quantize on every method that prunes once: the same entries as without
+    quantization, stored as KIVI's formulas quantize them (per layer: PyramidKV's lengths differ)."""
+    model, ids = tiny_model("llama"), random_ids(60)
+    quant = KVQuant(kind="kivi", bits=2, group_size=4, residual=8)
+    caches = {}
+    for key, q in (("plain", None), ("kivi", quant)):
+        generate_ids(
+            model,
+            ids,
+            method=build_method(name, **({} if name == "full" else {"budget": 24}), **params),
+            max_new_tokens=1,
+            kv_quant=q,
+            on_compressed=grab(caches, key),
+        )
+    for (_, plain), (_, layer) in zip(
+        caches["plain"].compressible_layers(), caches["kivi"].compressible_layers()
+    ):
+        assert torch.equal(plain.positions, layer.positions)
+        n = layer.stored
+        assert (layer.quant_keys, layer.quant_values) == (n - n % 8, max(n - 8, 0))
+        torch.testing.assert_close(layer.keys, _kivi_read_back(plain.keys, quant, True), rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            layer.values, _kivi_read_back(plain.values, quant, False), rtol=0, atol=1e-6
+        )

@@ -6,8 +6,8 @@ full precision in KIVI and in transformers' `QuantizedCache` alike; `order` says
 scores:
 
 - `score_then_quantize`: the prompt is scored and pruned at full precision, then the kept entries
-  are quantized as the prefill ends; a later pruning (decode-time eviction,
-  decode schedules) is refused.
+  are quantized as the prefill ends; a later pruning (decode-time eviction, decode schedules) is
+  refused.
 - `dequant_prune_requant`: kvpress' order on transformers' `QuantizedCache` (its presses read the
   cache's dequantized keys and values, prune, and quantize what they keep again): the prompt is
   stored quantized when the prefill ends (`CompressibleLayer.before_compress`), the method scores
@@ -44,11 +44,13 @@ github.com/jy-yuan/KIVI at 876b4d2d08e3b1d5f70d0969c299d8c7c42ddfb6 (`quant/new_
 - deviation: a group whose values are all equal has scale 0; the original divides by it (NaN
   codes), here its codes are 0, read back as the exact value.
 
+- computed in the cache's dtype (the original reads codes back in fp16: the same on fp16 models).
+
 quanto / hqq: transformers' own `QuantoQuantizedLayer` / `HQQQuantizedLayer` quantize and
-dequantize (`axis_key` / `axis_value` at the layers' defaults, as `QuantizedCache` leaves them); their residual rule is
-transformers' `QuantizedLayer`: the whole prompt quantized after the prefill, new entries kept at
-full precision, and once the residual reaches `residual`, all entries (the dequantized ones and the
-residual) quantized again as one tensor.
+dequantize (`axis_key` / `axis_value` at the layers' defaults, as `QuantizedCache` leaves them);
+their residual rule is transformers' `QuantizedLayer`: the whole prompt quantized after the
+prefill, new entries kept at full precision, and once the residual reaches `residual`, all entries
+(the dequantized ones and the residual) quantized again as one tensor.
 """
 
 from __future__ import annotations
@@ -102,11 +104,6 @@ class KVQuant:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    @property
-    def label(self) -> str:
-        """Short name for row labels: `kivi4`."""
-        return f"{self.kind}{self.bits}"
 
     def check_method(self, method) -> None:
         """ValueError naming the combination when `method` (a `snapkv.methods.Method`) cannot store

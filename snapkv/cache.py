@@ -705,7 +705,7 @@ class CompressedCache(DynamicCache):
             self.layers[i].rank, self.layers[i].num_compressible = rank, len(self.compressible)
             self.layers[i].shared = shared
             if kv_quant is not None:
-                if self.layers[i].per_head:
+                if not self.layers[i].evicts_after_compression:  # per-head storage (snapkv.headwise)
                     raise ValueError(
                         f"kv_quant={kv_quant.kind} does not support per-head storage "
                         f"({type(self.layers[i]).__name__}: Ada-KV and its relatives)"

@@ -20,6 +20,7 @@ from eval.report.build import prepare
 from eval.spec import RunSpec
 from eval.store import read_rows
 from snapkv import answer, build_method, compress_context, generate_ids
+from snapkv.cache import CompressedCache
 from snapkv.kv_quant import KVQuant, kivi_bytes, quantized_nbytes
 from tests.conftest import random_ids, tiny_model
 from tests.methods.test_kivi import naive_kcache, naive_vcache
@@ -476,3 +477,10 @@ def test_methods_that_prune_once_keep_their_selection_and_store_it_quantized(nam
         torch.testing.assert_close(
             layer.values, _kivi_read_back(plain.values, quant, False), rtol=0, atol=1e-6
         )
+
+
+def test_the_cache_refuses_per_head_layers():
+    """`CompressedCache` itself refuses per-head storage, for callers that build it directly."""
+    method = build_method("adakv", budget=20, window=4)
+    with pytest.raises(ValueError, match="kv_quant=kivi does not support per-head storage \\(HeadwiseLayer"):
+        CompressedCache(tiny_model("llama").config, layer_factory=method.cache_layer, kv_quant=KVQuant())

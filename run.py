@@ -44,7 +44,7 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 # malformed jsonl, missing mandatory config values); anything else is a bug and keeps its traceback.
 USER_ERRORS = (ValueError, FileNotFoundError, KeyError, OmegaConfBaseException)
 # Config groups whose options are files conf/<group>/<option>.yaml, checked before Hydra composes.
-CHECKED_GROUPS = ("model", "method", "task", "experiment")
+CHECKED_GROUPS = ("model", "method", "kv_quant", "task", "experiment")
 # Hydra's options that compose another config, or none: the key check leaves such commands to Hydra.
 OTHER_CONFIG = ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "-h", "--help",
                 "--hydra-help", "-i", "--info", "-sc", "--shell-completion", "--experimental-rerun")  # fmt: skip

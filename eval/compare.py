@@ -8,7 +8,8 @@ report draws the asked-for method beside the full cache and a baseline (`needle_
 Each compare method is its own job with its own results file (resumed like any run: rows already
 there are not recomputed); it takes its config as `method=<name>` composes it, so method-specific overrides
 on the command line (`method.window=16`) apply to the asked-for method only, and the shared
-`budget` to all. A sweep (`-m`) names its methods itself: there `compare` is ignored.
+`budget` to all; `kv_quant` to the asked-for method only (the baselines store the model's dtype).
+A sweep (`-m`) names its methods itself: there `compare` is ignored.
 
 `run_with_compare(cfg)` is what `python run.py` does: the run, then its compare methods, every spec
 validated before any model loads, one report at the end.
@@ -56,6 +57,9 @@ def compare_configs(cfg: DictConfig) -> list[DictConfig]:
         other = cfg.copy()
         with open_dict(other):
             other.method = method_config(name)
+            # the baselines at the model's dtype: a quantized run (`kv_quant`) is drawn beside the
+            # unquantized references (their rows and files are those of a plain run)
+            other.kv_quant = {"kind": "none"}
         configs.append(other)
     return configs
 

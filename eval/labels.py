@@ -127,6 +127,21 @@ def method_label(method: str | None, params: dict | None = None, query_aware: bo
     return label
 
 
+def kv_quant_suffix(kv_quant: dict | None) -> str:
+    """` kivi4` for a row's `kv_quant` (`{"kind": "kivi", "bits": 4, ...}`), with the group size and
+    residual where they differ from the kind's config defaults (` kivi2 g=64 r=32`); "" without
+    one (rows stored at the model's dtype)."""
+    if not isinstance(kv_quant, dict) or kv_quant.get("kind") in (None, "none"):
+        return ""
+    kind = kv_quant["kind"]
+    label = f" {kind}{kv_quant.get('bits', '')}"
+    defaults = {"kivi": (32, 128)}.get(kind, (64, 128))
+    for key, short, default in zip(("group_size", "residual"), ("g", "r"), defaults):
+        if kv_quant.get(key, default) != default:
+            label += f" {short}={kv_quant[key]}"
+    return label
+
+
 def _schedule_label(schedule: dict) -> str:
     """A decode schedule as `decode=<interval>` plus its other set keys, e.g. `decode=64,target=256`
     (snapkv.methods.base.DecodeSchedule; buffer 0 and null values are its defaults)."""

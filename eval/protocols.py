@@ -40,6 +40,7 @@ from eval.tasks import Sample
 from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, clock
 from snapkv.generation import answer, cache_sizes, compress_context, generate
+from snapkv.kv_quant import KVQuant
 from snapkv.methods import Method
 from snapkv.prompts import (
     chat_templated,
@@ -184,8 +185,11 @@ def _text(tokenizer: Any, ids: list[int], stops: set[int]) -> str:
 class _Shared:
     """One context's compressed cache and the questions asked on it."""
 
-    def __init__(self, protocol, context, todo, model, tokenizer, method, chat_template, chunk_size):
+    def __init__(
+        self, protocol, context, todo, model, tokenizer, method, chat_template, chunk_size, kv_quant
+    ):
         self.protocol, self.samples, self.todo = protocol, context.samples, todo
+        self.kv_quant = kv_quant
         self.model, self.tokenizer, self.method = model, tokenizer, method
         self.chat_template, self.chunk_size = chat_template, chunk_size
         self.device = model.device
@@ -207,7 +211,13 @@ class _Shared:
         )
         with PeakMemory(self.device) as mem:
             t0 = clock(self.device)
-            cache = compress_context(self.model, torch.tensor([ids]), self.method, chunk_size=self.chunk_size)
+            cache = compress_context(
+                self.model,
+                torch.tensor([ids]),
+                self.method,
+                chunk_size=self.chunk_size,
+                kv_quant=self.kv_quant,
+            )
             seconds = clock(self.device) - t0
         self.peak = int(mem.peak)
         self.shared.update(
@@ -323,7 +333,7 @@ class _Shared:
                 method=self.method, query_aware=True, chat_template=self.chat_template,
                 # A done question 1 is prefilled for its cache only.
                 max_new_tokens=first.max_new_tokens if self.wanted(first) else 1,
-                chunk_size=self.chunk_size, on_compressed=keep,
+                chunk_size=self.chunk_size, on_compressed=keep, kv_quant=self.kv_quant,
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001
             if "mark" not in held:  # no compressed cache: nothing to ask
@@ -374,6 +384,7 @@ def ask_context(
     *,
     chat_template: bool,
     chunk_size: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> Iterator[Outcome]:
     """Run one context's questions under a shared `protocol` on one compressed cache; yield an
     `Outcome` for each question whose sample_id is in `todo`, in question order, as soon as it is
@@ -391,11 +402,12 @@ def ask_context(
     the query-aware one, prefill included), `tpot_s`, `new_tokens`, `stop_reason`, `input_tokens`
     (tokens in the cache before the first answer token: the context plus this question's feed, and
     for `multi_turn` every earlier turn), `rollback_bytes` (null for `multi_turn`) and
-    `peak_mem_bytes` (the compression's peak or this question's, the larger).
+    `peak_mem_bytes` (the compression's peak or this question's, the larger). `kv_quant`: how the
+    compressed cache stores its entries (`snapkv.kv_quant.KVQuant`; None: the model's dtype).
     """
     if protocol not in SHARED:
         raise ValueError(
             f"ask_context runs the shared protocols {', '.join(SHARED)}, got protocol={protocol!r}"
         )
-    run = _Shared(protocol, context, todo, model, tokenizer, method, chat_template, chunk_size)
+    run = _Shared(protocol, context, todo, model, tokenizer, method, chat_template, chunk_size, kv_quant)
     return getattr(run, protocol)()

@@ -71,7 +71,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from eval import protocols
-from eval.labels import method_label
+from eval.labels import kv_quant_suffix, method_label
 from eval.machine import CpuNoise, cpu_kernels, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.report import write_report as write_results_report
@@ -264,6 +264,7 @@ def _generation_args(
         max_new_tokens=sample.max_new_tokens,
         chunk_size=spec.chunk_size,
         on_progress=on_progress,
+        kv_quant=spec.kv_quant,
     )
 
 
@@ -443,7 +444,7 @@ def context_rows(
     chat_template = bool(context.samples[0].chat_template and spec.model.chat_template)
     outcomes = protocols.ask_context(
         spec.protocol, context, todo, model, tokenizer, spec.method,
-        chat_template=chat_template, chunk_size=spec.chunk_size,
+        chat_template=chat_template, chunk_size=spec.chunk_size, kv_quant=spec.kv_quant,
     )  # fmt: skip
     while True:
         noise = CpuNoise()
@@ -599,7 +600,7 @@ def warm_up(model: Any, spec: RunSpec) -> float | None:
     t = time.perf_counter()
     try:
         generate_ids(model, ids.to(model.device), None, method, max_new_tokens=2, stop_ids=set(),
-                     chunk_size=spec.chunk_size)  # fmt: skip
+                     chunk_size=spec.chunk_size, kv_quant=spec.kv_quant)  # fmt: skip
     except Exception as err:  # noqa: BLE001 - the samples report their own errors; the run goes on
         logger.warning("warm-up failed (the first sample may time a cold start): %s", first_line(err))
         return None
@@ -628,9 +629,15 @@ def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
         "seed": spec.seed,
         "trained_context": spec.model.context or info.get("context"),
         "prefill_chunk_size": spec.chunk_size,
+        # only with quantized storage: earlier rows have no such column
+        **({"kv_quant": spec.kv_quant.to_dict()} if spec.kv_quant is not None else {}),
     }
 
 
 def _label(spec: RunSpec) -> str:
     label = method_label(spec.method.name, spec.method.params())
-    return label + protocols.label_suffix(spec.protocol)
+    return (
+        label
+        + kv_quant_suffix(spec.kv_quant and spec.kv_quant.to_dict())
+        + protocols.label_suffix(spec.protocol)
+    )

@@ -8,13 +8,14 @@ chunk size (same tokens kept, different memory/timings), with `generation.do_sam
 settings and the run seed (`GenerationSpec.hash_fields`; nothing when greedy, so greedy configs
 keep their hash), and the task's config except its
 `selection_keys` (keys that only choose which samples run) and keys at their `hash_defaults`
-(`Task.hash_params`). The device is left out, so a run can resume on another machine; the model is
+(`Task.hash_params`), and the `kv_quant` storage when it is not none. The device is left out, so a run can resume on another machine; the model is
 in the file's path.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import tempfile
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from eval import protocols
 from eval.store import config_hash, model_key, result_path, safe_name
 from eval.tasks import Task, build_task, task_class
 from snapkv import Sampling, build_method
+from snapkv.kv_quant import KVQuant
 from snapkv.methods import Method
 from snapkv_models.loading import DTYPES
 
@@ -138,6 +140,24 @@ class GenerationSpec:
         return {"temperature": self.temperature, "top_p": self.top_p} if self.do_sample else {}
 
 
+def kv_quant_from_config(node: Any) -> KVQuant | None:
+    """The `kv_quant` node (conf/kv_quant/): None for `kind: none` (or no node), else a validated
+    `KVQuant`; ValueError naming an unknown key or a bad value."""
+    q = dict(_container(node) or {})
+    if q.get("kind", "none") == "none":
+        extra = sorted(set(q) - {"kind"})
+        if extra:
+            raise ValueError(
+                f"kv_quant.{extra[0]} needs a quantized storage (kv_quant=kivi|quanto|hqq), got kind=none"
+            )
+        return None
+    known = {f.name for f in dataclasses.fields(KVQuant)}
+    unknown = sorted(set(q) - known)
+    if unknown:
+        raise ValueError(f"unknown kv_quant key(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return KVQuant(**q)
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """The `model` node: what to load and how (`snapkv_models.loading.load_model`)."""
@@ -205,6 +225,7 @@ class RunSpec:
     progress: bool = True
     report: bool = True
     generation: GenerationSpec = GenerationSpec()
+    kv_quant: KVQuant | None = None  # how the kept entries are stored (None: the model's dtype)
 
     @classmethod
     def from_config(cls, cfg: DictConfig | dict) -> RunSpec:
@@ -239,6 +260,15 @@ class RunSpec:
             raise ValueError(
                 f"generation.do_sample=true runs protocol=query_aware or context_only, got protocol={protocol}"
             )
+        kv_quant = kv_quant_from_config(cfg.get("kv_quant"))
+        if kv_quant is not None:
+            kv_quant.check_available()
+            kv_quant.check_method(method)
+            if not task.generates:
+                raise ValueError(
+                    f"kv_quant={kv_quant.kind} is not supported with task {name!r}, which scores given "
+                    "text through its own passes; use kv_quant=none"
+                )
         results_dir = cfg.get("results_dir")
         if not isinstance(results_dir, str) or not results_dir.strip():
             raise ValueError(f"results_dir must be a path, got results_dir={results_dir!r}")
@@ -257,6 +287,7 @@ class RunSpec:
             progress=_bool("progress", cfg.get("progress", True)),
             report=_bool("report", cfg.get("report", True)),
             generation=generation,
+            kv_quant=kv_quant,
         )
 
     # ---- derived
@@ -278,6 +309,8 @@ class RunSpec:
                 "prefill_chunk_size": self.chunk_size,
                 **protocols.hash_fields(self.protocol),
                 **self.generation.hash_fields(self.seed),
+                # nothing without quantized storage: every earlier config keeps its hash
+                **({"kv_quant": self.kv_quant.to_dict()} if self.kv_quant is not None else {}),
             }
         )
 

@@ -23,6 +23,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from snapkv import compat
+from snapkv import kv_quant as kvq
+from snapkv.kv_quant import KVQuant
 
 # Decode-time slots allocated ahead of the stored entries (`CompressibleLayer._append`).
 APPEND_ROOM = 64
@@ -62,6 +64,12 @@ class LayerState:
     # set by `CompressedCache.protect` before the prompt is fed); None: nothing beyond the method's
     # own sinks / window.
     protected_span: tuple[int, int] | None = None
+    # Quantized storage (`CompressibleLayer.kv_quant`): the leading stored keys / values held as
+    # their quantized values (the rest: the full-precision residual), and the bytes of the
+    # quantized part of quanto / hqq (codes, scales, zero points; KIVI's are computed).
+    quant_keys: int = 0
+    quant_values: int = 0
+    quant_bytes: int = 0
 
     def snapshot(self) -> LayerState:
         """A copy that later changes of this state cannot reach: the lists copied (the hooks append
@@ -180,6 +188,10 @@ class CompressibleLayer(DynamicLayer):
         # `evict_in_place` frees a slot) instead of copying the layer into a new tensor.
         self._kv_buf: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         self._kv_views: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # How kept entries are stored (`snapkv.kv_quant`; None: at the cache's dtype), set by
+        # CompressedCache; `_backend`: transformers' quanto / hqq layer that quantizes for it.
+        self.kv_quant: KVQuant | None = None
+        self._backend = None
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
@@ -206,6 +218,7 @@ class CompressibleLayer(DynamicLayer):
                 self.sort_by_position()
             if self.scores is not None:
                 self.scores = torch.cat([self.scores, self.scores.new_zeros(b, h, q)], dim=-1)
+            self.quantize_residual()
             self.seen += q
             return self._append(key_states, value_states)
         # Original token indices (with compacted positions the keys are rotated at their slot instead).
@@ -266,6 +279,7 @@ class CompressibleLayer(DynamicLayer):
         token's `update` fills. The entries are then no longer in position order; a decode step's
         attention does not depend on their order (every stored entry precedes the query), and
         `positions` says where each one came from."""
+        self._refuse_quantized_pruning()
         self._save_marked_entries()
         last = self.stored - 1
         if isinstance(victims, int):  # one slot everywhere: three slice copies, no index tensors
@@ -292,6 +306,107 @@ class CompressibleLayer(DynamicLayer):
         else:
             self.keys, self.values = self.keys[:, :, :last], self.values[:, :, :last]
             self.positions = self.positions[..., :last]
+        self._pruned()
+
+    def quantize_residual(self) -> None:
+        """Store as quantized what `kv_quant`'s residual rule says is due (`snapkv.kv_quant`): the
+        prompt's kept entries when the prefill ends (`state` set to "ready", inside the prefill's
+        last forward), then the residual as it fills, before each later forward reads the layer
+        (and at `checkpoint()`, `kv_bytes()`); a no-op without `kv_quant`, before the prefill is
+        done, or with nothing due. The quantized entries are rewritten in place with the values
+        their quantized storage reads back."""
+        cfg = self.kv_quant
+        if cfg is None or self.state != "ready" or not self.is_initialized or self.stored == 0:
+            return
+        # the entries are rewritten in place, also when a checkpoint or `kv_bytes()` asks outside
+        # the generation's inference mode (the cache's tensors are inference tensors then)
+        with torch.inference_mode():
+            self._quantize_due(cfg)
+
+    def _quantize_due(self, cfg: KVQuant) -> None:
+        if self.per_head:
+            raise ValueError(f"kv_quant={cfg.kind} does not support per-head storage (layer {self.index})")
+        if self.pads is not None:
+            raise ValueError(
+                f"kv_quant={cfg.kind} does not support left-padded batches (a row's pads would join "
+                "its quantization groups)"
+            )
+        n, r, qk, qv = self.stored, cfg.residual, self.quant_keys, self.quant_values
+        if cfg.kind == "kivi":
+            # keys: whole residuals of `r` entries (groups never straddle the residual); values:
+            # all but the newest `r`
+            k_to, v_to = qk + (n - qk) // r * r, max(qv, n - r)
+            if k_to == qk and v_to == qv:
+                return
+            self._save_marked_entries()  # the marked entries are rewritten: copy them first
+            if k_to > qk:
+                self.keys[:, :, qk:k_to].copy_(
+                    kvq.kivi_keys(self.keys[:, :, qk:k_to], cfg.bits, cfg.group_size)
+                )
+            if v_to > qv:
+                self.values[:, :, qv:v_to].copy_(
+                    kvq.kivi_values(self.values[:, :, qv:v_to], cfg.bits, cfg.group_size)
+                )
+            self.quant_keys, self.quant_values = k_to, v_to
+            return
+        # transformers' QuantizedLayer: the whole prompt, then everything again once `r` are pending
+        if qk == n or (qk > 0 and n - qk < r):
+            return
+        if self._backend is None:
+            self._backend = cfg.backend(self.keys)
+        self._save_marked_entries()
+        backend = self._backend
+        qkeys = backend._quantize(self.keys.contiguous(), axis=backend.axis_key)
+        qvalues = backend._quantize(self.values.contiguous(), axis=backend.axis_value)
+        self.keys.copy_(backend._dequantize(qkeys))
+        self.values.copy_(backend._dequantize(qvalues))
+        self.quant_keys = self.quant_values = n
+        self.quant_bytes = kvq.quantized_nbytes(qkeys) + kvq.quantized_nbytes(qvalues)
+
+    def before_compress(self) -> None:
+        """The end of the prefill, before the method scores it: with `kv_quant` order
+        dequant_prune_requant (kvpress' order with transformers' `QuantizedCache`) the prompt is
+        stored quantized now, so that the method scores the values read back from it (the keys
+        attention was given are this layer's `keys`, rewritten in place); then the pruning
+        re-quantizes what it keeps (`_pruned`). A no-op otherwise."""
+        cfg = self.kv_quant
+        if cfg is None or cfg.order != "dequant_prune_requant" or not self.is_initialized or self.stored == 0:
+            return
+        with torch.inference_mode():
+            self._quantize_due(cfg)
+
+    def _refuse_quantized_pruning(self) -> None:
+        """ValueError for a pruning of entries already quantized under score_then_quantize
+        (decode-time eviction or a decode schedule: `KVQuant.check_method` refuses them first),
+        which prunes the prompt before quantizing it."""
+        cfg = self.kv_quant
+        if cfg is not None and cfg.order == "score_then_quantize" and (self.quant_keys or self.quant_values):
+            raise ValueError(
+                f"kv_quant={cfg.kind} order={cfg.order} prunes before quantizing: "
+                "decode-time eviction and decode schedules are not supported with it"
+            )
+
+    def _pruned(self) -> None:
+        """After a pruning under dequant_prune_requant: the kept entries (read-back values and
+        residual alike) are quantized again, as one prompt, before the next forward reads them."""
+        if self.kv_quant is not None:
+            self.quant_keys = self.quant_values = self.quant_bytes = 0
+
+    def stored_bytes(self) -> int:
+        """Bytes of the stored entries: `keys` + `values` at the cache's dtype, or with `kv_quant`
+        their quantized layout (codes, a scale and a zero point per group, the full-precision
+        residual; `quantize_residual` first, so that nothing due is counted at full precision)."""
+        cfg = self.kv_quant
+        tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
+        if cfg is None or self.dims is None:
+            return sum(t.numel() * t.element_size() for t in tensors)
+        self.quantize_residual()
+        (b, h, d), es = self.dims, self.keys.element_size()
+        qk, qv = self.quant_keys, self.quant_values
+        residual = (2 * self.stored - qk - qv) * b * h * d * es
+        if cfg.kind == "kivi":
+            return residual + kvq.kivi_bytes(self.dims, qk, qv, cfg, es)
+        return residual + self.quant_bytes
 
     def sort_by_position(self) -> None:
         """Put the stored entries back in position order (after `evict_in_place`); a no-op when
@@ -330,10 +445,9 @@ class CompressibleLayer(DynamicLayer):
         return n if self.pads is None else n - self.pads
 
     def logical_bytes(self) -> int:
-        """Bytes of the K/V entries kept (equal to the allocated bytes for this uniform layout)."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.keys, self.values) if isinstance(t, torch.Tensor)
-        )
+        """Bytes of the K/V entries kept (equal to the allocated bytes for this uniform layout;
+        with `kv_quant`, their quantized layout: `stored_bytes`)."""
+        return self.stored_bytes()
 
     @property
     def next_position(self) -> int:
@@ -355,6 +469,7 @@ class CompressibleLayer(DynamicLayer):
         batches, `snapkv.padding`)."""
         if self.pads is not None and pads is None:
             raise ValueError("keep() on a padded batch needs the kept rows' pads (snapkv.padding)")
+        self._refuse_quantized_pruning()
         self._save_marked_entries()
         # gathered into new tensors: the old buffer is not the layer's any more
         self._kv_buf = self._kv_views = None
@@ -366,6 +481,7 @@ class CompressibleLayer(DynamicLayer):
         self.positions = self.positions.gather(2, indices)
         if self.scores is not None:
             self.scores = self.scores.gather(2, indices)
+        self._pruned()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise ValueError(
@@ -383,6 +499,7 @@ class CompressibleLayer(DynamicLayer):
                 f"checkpoint() needs a prefilled (compressed) cache, layer {self.index} is in state "
                 f"{self.state!r}"
             )
+        self.quantize_residual()  # what is due now is marked quantized: no copy when it runs later
         self._mark = LayerMark(self)
         return self._mark
 
@@ -469,6 +586,19 @@ class CompressibleLayer(DynamicLayer):
 for _field in dataclasses.fields(LayerState):
     setattr(CompressibleLayer, _field.name, _state_field(_field.name))
 del _field
+
+
+def _set_state(layer: CompressibleLayer, value: str) -> None:
+    layer.st.state = value
+    if value == "ready":
+        # The prefill is done (and compressed): quantized storage stores the kept entries now, so
+        # that its time is the prefill's, as in KIVI, whose prefill forward quantizes the prompt.
+        layer.quantize_residual()
+
+
+CompressibleLayer.state = property(
+    operator.attrgetter("st.state"), _set_state, doc="`st.state` (`LayerState`)"
+)
 
 
 def _held_bytes(held: list[torch.Tensor], own) -> int:
@@ -559,10 +689,11 @@ class CompressedCache(DynamicCache):
     Other layer kinds (sliding window, chunked, linear) keep transformers' own cache layers and are
     never compressed (hybrid models such as Gemma 3). `layer_factory(index=, num_layers=)` builds the
     compressible layers (default `CompressibleLayer`; methods with per-head storage pass their own,
-    see `Method.cache_layer`).
+    see `Method.cache_layer`). `kv_quant`: how the compressible layers store their kept entries
+    (`snapkv.kv_quant.KVQuant`; None: at the model's dtype); the other layers are not quantized.
     """
 
-    def __init__(self, config, layer_factory=None, **kwargs):
+    def __init__(self, config, layer_factory=None, kv_quant: KVQuant | None = None, **kwargs):
         super().__init__(config=config, **kwargs)
         layer_factory = layer_factory or CompressibleLayer
         compressible = set(full_attention_layers(config))
@@ -576,6 +707,14 @@ class CompressedCache(DynamicCache):
             self.layers[i] = layer_factory(index=i, num_layers=n)
             self.layers[i].rank, self.layers[i].num_compressible = rank, len(self.compressible)
             self.layers[i].shared = shared
+            if kv_quant is not None:
+                if not self.layers[i].evicts_after_compression:  # per-head storage (snapkv.headwise)
+                    raise ValueError(
+                        f"kv_quant={kv_quant.kind} does not support per-head storage "
+                        f"({type(self.layers[i]).__name__}: Ada-KV and its relatives)"
+                    )
+                self.layers[i].kv_quant = kv_quant
+        self.kv_quant = kv_quant
         self._mark: CacheMark | None = None
         # Bytes the last `rollback()` had kept alive beyond the cache (for result rows).
         self.rollback_bytes = 0
@@ -683,9 +822,13 @@ class CompressedCache(DynamicCache):
         return [(i, self.layers[i]) for i in self.compressible]
 
     def kv_bytes(self) -> int:
-        """Bytes of the K/V tensors really stored, all layers (Σ numel · element_size)."""
+        """Bytes of the K/V tensors really stored, all layers (Σ numel · element_size); with
+        `kv_quant`, the compressible layers' quantized layout (`CompressibleLayer.stored_bytes`)."""
         total = 0
         for layer in self.layers:
+            if isinstance(layer, CompressibleLayer) and layer.kv_quant is not None:
+                total += layer.stored_bytes()
+                continue
             total += sum(t.numel() * t.element_size() for t in kv_tensors(layer))
         return total
 

@@ -63,6 +63,7 @@ from snapkv import hooks, padding
 from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, clock, prefill, stepper
 from snapkv.hooks import Session
+from snapkv.kv_quant import KVQuant
 from snapkv.methods import Method, build_method
 from snapkv.prompts import chat_templated, encode_prompt, generation_prompt_length, stop_token_ids
 from snapkv.sampling import Sampling, TokenPicker
@@ -277,6 +278,8 @@ class GenerationConfig:
     generation_prompt: how many of the prompt's last tokens are the chat template's generation
     prompt, what `Method.protect="generation_prompt"` keeps (the text entry points count them,
     `snapkv.prompts.generation_prompt_length`; the id entry points take the count given, 0: none).
+    kv_quant: how the cache stores the kept entries (`snapkv.kv_quant.KVQuant`; None: the model's
+    dtype).
     """
 
     query_aware: bool = True
@@ -290,6 +293,7 @@ class GenerationConfig:
     on_progress: ProgressCallback | None = None
     on_compressed: Callable[[CompressedCache], None] | None = None
     generation_prompt: int = 0
+    kv_quant: KVQuant | None = None
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -386,7 +390,7 @@ def compress(
     """Prefill `context_ids` `[batch, len]` (with `question_ids` `[batch, q]` where `query_aware`;
     else the question is left to `decode`) and compress it with `method`: the cache and what was
     measured (`Compressed`). The options are `GenerationConfig`'s fields (those that apply here:
-    query_aware, chunk_size, on_progress, on_compressed, generation_prompt).
+    query_aware, chunk_size, on_progress, on_compressed, generation_prompt, kv_quant).
 
     attention_mask `[batch, len]`: a left-padded context (1 = real token; positions as
     `model.generate` derives them, rows handled as in `snapkv.padding`), prefilled in one forward.
@@ -422,11 +426,7 @@ def compress(
     # The prompt's protected end (`Method.protect`), compressed with the prompt (query-aware) or
     # fed after it: kept at the end of prefill and by every eviction while decoding.
     tail = _protected_tail(method, asked, cfg.generation_prompt, input_tokens)
-    cache = (
-        session.cache
-        if session is not None
-        else CompressedCache(model.config, layer_factory=method.cache_layer)
-    )
+    cache = session.cache if session is not None else _new_cache(model, method, cfg.kv_quant)
     cache.protect(input_tokens - tail, input_tokens)
     paused = 0.0  # seconds spent in the callback between prefill chunks, off every timing
 
@@ -541,11 +541,19 @@ def _generate(
     method = _method(method)
     for seed in seeds:  # before any forward
         TokenPicker.check(cfg.sampling, seed)
-    cache = CompressedCache(model.config, layer_factory=method.cache_layer)
+    cache = _new_cache(model, method, cfg.kv_quant)
     with hooks.session(model, method, cache) as s, PeakMemory(model.device) as mem:
         prompt = compress(model, context_ids, question_ids=question_ids, session=s, config=cfg)
         decoded = decode(model, prompt, seeds=seeds, session=s, config=cfg)
     return [(d.ids, GenerationResult.of(model, prompt, d, int(mem.peak))) for d in decoded]
+
+
+def _new_cache(model, method: Method, kv_quant: KVQuant | None) -> CompressedCache:
+    """A fresh cache for `method`, its entries stored as `kv_quant` says (checked against the method
+    before any forward)."""
+    if kv_quant is not None:
+        kv_quant.check_method(method)
+    return CompressedCache(model.config, layer_factory=method.cache_layer, kv_quant=kv_quant)
 
 
 @torch.inference_mode()
@@ -605,12 +613,16 @@ def compress_context(
     *,
     attention_mask: torch.Tensor | None = None,
     chunk_size: int | None = None,
+    kv_quant: KVQuant | None = None,
 ) -> CompressedCache:
     """Prefill `context_ids` `[batch, len]` and compress it with `method`; returns the cache, ready
     for `answer()`: `compress` of the context alone (the context half of
     `generate_ids(..., query_aware=False)`, same forwards). `attention_mask` `[batch, len]`: a
-    left-padded batch (`compress`; `chunk_size` must be None then)."""
-    return compress(model, context_ids, method, attention_mask=attention_mask, chunk_size=chunk_size).cache
+    left-padded batch (`compress`; `chunk_size` must be None then). `kv_quant`: as
+    `GenerationConfig.kv_quant`."""
+    return compress(
+        model, context_ids, method, attention_mask=attention_mask, chunk_size=chunk_size, kv_quant=kv_quant
+    ).cache
 
 
 @dataclass

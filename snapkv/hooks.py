@@ -89,6 +89,7 @@ class Session:
                     self.observe(module, layer, query, key)
                 layer.state = "prefilling"
                 return
+            layer.before_compress()  # quantized storage that is pruned after quantizing (snapkv.kv_quant)
             if padded:  # each row on its own real entries (snapkv.padding)
                 padding.compress_prefill_rows(method, layer, query, module)
             else:

@@ -52,7 +52,7 @@ import pandas as pd
 import eval.report.paired as paired
 import eval.report.protocols as protocol_report
 from eval import protocols
-from eval.labels import BUDGET_KEYS, budget_of, format_value, method_label
+from eval.labels import BUDGET_KEYS, budget_of, format_value, kv_quant_suffix, method_label
 from eval.stats import spread, timing_summary
 from eval.store import ResultStore
 from eval.tables import cell as _cell
@@ -151,13 +151,16 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
     stored = df["protocol"] if "protocol" in df.columns else pd.Series(None, index=df.index, dtype=object)
     df["protocol"] = [protocols.row_protocol(p, q) for p, q in zip(stored, qa)]
     # The label names a shared protocol (two of them can share query_aware); config_label any.
+    # quantized storage (`kv_quant`, only on rows that used one) is part of the config's name
+    kv = df["kv_quant"] if "kv_quant" in df.columns else pd.Series(None, index=df.index, dtype=object)
+    quant = [kv_quant_suffix(q) for q in kv]
     df["label"] = [
-        method_label(m, p) + (protocols.label_suffix(pr) if pr in protocols.SHARED else "")
-        for m, p, pr in zip(df["method"], params, df["protocol"])
+        method_label(m, p) + q + (protocols.label_suffix(pr) if pr in protocols.SHARED else "")
+        for m, p, q, pr in zip(df["method"], params, quant, df["protocol"])
     ]
     df["config_label"] = [
-        method_label(m, p) + protocols.label_suffix(pr)
-        for m, p, pr in zip(df["method"], params, df["protocol"])
+        method_label(m, p) + q + protocols.label_suffix(pr)
+        for m, p, q, pr in zip(df["method"], params, quant, df["protocol"])
     ]
     _disambiguate_labels(df)
     df["params_json"] = params.map(lambda p: json.dumps(p, sort_keys=True, default=str))

@@ -116,7 +116,7 @@ class KVQuant:
             raise ValueError(
                 f"kv_quant={self.kind} does not support per-head storage, which method={name} uses"
             )
-        if method.decode_steps.on and self.order == "score_then_quantize":
+        if method.decode_schedule.on and self.order == "score_then_quantize":
             raise ValueError(
                 f"kv_quant={self.kind} order={self.order} quantizes once the prompt is pruned: "
                 f"method={name} evicts while decoding (decode-time eviction or a decode schedule), "

@@ -403,7 +403,7 @@ def test_dequant_prune_requant_builds_with_decode_time_eviction():
     spec = RunSpec.from_config(
         compose_cfg(["method=h2o", "kv_quant=kivi", "kv_quant.order=dequant_prune_requant"])
     )
-    assert spec.kv_quant.order == "dequant_prune_requant" and spec.method.decode_steps.on
+    assert spec.kv_quant.order == "dequant_prune_requant" and spec.method.decode_schedule.on
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gemma3"])

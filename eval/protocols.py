@@ -41,7 +41,7 @@ from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, clock
 from snapkv.generation import answer, cache_sizes, compress_context, generate
 from snapkv.kv_quant import KVQuant
-from snapkv.methods import Method
+from snapkv.methods import Method, post_init_from_tokenizer
 from snapkv.prompts import (
     chat_templated,
     encode_prompt,
@@ -206,8 +206,8 @@ class _Shared:
                 yield Outcome(s, fields=dict(self.shared), error=err)
 
     def compress(self, ids: list[int]) -> CompressedCache:
-        self.method.post_init_from_tokenizer(
-            self.tokenizer, chat_templated(self.tokenizer, self.chat_template)
+        post_init_from_tokenizer(
+            self.method, self.tokenizer, chat_templated(self.tokenizer, self.chat_template)
         )
         with PeakMemory(self.device) as mem:
             t0 = clock(self.device)

@@ -718,7 +718,7 @@ class CompressedCache(DynamicCache):
         self._mark: CacheMark | None = None
         # Bytes the last `rollback()` had kept alive beyond the cache (for result rows).
         self.rollback_bytes = 0
-        # Seconds of the method's own pass after the prefill (`Method.after_prefill`, KVzip).
+        # Seconds of the method's own pass after the prefill (`OwnPass.after_prefill`, KVzip).
         self.scoring_s = 0.0
 
     def protect(self, start: int, end: int) -> None:

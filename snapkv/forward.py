@@ -118,7 +118,7 @@ def step(
 
 def stepper(model, cache: Cache, **kwargs: Any) -> Callable[[torch.Tensor], Any]:
     """`forward(ids)`: `step(model, cache, ids, **kwargs)`, for loops that feed one token at a time
-    (and for a method's own pass after the prefill, `Method.after_prefill`)."""
+    (and for a method's own pass after the prefill, `OwnPass.after_prefill`)."""
 
     kwargs.setdefault("cache_arg", cache_kwarg(model))
 
@@ -161,8 +161,8 @@ def prefill(
     session: the open compression `Session`; its phase is "prefill" for every chunk but the last
     and "final" for the last (compression right after it), and the last chunk holds at least
     `session.method.min_last_chunk` tokens (a shorter one merges into the one before); after the
-    last chunk the method's `after_prefill` runs on `ids` (`Session.after_prefill`; its wall time
-    in `cache.scoring_s`).
+    last chunk an `OwnPass` method's `after_prefill` runs on `ids` (`Session.after_prefill`; its
+    wall time in `cache.scoring_s`).
     on_chunk(start, end, output): called after each chunk's forward (offsets into `ids`).
     Returns the last chunk's model output (logits `[batch, 1, vocab]`).
     """

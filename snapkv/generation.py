@@ -64,7 +64,7 @@ from snapkv.cache import CompressedCache
 from snapkv.forward import PeakMemory, clock, prefill, stepper
 from snapkv.hooks import Session
 from snapkv.kv_quant import KVQuant
-from snapkv.methods import Method, build_method
+from snapkv.methods import Method, build_method, check_model_generate, post_init_from_tokenizer
 from snapkv.prompts import chat_templated, encode_prompt, generation_prompt_length, stop_token_ids
 from snapkv.sampling import Sampling, TokenPicker
 
@@ -118,7 +118,7 @@ class GenerationResult:
     `e2e_s`: end to end, prefill + compression + every decode step (`ttft_s` + Σ `decode_s`; progress
     callbacks excluded), the cost of a long generation's extra tokens included.
     `scoring_s`: seconds of the method's own pass after the prompt forward (KVzip's context
-    reconstruction, `Method.after_prefill`), part of `prefill_s` and `ttft_s`; ~0 for the others.
+    reconstruction, `OwnPass.after_prefill`), part of `prefill_s` and `ttft_s`; ~0 for the others.
     """
 
     text: str
@@ -418,7 +418,7 @@ def compress(
             raise ValueError(
                 f"a left-padded batch is prefilled in one forward, got chunk_size={cfg.chunk_size}"
             )
-        method.check_model_generate()  # what padded batches support is what model.generate supports
+        check_model_generate(method)  # what padded batches support is what model.generate supports
     if cfg.query_aware and question_ids is not None:
         context_ids, question_ids = torch.cat([context_ids, question_ids], dim=1), None
     context_len = context_ids.shape[1]
@@ -794,7 +794,7 @@ def _generate_text(
         raise ValueError("empty prompt: context is empty")
     method = _method(method)
     head, tail = encode_prompt(tokenizer, context, question, cfg.chat_template)
-    method.post_init_from_tokenizer(tokenizer, chat_templated(tokenizer, cfg.chat_template))
+    post_init_from_tokenizer(method, tokenizer, chat_templated(tokenizer, cfg.chat_template))
     stops = (
         set()
         if cfg.ignore_eos

@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from snapkv import padding
 from snapkv.cache import CompressedCache, CompressibleLayer
 from snapkv.forward import cache_kwarg, clock, stepper
-from snapkv.methods.base import Method, OwnAttention, OwnPass
+from snapkv.methods.base import Method, OwnAttention, OwnPass, check_model_generate
 
 _ACTIVE: ContextVar[Session | None] = ContextVar("snapkv_session", default=None)
 _WRAPPED = ("sdpa", "flash_attention_2", "eager")
@@ -367,11 +367,11 @@ def apply(model, method: Method) -> Iterator[Session]:
     """Apply `method` to `model.generate` (and direct forwards given a `CompressedCache`).
 
     `model.generate(...)` inside the block gets a fresh `CompressedCache` unless one is passed;
-    its prefill forward compresses each layer (then `method.after_prefill` runs on the forward's
+    its prefill forward compresses each layer (then `OwnPass.after_prefill` runs on the forward's
     `input_ids`), later forwards decode (and evict, for methods that do). Positions stay original,
     so generate's own position bookkeeping is right.
     """
-    method.check_model_generate()
+    check_model_generate(method)
     kw = cache_kwarg(model)
     original_generate = model.generate
 

@@ -138,6 +138,13 @@ def test_the_full_cache_has_kl_0_and_agrees_everywhere(tiny_dir, tmp_path):
     assert rescore_dir(results, []) == {path: (2, 0)} and path.read_bytes() == before
 
 
+# The task's own row columns (FidelityTask's docstring).
+FIDELITY_COLUMNS = {
+    "passage_index", "passage_offset", "context_tokens", "continuation_tokens", "haystack", "kl", "kl_max",
+    "top1_agreement", "nll_full", "nll_method", "ppl_full", "ppl_method", "delta_log_ppl", "teacher_force_s",
+}  # fmt: skip
+
+
 def test_a_compressing_method_moves_away_and_rows_carry_the_metrics(tiny_dir, tmp_path):
     results = tmp_path / "results"
     runner.run(
@@ -148,6 +155,8 @@ def test_a_compressing_method_moves_away_and_rows_carry_the_metrics(tiny_dir, tm
     assert all(r["status"] == "ok" for r in rows), rows[0]["error"]
     for r in rows:
         assert not fields_missing(r, ROW_FIELDS)
+        # The documented columns, and no per-layer sizes: the committed rows' columns.
+        assert FIDELITY_COLUMNS <= set(r) and "kv_tokens_per_layer" not in r
         assert r["task"] == "fidelity" and r["compressed"] is True and r["kv_tokens"] == 32
         assert r["kl"] > 0 and r["kl_max"] >= r["kl"]
         assert 0 <= r["score"] == r["top1_agreement"] == r["scores"]["top1_agreement"] <= 1

@@ -1,5 +1,6 @@
-"""Methods own their needs through explicit hooks on `Method`; the generic code never probes a
-method or a cache layer for attributes."""
+"""Methods own their needs through explicit hooks on `Method`, or on a mixin where one method or two
+need them (`OwnPass`, `OwnAttention`, `GenerateCheck`); the generic code never probes a method or a
+cache layer for attributes."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from conftest import random_ids, tiny_model
 import snapkv
 from snapkv import generate_ids, prefill
 from snapkv.cache import CompressibleLayer
-from snapkv.methods import Method
-from snapkv.methods.base import OwnPass
+from snapkv.methods import Method, build_method, check_model_generate, post_init_from_tokenizer
+from snapkv.methods.base import GenerateCheck, OwnPass
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERIC = ["snapkv/hooks.py", "snapkv/generation.py", "snapkv/cache.py", "snapkv/methods/base.py"]
@@ -28,8 +29,8 @@ class _ProbeState:
 
 
 @dataclass
-class _Probe(Method):
-    """Test-only method (not registered) that uses every hook."""
+class _Probe(GenerateCheck, Method):
+    """Test-only method (not registered) that uses every hook of `Method`, and `GenerateCheck`'s."""
 
     name = "probe"
     budget: int | None = 32
@@ -166,3 +167,32 @@ def test_after_prefill_pass_reaches_observe_only_and_is_timed_on_every_entry_poi
         gen = model.generate(ids, max_new_tokens=4, do_sample=False)
     assert method.calls == (40, 40, 40)  # once, after the prefill forward
     assert torch.equal(gen[:, 40:], want)
+
+
+def test_hooks_of_one_method_are_on_mixins_and_asked_only_of_the_methods_that_are_one():
+    for name in ("check_model_generate", "post_init_from_tokenizer", "after_prefill", "prefill_attention"):
+        assert not hasattr(Method, name), name
+    seen = []
+
+    class _Text(_PassProbe):
+        def post_init_from_tokenizer(self, tokenizer, chat_template: bool) -> None:
+            seen.append((tokenizer, chat_template))
+
+    post_init_from_tokenizer(_Text(), "tok", True)
+    post_init_from_tokenizer(_Probe(), "tok", False)  # no pass of its own: nothing asked
+    assert seen == [("tok", True)]
+    check_model_generate(build_method("snapkv", budget=16, window=4))
+    model = tiny_model("llama")
+    ids = torch.cat([random_ids(30, seed=1), random_ids(30, seed=2)])
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    refused = r"^positions='compacted' is only supported by snapkv.generate, not model.generate$"
+    compacted = build_method("streamingllm", budget=24, n_sink=4, positions="compacted")
+    with pytest.raises(ValueError, match=refused):
+        with snapkv.apply(model, compacted):
+            pass
+    with pytest.raises(ValueError, match=refused):  # a left-padded batch supports what generate does
+        snapkv.compress_context(model, ids, compacted, attention_mask=mask)
+    snapkv.compress_context(
+        model, ids, build_method("streamingllm", budget=24, n_sink=4), attention_mask=mask
+    )

@@ -17,7 +17,14 @@ from snapkv.methods import (  # noqa: F401  (registration)
     streamingllm,
     tova,
 )
-from snapkv.methods.base import Method
+from snapkv.methods.base import Method, check_model_generate, post_init_from_tokenizer
 from snapkv.methods.registry import METHODS, build_method, register
 
-__all__ = ["METHODS", "Method", "build_method", "register"]
+__all__ = [
+    "METHODS",
+    "Method",
+    "build_method",
+    "check_model_generate",
+    "post_init_from_tokenizer",
+    "register",
+]

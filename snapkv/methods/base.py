@@ -127,7 +127,14 @@ class EveryStep(DecodeSchedule):
 class OwnPass:
     """What a method with its own pass over the model after the prefill (KVzip's context
     reconstruction) adds to `Method` (a mixin: `class KVzip(OwnPass, Method)`); the hooks run
-    `after_prefill` for the methods that are one (`isinstance`)."""
+    `after_prefill` for the methods that are one (`isinstance`), and the entry points that build
+    prompts from text run `post_init_from_tokenizer` through the function of that name."""
+
+    def post_init_from_tokenizer(self, tokenizer, chat_template: bool) -> None:
+        """Called by `snapkv.generate` and the shared protocols before a prompt built with
+        `tokenizer` is prefilled (`chat_template`: whether prompts go through its chat template): a
+        pass that feeds text (KVzip's repeat prompt) tokenizes it here. Token-id entry points
+        (`generate_ids`, `compress_context`) do not call it."""
 
     def after_prefill(self, ids: torch.Tensor, cache, forward) -> None:
         """Called once the whole prompt `ids` `[batch, n]` is in `cache` (every compressible layer
@@ -137,6 +144,30 @@ class OwnPass:
         "score"), restores the cache (`cache.checkpoint()` / `rollback()`) and prunes. The pass's
         wall time is recorded as `cache.scoring_s`."""
         raise NotImplementedError
+
+
+def post_init_from_tokenizer(method: Method, tokenizer, chat_template: bool) -> None:
+    """`method.post_init_from_tokenizer(tokenizer, chat_template)` for a method with its own pass
+    (`OwnPass`); nothing for the others, which feed no text of their own."""
+    if isinstance(method, OwnPass):
+        method.post_init_from_tokenizer(tokenizer, chat_template)
+
+
+class GenerateCheck:
+    """What a method that cannot run inside `model.generate` in some configuration adds to `Method`
+    (a mixin: `class StreamingLLM(GenerateCheck, Method)`, whose compacted positions need
+    `snapkv.generate`'s own position bookkeeping); `snapkv.apply` and left-padded batches ask the
+    methods that are one through `check_model_generate(method)`."""
+
+    def check_model_generate(self) -> None:
+        """ValueError if the method cannot run inside `model.generate` (`snapkv.apply`)."""
+
+
+def check_model_generate(method: Method) -> None:
+    """ValueError if `method` cannot run inside `model.generate` (`snapkv.apply`, and left-padded
+    batches, which support what it supports): asked of the methods that are a `GenerateCheck`."""
+    if isinstance(method, GenerateCheck):
+        method.check_model_generate()
 
 
 class OwnAttention:
@@ -274,15 +305,6 @@ class Method:
         """Called once per session, before the first forward (kvpress's hook): a method that needs
         something from the model takes it here (StreamingLLM's compacted positions: the RoPE
         frequencies). ValueError if the method cannot run on this model."""
-
-    def check_model_generate(self) -> None:
-        """ValueError if the method cannot run inside `model.generate` (`snapkv.apply`)."""
-
-    def post_init_from_tokenizer(self, tokenizer, chat_template: bool) -> None:
-        """Called by `snapkv.generate` and the shared protocols before a prompt built with
-        `tokenizer` is prefilled (`chat_template`: whether prompts go through its chat template): a
-        method whose own pass feeds text (KVzip's repeat prompt) tokenizes it here. Token-id entry
-        points (`generate_ids`, `compress_context`) do not call it."""
 
     @property
     def min_last_chunk(self) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from snapkv.methods.base import Method, OwnAttention, OwnPass
+from snapkv.methods.base import GenerateCheck, Method, OwnAttention, OwnPass
 from snapkv.methods.registry import METHODS, build_method
 from snapkv.methods.snapkv import SnapKV
 
@@ -44,7 +44,8 @@ SNAPKV_FIELDS = ("window", "kernel_size", "pooling", "gqa_reduce", "gqa_order", 
 def is_scorer(cls: type) -> bool:
     """Whether a method class can be wrapped: it scores (`score` overridden) and keeps the base
     class's selection (`compress`, `prune`), without a prefill pass of its own (`prefill_attention`,
-    an `OwnPass`) and without being a wrapper itself."""
+    an `OwnPass`), running wherever its wrapper runs (`model.generate` too: not a `GenerateCheck`)
+    and without being a wrapper itself."""
     return (
         isinstance(cls, type)
         and issubclass(cls, Method)
@@ -55,7 +56,7 @@ def is_scorer(cls: type) -> bool:
         and not (
             issubclass(cls, OwnAttention) and cls.prefill_attention is not OwnAttention.prefill_attention
         )
-        and not issubclass(cls, OwnPass)
+        and not issubclass(cls, (OwnPass, GenerateCheck))
     )
 
 
@@ -167,12 +168,6 @@ class ScorerWrapper(Method):
     # ---- the scorer's part -------------------------------------------------------------------
     def post_init_from_model(self, model) -> None:
         self.scorer_method.post_init_from_model(model)
-
-    def check_model_generate(self) -> None:
-        self.scorer_method.check_model_generate()
-
-    def post_init_from_tokenizer(self, tokenizer, chat_template: bool) -> None:
-        self.scorer_method.post_init_from_tokenizer(tokenizer, chat_template)
 
     @property
     def min_last_chunk(self) -> int:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from snapkv.methods.base import Method
+from snapkv.methods.base import GenerateCheck, Method
 from snapkv.methods.checks import integer, one_of
 from snapkv.methods.registry import register
 from snapkv.rope import compact, rope_inv_freq
@@ -21,7 +21,7 @@ from snapkv.rope import compact, rope_inv_freq
 
 @register
 @dataclass
-class StreamingLLM(Method):
+class StreamingLLM(GenerateCheck, Method):
     name = "streamingllm"
     evict_during_decode = True  # a rolling cache: always (not a field, so not a switch)
     schedulable = False  # see Method.schedulable

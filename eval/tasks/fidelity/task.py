@@ -63,7 +63,8 @@ from eval.tasks.haystack import check_haystack_name, load_haystack
 from eval.tasks.registry import register_task
 from snapkv import build_method, compress_context, teacher_force
 from snapkv.forward import PeakMemory, clock
-from snapkv.methods import Method
+from snapkv.generation import cache_sizes
+from snapkv.methods import Method, post_init_from_tokenizer
 
 VERSION = "1"
 
@@ -117,14 +118,11 @@ def continuation_logprobs(
         t0 = clock(device)
         cache = compress_context(model, tokens[:, :context_len], method, chunk_size=chunk_size)
         prefill_s = clock(device) - t0
-        kept = cache.kept_tokens()
         fields = {
             "input_tokens": context_len,
-            "compressed": any(layer.compressed for _, layer in cache.compressible_layers()),
-            "kv_tokens": sum(kept) / len(kept) if kept else 0.0,
-            "kv_bytes_full": cache.kv_bytes_full(),
-            "kv_bytes": cache.kv_bytes(),
-            "kv_bytes_logical": cache.kv_bytes_logical(),
+            # A generated row's size fields; its `kv_tokens_per_layer` is not a row column (the
+            # runner keeps the `ROW_FIELDS` of `Evaluation.fields`).
+            **cache_sizes(cache),
             "prefill_s": prefill_s,
             "context_prefill_s": prefill_s,
             "scoring_s": cache.scoring_s,
@@ -156,10 +154,8 @@ def reference_logprobs(sample: Passage, context: EvalContext) -> torch.Tensor:
         stored = torch.load(path, map_location="cpu", weights_only=True)
         if stored.get("ids") == sample.ids:
             return stored["logprobs"]
-    full = build_method("full")
-    full.post_init_from_tokenizer(context.tokenizer, False)
     logprobs, _ = continuation_logprobs(
-        context.model, sample.ids, sample.context_len, full, context.chunk_size
+        context.model, sample.ids, sample.context_len, build_method("full"), context.chunk_size
     )
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename: a concurrent shard or an interrupted run never leaves half a file.
@@ -270,7 +266,7 @@ class FidelityTask(Task):
 
     def evaluate(self, sample: Passage, context: EvalContext) -> Evaluation:
         model, method = context.model, context.method
-        method.post_init_from_tokenizer(context.tokenizer, False)
+        post_init_from_tokenizer(method, context.tokenizer, False)
         if context.on_progress is not None:
             context.on_progress("prefill", 0, sample.context_len)
         full = reference_logprobs(sample, context)

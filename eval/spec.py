@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from eval import protocols
+from eval.engines import Engine, build_engine
 from eval.store import config_hash, model_key, result_path, safe_name
 from eval.tasks import Task, build_task, task_class
 from snapkv import Sampling, build_method
@@ -187,6 +188,24 @@ class ModelSpec:
         )
 
 
+def _check_engine_run(
+    engine: Engine, task: Task, protocol: str, generation: GenerationSpec, model: ModelSpec
+) -> None:
+    """ValueError for what an engine other than transformers does not run: a task that generates
+    nothing, a protocol other than query_aware, sampling, a model it cannot read."""
+    if not task.generates:
+        raise ValueError(
+            f"engine={engine.name} runs generating tasks; task {task.name!r} scores given text (use engine=transformers)"
+        )
+    if protocol != protocols.DEFAULT:
+        raise ValueError(
+            f"engine={engine.name} feeds each prompt whole (protocol={protocols.DEFAULT}), got protocol={protocol}"
+        )
+    if generation.do_sample:
+        raise ValueError(f"engine={engine.name} decodes greedily, got generation.do_sample=true")
+    engine.check_model(model.name)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything one run needs, validated; built by `from_config` before any model loads."""
@@ -205,6 +224,7 @@ class RunSpec:
     progress: bool = True
     report: bool = True
     generation: GenerationSpec = GenerationSpec()
+    engine: Engine | None = None  # None: transformers (eval/engines/)
 
     @classmethod
     def from_config(cls, cfg: DictConfig | dict) -> RunSpec:
@@ -239,6 +259,11 @@ class RunSpec:
             raise ValueError(
                 f"generation.do_sample=true runs protocol=query_aware or context_only, got protocol={protocol}"
             )
+        chunk_size = _int("prefill.chunk_size", prefill.get("chunk_size"), 1, allow_none=True)
+        engine = build_engine(_container(cfg.get("engine")), method, chunk_size)
+        model = ModelSpec.from_config(cfg.model)
+        if engine is not None:
+            _check_engine_run(engine, task, protocol, generation, model)
         results_dir = cfg.get("results_dir")
         if not isinstance(results_dir, str) or not results_dir.strip():
             raise ValueError(f"results_dir must be a path, got results_dir={results_dir!r}")
@@ -246,17 +271,18 @@ class RunSpec:
             task=task,
             task_config=task_config,
             method=method,
-            model=ModelSpec.from_config(cfg.model),
+            model=model,
             results_dir=Path(results_dir).expanduser(),
             query_aware=query_aware,
             protocol=protocol,
             seed=_int("seed", cfg.get("seed", 42)),
-            chunk_size=_int("prefill.chunk_size", prefill.get("chunk_size"), 1, allow_none=True),
+            chunk_size=chunk_size,
             shard=shard_i,
             num_shards=num_shards,
             progress=_bool("progress", cfg.get("progress", True)),
             report=_bool("report", cfg.get("report", True)),
             generation=generation,
+            engine=engine,
         )
 
     # ---- derived
@@ -278,6 +304,7 @@ class RunSpec:
                 "prefill_chunk_size": self.chunk_size,
                 **protocols.hash_fields(self.protocol),
                 **self.generation.hash_fields(self.seed),
+                **({"engine": self.engine.identity()} if self.engine is not None else {}),
             }
         )
 

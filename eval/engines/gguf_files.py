@@ -37,15 +37,21 @@ def field_value(field) -> tuple[object, GGUFValueType, GGUFValueType | None]:
     return field.contents(), vtype, sub
 
 
-def copy_metadata(reader: GGUFReader, writer: GGUFWriter, skip: Iterable[str] = (), **overrides) -> None:
-    """Every key/value pair of `reader` into `writer` but the header's and `skip`; `overrides`
-    (key=(value, GGUFValueType)) replace or add pairs."""
+def metadata(reader: GGUFReader) -> dict[str, tuple[object, GGUFValueType, GGUFValueType | None]]:
+    """The key/value pairs of `reader` but the header's, as `field_value` gives them."""
+    return {k: field_value(f) for k, f in reader.fields.items() if not k.startswith(_HEADER)}
+
+
+def copy_metadata(
+    source: GGUFReader | dict, writer: GGUFWriter, skip: Iterable[str] = (), **overrides
+) -> None:
+    """Every key/value pair of `source` (a reader, or `metadata`'s dict) into `writer` but the
+    header's and `skip`; `overrides` (key=(value, GGUFValueType)) replace or add pairs."""
+    pairs = metadata(source) if isinstance(source, GGUFReader) else source
     skip = set(skip) | set(overrides)
-    for key, field in reader.fields.items():
-        if key.startswith(_HEADER) or key in skip:
-            continue
-        value, vtype, sub = field_value(field)
-        writer.add_key_value(key, value, vtype, sub)
+    for key, (value, vtype, sub) in pairs.items():
+        if key not in skip:
+            writer.add_key_value(key, value, vtype, sub)
     for key, (value, vtype) in overrides.items():
         writer.add_key_value(key, value, vtype)
 

@@ -12,6 +12,11 @@ from `Task.row_metadata`), and finally rewrite the report of the whole `results_
 it to a caller that writes it once over several runs, `run.py`'s comparison and a sweep's last job
 (eval/callbacks.py)).
 
+Engines (`engine=`, eval/engines/): with `openvino` the loaded "model" is the engine's pipeline
+and each sample's prompt ids go through it (`eval.engines.generate_text`: the same ids, stop tokens
+and decoding as here); rows add the engine's columns (`engine_fields`). The default `transformers`
+is everything else this module describes.
+
 A task that generates nothing (`Task.generates` false: `fidelity`) runs each of its samples itself
 (`Task.evaluate`, given `eval_context`: the model, the method and a cache folder of the results
 dir); its row is written, resumed and failed like any other.

@@ -8,7 +8,9 @@ chunk size (same tokens kept, different memory/timings), with `generation.do_sam
 settings and the run seed (`GenerationSpec.hash_fields`; nothing when greedy, so greedy configs
 keep their hash), and the task's config except its
 `selection_keys` (keys that only choose which samples run) and keys at their `hash_defaults`
-(`Task.hash_params`). The device is left out, so a run can resume on another machine; the model is
+(`Task.hash_params`), and with an engine other than transformers its identity (`engine=openvino`:
+version, KV block size and precision, eviction config; eval/engines/; nothing for transformers, so
+every config keeps its hash). The device is left out, so a run can resume on another machine; the model is
 in the file's path.
 """
 

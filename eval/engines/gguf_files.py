@@ -73,6 +73,9 @@ def write_gguf(dst: str | Path, arch: str, fill) -> Path:
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 -> what a plain new file gets
         os.replace(tmp, dst)
     finally:
         if os.path.exists(tmp):

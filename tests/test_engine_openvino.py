@@ -341,6 +341,13 @@ def test_a_run_through_the_harness_writes_engine_rows(tiny, tmp_path):
     ((_, tok, _),) = runner._LOADED.values()  # the tokenizer the run rendered its prompts with
     (sample,) = list(spec.task.samples(tok))
     assert row["prompt_sha"] == prompt_sha(tok, sample, True)
+    # The report's labels name the engine.
+    from eval.report.build import prepare
+    from eval.store import ResultStore
+
+    assert list(prepare(ResultStore.load_dir(tmp_path))["config_label"]) == [
+        "snapkv b=128 w=32 k=7 max [openvino]"
+    ]
 
 
 # ------------------------------------------------------------------------------ accuracy agreement

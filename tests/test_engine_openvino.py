@@ -119,6 +119,7 @@ def test_snapkv_and_h2o_map_onto_the_eviction_config():
         (["method=full", "engine.kvcrush=2"], "engine.kvcrush=2"),
         (["engine.aggregation=mean"], "engine.aggregation='mean'"),
         (["engine.aggregation=adaptive_rkv", "engine.kvcrush=2"], "engine.kvcrush=2"),
+        (["engine.aggregation=adaptive_rkv"], "engine.aggregation=adaptive_rkv"),
         (["method.protect=question"], "protect='question'"),
         (["task=fidelity"], "task 'fidelity'"),
         (["protocol=context_only"], "protocol=context_only"),

@@ -48,6 +48,9 @@ KV_BLOCK_SIZE = {"CPU": 32, "GPU": 16}
 # Tensor types the engine's GGUF reader loads; any other file is rewritten as F16 first.
 GGUF_TYPES = {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"}
 AGGREGATIONS = ("sum", "norm_sum", "adaptive_rkv")
+# Releases whose Adaptive R-KV eviction fails on CPU with any prompt longer than the budget (tried:
+# SmolLM2 GGUF and a tiny Llama, block-aligned or not, chunked prefill or not, f32 or u8 KV).
+ADAPTIVE_RKV_BROKEN = ("2026.4.1.0",)
 KVCRUSH_ANCHORS = ("random", "zeros", "ones", "mean", "alternating")
 PRECISIONS = ("f32", "f16", "bf16", "u8", "u4")
 # Per method: the engine's default aggregation and the fields the mapping reads (every other field
@@ -274,6 +277,13 @@ class OpenVINOEngine(Engine):
         if aggregation == "adaptive_rkv" and self.kvcrush:
             raise ValueError(
                 f"engine.kvcrush={self.kvcrush} cannot be used with engine.aggregation=adaptive_rkv"
+            )
+        if aggregation == "adaptive_rkv" and version() in ADAPTIVE_RKV_BROKEN:
+            # Every sample would fail at its first eviction: refused before anything loads.
+            raise ValueError(
+                f"engine.aggregation=adaptive_rkv stops at the first eviction in openvino-genai {version()} "
+                "on CPU (its check 'num_diversity_values_registered == num_expected_diversity_values' or "
+                "'Token diversity must be registered'); use sum or norm_sum"
             )
         if method.name == "snapkv":
             recent, window = method.window, method.window

@@ -15,7 +15,7 @@ help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
 install:  ## torch first unless torch is there, then the package with the harness (bench) extra; each step announced, never silent for >10 s (scripts/install.py)
-	@$(PY) scripts/install.py --torch $(TORCH) --extras bench,dev,cluster,reasoning
+	@$(PY) scripts/install.py --torch $(TORCH) --extras bench,dev,cluster,reasoning,openvino,kvquant
 
 test: install  ## install, lint, both test tiers, then the version-sensitive tests on the ends of the transformers range
 	$(PY) -m ruff check .

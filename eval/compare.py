@@ -70,7 +70,16 @@ def run_with_compare(cfg: DictConfig) -> None:
     if in_multirun():
         run(cfg, write_report=False)  # the sweep's callback writes it once, after the last job
         return
-    specs = [RunSpec.from_config(c) for c in compare_configs(cfg)]
+    first, *others = compare_configs(cfg)
+    specs = [RunSpec.from_config(first)]
+    for other in others:
+        try:
+            specs.append(RunSpec.from_config(other))
+        except ValueError as err:
+            if specs[0].engine is None:
+                raise
+            # An engine runs fewer methods than the harness: the asked-for run goes on without them.
+            logger.warning("compare: %s skipped: %s", other.method.name, err)
     if len(specs) == 1:
         run(specs[0])
         return

@@ -12,6 +12,11 @@ from `Task.row_metadata`), and finally rewrite the report of the whole `results_
 it to a caller that writes it once over several runs, `run.py`'s comparison and a sweep's last job
 (eval/callbacks.py)).
 
+Engines (`engine=`, eval/engines/): with `openvino` the loaded "model" is the engine's pipeline
+and each sample's prompt ids go through it (`eval.engines.generate_text`: the same ids, stop tokens
+and decoding as here); rows add the engine's columns (`engine_fields`). The default `transformers`
+is everything else this module describes.
+
 A task that generates nothing (`Task.generates` false: `fidelity`) runs each of its samples itself
 (`Task.evaluate`, given `eval_context`: the model, the method and a cache folder of the results
 dir); its row is written, resumed and failed like any other.
@@ -71,12 +76,22 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from transformers import AutoTokenizer
 
 from eval import protocols
+from eval.engines import Engine, generate_text
 from eval.labels import kv_quant_suffix, method_label
 from eval.machine import CpuNoise, cpu_kernels, thread_settings
 from eval.provenance import git_state, slurm_ids, utc_now, versions
 from eval.report import write_report as write_results_report
 from eval.spec import RunSpec, sample_seed
-from eval.store import ROW_FIELDS, TASK_FIELDS, ResultStore, safe_name, sha256_hex, shard, target_sha
+from eval.store import (
+    ROW_FIELDS,
+    TASK_FIELDS,
+    ResultStore,
+    canonical_json,
+    safe_name,
+    sha256_hex,
+    shard,
+    target_sha,
+)
 from eval.tasks import EvalContext, Evaluation, Sample, Task
 from snapkv import ProgressCallback, generate, generate_ids, generate_samples
 from snapkv.errors import first_line, one_line
@@ -125,6 +140,8 @@ _LOADED: dict[tuple, tuple] = {}
 def get_model(spec: RunSpec) -> tuple[Any, Any, dict]:
     """`(model, tokenizer, info)` for the spec's model, reusing the previous job's model when identical."""
     m = spec.model
+    if spec.engine is not None:
+        return get_engine(spec)
     key = (m.name, m.tokenizer, m.dtype, m.device, m.attn_implementation, spec.seed)
     if key not in _LOADED:
         _LOADED.clear()  # free the previous model before loading another
@@ -139,6 +156,21 @@ def get_model(spec: RunSpec) -> tuple[Any, Any, dict]:
                 f"model {m.name!r} has no tokenizer; set model.tokenizer=<embedded name, dir or Hub id>"
             )
         _LOADED[key] = (model, tokenizer, info)
+    return _LOADED[key]
+
+
+def get_engine(spec: RunSpec) -> tuple[Engine, Any, dict]:
+    """`(engine, tokenizer, info)`: the run's engine (eval/engines/) with the model loaded, and the
+    harness' tokenizer of the same model (the prompts' ids and the answers' text); the previous
+    job's when the model and the engine's identity are the same."""
+    m = spec.model
+    key = ("engine", m.name, m.tokenizer, canonical_json(spec.engine.identity()))
+    if key not in _LOADED:
+        _LOADED.clear()
+        gc.collect()
+        tokenizer = load_tokenizer(m.tokenizer or m.name)
+        info = spec.engine.load(m.name)
+        _LOADED[key] = (spec.engine, tokenizer, info)
     return _LOADED[key]
 
 
@@ -294,11 +326,22 @@ def run_sample(
             row.update(noise_fields(noise))
             row["timestamp"] = utc_now()
             return row
-        with noise:
-            result = generate(model, tokenizer, **_generation_args(sample, spec, chat_template, on_progress))
-        row.update(result.measurements())
-        row["context_prefill_s"] = result.prefill_s  # its own context, prefilled for it alone
-        _score(row, sample, task, result.text)
+        if spec.engine is not None:  # `model` is the loaded engine
+            with noise:
+                text, out = generate_text(
+                    model, tokenizer, sample.context, sample.question, chat_template, sample.max_new_tokens
+                )
+            row.update(out.fields)
+            row["context_prefill_s"] = out.fields.get("prefill_s")
+            _score(row, sample, task, text)
+        else:
+            with noise:
+                result = generate(
+                    model, tokenizer, **_generation_args(sample, spec, chat_template, on_progress)
+                )
+            row.update(result.measurements())
+            row["context_prefill_s"] = result.prefill_s  # its own context, prefilled for it alone
+            _score(row, sample, task, result.text)
     except Exception as err:  # noqa: BLE001 - a failing sample is recorded, the run goes on
         _fail(row, err)
     row.update(noise_fields(noise))
@@ -524,7 +567,7 @@ def run(cfg: DictConfig | RunSpec, write_report: bool = True) -> Path:
             )  # fmt: skip
         base = _base_fields(spec, info)
         if todo:
-            base["warmup_s"] = warm_up(model, spec)
+            base["warmup_s"] = warm_up(model, spec, tokenizer)
         bar = tqdm(
             total=n_todo, desc=f"{task.name} {label}", unit="sample", disable=not spec.progress,
             dynamic_ncols=True,
@@ -587,12 +630,18 @@ def report_results(results_dir: str | Path) -> None:
 WARMUP_TOKENS = 256
 
 
-def warm_up(model: Any, spec: RunSpec) -> float | None:
+def warm_up(model: Any, spec: RunSpec, tokenizer: Any = None) -> float | None:
     """One untimed generation (WARMUP_TOKENS random token ids, 2 new tokens, the run's method and
     prefill chunking) before the first timed sample; returns its seconds. A fresh process's first
     forward pays for paging in the weights, growing the allocator and choosing kernels, which no
     row's timing may include.
     None when the warm-up itself failed (logged; the samples run and report their own errors)."""
+    if spec.engine is not None:  # `model` is the loaded engine
+        try:
+            return model.warm_up(len(tokenizer), WARMUP_TOKENS)
+        except Exception as err:  # noqa: BLE001 - as below
+            logger.warning("warm-up failed (the first sample may time a cold start): %s", first_line(err))
+            return None
     vocab = model.config.get_text_config(decoder=True).vocab_size
     ids = torch.randint(0, vocab, (1, WARMUP_TOKENS), generator=torch.Generator().manual_seed(0))
     # A copy: whatever a method keeps on itself after a use comes from the real samples alone.
@@ -631,7 +680,17 @@ def _base_fields(spec: RunSpec, info: dict) -> dict[str, Any]:
         "prefill_chunk_size": spec.chunk_size,
         # only with quantized storage: earlier rows have no such column
         **({"kv_quant": spec.kv_quant.to_dict()} if spec.kv_quant is not None else {}),
+        # Rows of another engine name it, its version, KV block size and precision and its
+        # eviction (eval/engines/); transformers rows carry none of these columns.
+        **(engine_fields(spec.engine.identity()) if spec.engine is not None else {}),
     }
+
+
+def engine_fields(identity: dict[str, Any]) -> dict[str, Any]:
+    """An engine's row columns: `engine`, `engine_version` and `engine_config` (the rest of its
+    identity: device, KV block size, KV cache precision, eviction config)."""
+    rest = {k: v for k, v in identity.items() if k not in ("engine", "version")}
+    return {"engine": identity["engine"], "engine_version": identity["version"], "engine_config": rest}
 
 
 def _label(spec: RunSpec) -> str:

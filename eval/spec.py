@@ -8,7 +8,9 @@ chunk size (same tokens kept, different memory/timings), with `generation.do_sam
 settings and the run seed (`GenerationSpec.hash_fields`; nothing when greedy, so greedy configs
 keep their hash), and the task's config except its
 `selection_keys` (keys that only choose which samples run) and keys at their `hash_defaults`
-(`Task.hash_params`), and the `kv_quant` storage when it is not none. The device is left out, so a run can resume on another machine; the model is
+(`Task.hash_params`), the `kv_quant` storage when it is not none, and with an engine other than transformers its identity (`engine=openvino`:
+version, KV block size and precision, eviction config; eval/engines/; nothing for transformers, so
+every config keeps its hash). The device is left out, so a run can resume on another machine; the model is
 in the file's path.
 """
 
@@ -25,6 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from eval import protocols
+from eval.engines import Engine, build_engine
 from eval.store import config_hash, model_key, result_path, safe_name
 from eval.tasks import Task, build_task, task_class
 from snapkv import Sampling, build_method
@@ -207,6 +210,24 @@ class ModelSpec:
         )
 
 
+def _check_engine_run(
+    engine: Engine, task: Task, protocol: str, generation: GenerationSpec, model: ModelSpec
+) -> None:
+    """ValueError for what an engine other than transformers does not run: a task that generates
+    nothing, a protocol other than query_aware, sampling, a model it cannot read."""
+    if not task.generates:
+        raise ValueError(
+            f"engine={engine.name} runs generating tasks; task {task.name!r} scores given text (use engine=transformers)"
+        )
+    if protocol != protocols.DEFAULT:
+        raise ValueError(
+            f"engine={engine.name} feeds each prompt whole (protocol={protocols.DEFAULT}), got protocol={protocol}"
+        )
+    if generation.do_sample:
+        raise ValueError(f"engine={engine.name} decodes greedily, got generation.do_sample=true")
+    engine.check_model(model.name)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """Everything one run needs, validated; built by `from_config` before any model loads."""
@@ -226,6 +247,7 @@ class RunSpec:
     report: bool = True
     generation: GenerationSpec = GenerationSpec()
     kv_quant: KVQuant | None = None  # how the kept entries are stored (None: the model's dtype)
+    engine: Engine | None = None  # None: transformers (eval/engines/)
 
     @classmethod
     def from_config(cls, cfg: DictConfig | dict) -> RunSpec:
@@ -269,6 +291,16 @@ class RunSpec:
                     f"kv_quant={kv_quant.kind} is not supported with task {name!r}, which scores given "
                     "text through its own passes; use kv_quant=none"
                 )
+        chunk_size = _int("prefill.chunk_size", prefill.get("chunk_size"), 1, allow_none=True)
+        engine = build_engine(_container(cfg.get("engine")), method, chunk_size)
+        model = ModelSpec.from_config(cfg.model)
+        if engine is not None:
+            _check_engine_run(engine, task, protocol, generation, model)
+        if engine is not None and kv_quant is not None:
+            raise ValueError(
+                f"kv_quant={kv_quant.kind} is not supported with engine={engine.name}: the engine stores its "
+                "KV cache at its own precision (engine options); use kv_quant=none"
+            )
         results_dir = cfg.get("results_dir")
         if not isinstance(results_dir, str) or not results_dir.strip():
             raise ValueError(f"results_dir must be a path, got results_dir={results_dir!r}")
@@ -276,18 +308,19 @@ class RunSpec:
             task=task,
             task_config=task_config,
             method=method,
-            model=ModelSpec.from_config(cfg.model),
+            model=model,
             results_dir=Path(results_dir).expanduser(),
             query_aware=query_aware,
             protocol=protocol,
             seed=_int("seed", cfg.get("seed", 42)),
-            chunk_size=_int("prefill.chunk_size", prefill.get("chunk_size"), 1, allow_none=True),
+            chunk_size=chunk_size,
             shard=shard_i,
             num_shards=num_shards,
             progress=_bool("progress", cfg.get("progress", True)),
             report=_bool("report", cfg.get("report", True)),
             generation=generation,
             kv_quant=kv_quant,
+            engine=engine,
         )
 
     # ---- derived
@@ -311,6 +344,7 @@ class RunSpec:
                 **self.generation.hash_fields(self.seed),
                 # nothing without quantized storage: every earlier config keeps its hash
                 **({"kv_quant": self.kv_quant.to_dict()} if self.kv_quant is not None else {}),
+                **({"engine": self.engine.identity()} if self.engine is not None else {}),
             }
         )
 

@@ -162,6 +162,11 @@ def prepare(df: pd.DataFrame) -> pd.DataFrame:
         method_label(m, p) + q + protocols.label_suffix(pr)
         for m, p, q, pr in zip(df["method"], params, quant, df["protocol"])
     ]
+    # Rows another engine ran (eval/engines/) say so in every label: its eviction is not the method's.
+    if "engine" in df.columns:
+        engine = df["engine"].map(lambda e: f" [{e}]" if isinstance(e, str) and e else "")
+        df["label"] = df["label"] + engine
+        df["config_label"] = df["config_label"] + engine
     _disambiguate_labels(df)
     df["params_json"] = params.map(lambda p: json.dumps(p, sort_keys=True, default=str))
     df["budget"] = pd.to_numeric(params.map(budget_of), errors="coerce")

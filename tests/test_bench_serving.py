@@ -16,7 +16,7 @@ import math
 import statistics
 
 import pytest
-from conftest import CHATML, byte_level_bpe
+from conftest import CHATML, byte_level_bpe, in_child_process
 
 from eval.bench import serving
 from eval.bench.serving import Config, Request
@@ -482,6 +482,7 @@ def test_a_failing_pipeline_gives_an_error_row_and_the_run_goes_on(tokenizer, tm
 
 
 @pytest.mark.slow
+@in_child_process
 def test_real_smoke_run_on_smollm2_gguf(tmp_path, monkeypatch):
     pytest.importorskip("openvino_genai")
     monkeypatch.delenv("SNAPKV_BENCH_CACHE")  # the user's cache: the embedded GGUF, if fetched

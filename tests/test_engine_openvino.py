@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from conftest import in_child_process
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize, quantize
 from hydra import compose, initialize_config_dir
@@ -282,6 +283,7 @@ def prompt_ids(n: int, seed: int = 1) -> list[int]:
 
 
 @needs_engine
+@in_child_process
 def test_full_cache_greedy_tokens_match_transformers(tiny):
     from snapkv import generate_ids
 
@@ -301,6 +303,7 @@ def test_full_cache_greedy_tokens_match_transformers(tiny):
 
 
 @needs_engine
+@in_child_process
 def test_budget_changes_what_the_engine_keeps_and_outputs(tiny):
     path, _ = tiny
     ids = prompt_ids(400, 3)
@@ -317,6 +320,7 @@ def test_budget_changes_what_the_engine_keeps_and_outputs(tiny):
 
 
 @needs_engine
+@in_child_process
 def test_a_run_through_the_harness_writes_engine_rows(tiny, tmp_path):
     """The runner's engine path on the tiny model: prompts rendered by the harness, answers scored,
     rows naming the engine; the same prompts as the transformers path (`prompt_sha`)."""

@@ -4,9 +4,9 @@ section, `paired.csv` and `flips.csv`.
 Every compressed config of a (task, model) is compared with two baselines where they exist: the
 full cache (`method == "full"`; the same protocol where there is one) and SnapKV at the same budget
 and protocol (where several SnapKV configs share that budget: the one whose parameters differ least
-from SnapKV's defaults). Only ok rows count, and only samples both configs ran (`shared`): matched
-by content (`prompt_sha`, `target_sha`) when every row of both carries the hashes, else by
-(task, dataset, sample_id) (rows written before the hashes existed). A row per dataset, and where
+from SnapKV's defaults). Only ok rows count, and only samples both configs ran
+(`eval.store.shared_samples`): matched by content (`prompt_sha`, `target_sha`) when every row of
+both carries the hashes, else by (task, dataset, sample_id) (rows written before the hashes existed). A row per dataset, and where
 the pair shares more than one dataset a row `all` over every shared sample.
 
 Every number comes from `eval.stats.compare`. The resampling unit is the unit of independence
@@ -50,7 +50,7 @@ import pandas as pd
 
 import eval.report.protocols as protocol_report
 from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm
-from eval.store import has_content_hashes, sample_keys
+from eval.store import shared_samples
 from eval.tables import cell, column_order, md_table
 
 BYTES_TOLERANCE = 0.01
@@ -143,16 +143,6 @@ def baselines(part: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 # -------------------------------------------------------------------------------------------- tables
-def _shared(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """The ok rows of configs `a` and `b` on their shared samples, aligned (one row per sample, in
-    the baseline's key order), and how they were matched (`content` or `sample_id`)."""
-    by_content = has_content_hashes(a) and has_content_hashes(b)
-    a = a.assign(_key=sample_keys(a, by_content)).drop_duplicates("_key").set_index("_key")
-    b = b.assign(_key=sample_keys(b, by_content)).drop_duplicates("_key").set_index("_key")
-    shared = [k for k in b.index if k in a.index]
-    return a.loc[shared], b.loc[shared], "content" if by_content else "sample_id"
-
-
 def units(rows: pd.DataFrame) -> pd.Series:
     """Each row's unit of independence: its `context_id` (questions sharing a context), else its
     `prompt_id` (samples of one problem), else its index (the sample itself)."""
@@ -173,7 +163,7 @@ def paired_rows(part: pd.DataFrame, strata: Sequence[str] = ("dataset",)) -> pd.
     for label, base in baselines(part):
         if covered and _is_full(part, base) and _protocol(part, base) == _protocol(part, label):
             continue
-        a, b, matched = _shared(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
+        a, b, matched = shared_samples(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
         if a.empty:
             continue
         compressed_base = str(b["method"].iloc[0]) != "full"
@@ -212,7 +202,7 @@ def flips(part: pd.DataFrame, columns: Sequence[str] = ("dataset",)) -> pd.DataF
     for label, base in baselines(part):
         if str(ok.loc[ok["config_label"] == base, "method"].iloc[0]) != "full":
             continue
-        a, b, _ = _shared(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
+        a, b, _ = shared_samples(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
         right_a, right_b = a["score"] >= CORRECT_AT, b["score"] >= CORRECT_AT
         for change, mask in (("broke", right_b & ~right_a), ("fixed", right_a & ~right_b)):
             for (_, ra), (_, rb) in zip(a[mask.to_numpy()].iterrows(), b[mask.to_numpy()].iterrows()):

@@ -37,7 +37,8 @@ configs (against the full cache they differ by design): the pair is then not bud
 
 Flips (`flips`): per config against the full cache, the shared samples compression broke (the full
 cache right, the config wrong) and those it fixed, "right" meaning score >= `CORRECT_AT`, with the
-task's `flip_columns` (needle: length and depth; LongBench: dataset; RULER: task and length).
+task's `flip_columns` (needle: length and depth; LongBench: dataset; RULER: task and length). A task
+whose score is no right-or-wrong grade (`flip_columns` None: fidelity's top-1 agreement) has none.
 """
 
 from __future__ import annotations
@@ -315,18 +316,22 @@ class PairedReport:
 
 
 def task_model_report(
-    part: pd.DataFrame, strata: Sequence[str] = ("dataset",), flip_columns: Sequence[str] = ("dataset",)
+    part: pd.DataFrame,
+    strata: Sequence[str] = ("dataset",),
+    flip_columns: Sequence[str] | None = ("dataset",),
 ) -> PairedReport:
-    """`paired_rows`, `flips` and the markdown tables of one (task, model)'s prepared rows."""
+    """`paired_rows`, `flips` and the markdown tables of one (task, model)'s prepared rows.
+    `flip_columns` None: the task's score is no right-or-wrong grade, so nothing flips (no flip
+    table, no flipped samples)."""
     rows = paired_rows(part, strata)
-    flipped = flips(part, flip_columns)
+    flipped = pd.DataFrame(columns=FLIP_COLUMNS) if flip_columns is None else flips(part, flip_columns)
     if rows.empty:
         return PairedReport(rows, flipped, [])
     task, model = str(part["task"].iloc[0]), str(part["model"].iloc[0])
     md = [f"### {task} — {model}: paired differences", "", paired_table(rows), ""]
     method = part.drop_duplicates("config_label").set_index("config_label")["method"]
     vs_full = list(dict.fromkeys(rows.loc[rows["baseline"].map(method) == "full", "config"]))
-    if vs_full:
+    if vs_full and flip_columns is not None:
         cols = [c for c in flip_columns if c in part.columns]
         md += [f"### {task} — {model}: flips against the full cache", "", FLIPS_INTRO, "",
                flip_table(flipped, vs_full, cols), ""]  # fmt: skip

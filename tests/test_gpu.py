@@ -264,6 +264,7 @@ def test_agreement_sees_one_moved_position_and_ignores_head_padding():
     assert agreement([a, a], [a]) == (False, 1.0)  # a missing layer is not exact
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 @pytest.mark.parametrize(
     "bad,value",
     [(["--lengths", "4k"], "4k"), (["--model", "random:nope"], "nope"), (["--parts", "tpot,speed"], "speed"),

@@ -431,6 +431,7 @@ def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Completed
     )  # fmt: skip
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_cli_errors_in_a_subprocess(tmp_path):
     proc = _cli(tmp_path, "method.budget=16", f"hydra.run.dir={tmp_path}/h")
     assert proc.returncode == 2

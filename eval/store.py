@@ -290,6 +290,18 @@ def has_content_hashes(rows: pd.DataFrame) -> bool:
     )
 
 
+def shared_samples(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
+    """The rows of two configs `a` and `b` on the samples both ran, aligned: one row per sample (the
+    first of duplicates), indexed by its `sample_keys` key in `b`'s order (the baseline's), and how
+    they were matched: `content` where every row of both carries the hashes, else `sample_id` (a
+    key of one kind never matches one of the other)."""
+    by_content = has_content_hashes(a) and has_content_hashes(b)
+    a = a.assign(_key=sample_keys(a, by_content)).drop_duplicates("_key").set_index("_key")
+    b = b.assign(_key=sample_keys(b, by_content)).drop_duplicates("_key").set_index("_key")
+    shared = [k for k in b.index if k in a.index]
+    return a.loc[shared], b.loc[shared], "content" if by_content else "sample_id"
+
+
 def safe_name(name: str) -> str:
     """A readable, path-safe file/dir name component: '/' -> '__', other odd characters -> '_'."""
     name = str(name).replace("/", "__").replace("\\", "__")

@@ -1,6 +1,6 @@
 """Tiny random models (Llama / Qwen2 / Mistral with GQA / Gemma 3 hybrid) and tiny byte-level BPE
-tokenizers, built in code: offline, milliseconds per forward. `SHARED` is ../shared beside the
-checkout (tests may read it)."""
+tokenizers, built in code: offline, milliseconds per forward; `save_tiny_llama` saves one with its
+tokenizer as a model folder for a run. `SHARED` is ../shared beside the checkout (tests may read it)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,20 @@ def tiny_model(arch: str = "llama", attn: str = "sdpa", layers: int = 3, seed: i
     config._attn_implementation = attn
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     return model.eval()
+
+
+def save_tiny_llama(out: Path, tokenizer, max_positions: int = 2048) -> str:
+    """A random 2-layer Llama (GQA 4/2) sized to `tokenizer` (its vocabulary, its EOS), saved with
+    it in `out`: a model folder `model.name` can point at. Returns the folder as a string."""
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+        eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    return str(out)
 
 
 ARCHS = ["llama", "qwen2", "mistral", "gemma3"]

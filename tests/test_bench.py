@@ -132,6 +132,7 @@ def test_reference_units_cancel_a_machine_that_runs_slower():
     assert b["tpot_cpu_s"] == pytest.approx(1.4 * a["tpot_cpu_s"])
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_bench_speed_bad_input_is_one_line(tmp_path, capsys):
     proc = _run([sys.executable, "scripts/bench_speed.py", "methods=[full,pyramid]", f"out={tmp_path}/b.csv"])
     err = proc.stderr.strip()
@@ -297,6 +298,7 @@ def test_cpu_noise_subtracts_own_cpu_from_machine_busy(monkeypatch):
     assert (n.wall_s, n.own_cpu_s, n.other_cpu_s, n.other_cores) == (2.0, 1.5, 2.0, 1.0)
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_cpu_noise_sees_a_busy_process():
     """Measured in a fresh interpreter: the test process itself may hold spinning OpenMP workers
     (OMP_WAIT_POLICY=ACTIVE after earlier torch tests), which would count as its own CPU."""

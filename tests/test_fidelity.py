@@ -16,12 +16,13 @@ from reference import masked_reference_logits, record_visible
 
 import eval.runner as runner
 import eval.tasks.fidelity.task as fidelity
-from eval.report import write_report
+from eval.report import build_report, write_report
 from eval.rescore import rescore_dir
 from eval.store import ROW_FIELDS, fields_missing, read_rows
 from eval.tasks import build_task
 from snapkv import build_method, compress_context, teacher_force
 from tests import test_runner
+from tests.test_report import SNAP, base_row, write
 from tests.test_runner import make_cfg, result_files, run_cli_in_process
 
 tiny_dir = test_runner.tiny_dir  # the saved tiny model (session fixture)
@@ -205,6 +206,36 @@ def test_the_full_cache_log_probs_are_computed_once_for_several_methods(tiny_dir
     assert summary.loc[label, "score"] == pytest.approx(
         100 * sum(r["score"] for r in one_pass) / len(one_pass)
     )
+
+
+def test_the_report_lists_no_flips_for_top1_agreement_and_still_pairs_it_with_the_full_cache(tmp_path):
+    """Top-1 agreement is a fraction, not a right-or-wrong grade: a passage where SnapKV agrees on
+    30% of positions is no "broke" sample. The paired difference from the full cache stays; a
+    needle run in the same folder keeps its flips."""
+    rows = []
+    agreement = [0.3, 0.9, 0.4, 0.95, 0.2, 0.85]
+    for i, top1 in enumerate(agreement):
+        extra = dict(passage_index=i, context_tokens=120, continuation_tokens=12, kl=0.0, kl_max=0.0,
+                     nll_full=1.0, nll_method=1.0, ppl_full=math.e, ppl_method=math.e, delta_log_ppl=0.0)  # fmt: skip
+        rows.append(
+            base_row(f"fidelity-{i}", "fidelity", "noise", "full", {}, 1.0, top1_agreement=1.0, **extra)
+        )
+        rows.append(base_row(f"fidelity-{i}", "fidelity", "noise", "snapkv", SNAP, top1, top1_agreement=top1,
+                             **dict(extra, kl=1 - top1)))  # fmt: skip
+    for i, score in enumerate([1.0, 0.0]):  # a needle sample SnapKV broke
+        rows.append(base_row(f"needle-{i}", "needle", "needle", "full", {}, 1.0, context_length=1000,
+                             depth_percent=10 * i))  # fmt: skip
+        rows.append(base_row(f"needle-{i}", "needle", "needle", "snapkv", SNAP, score, context_length=1000,
+                             depth_percent=10 * i))  # fmt: skip
+    write(tmp_path, rows)
+    report = build_report(tmp_path, plots=False)
+    assert "### fidelity — tiny/model: paired differences" in report.markdown
+    assert "fidelity — tiny/model: flips" not in report.markdown
+    assert "### needle — tiny/model: flips against the full cache" in report.markdown
+    paired = pd.read_csv(report.paired_csv).set_index("task")
+    assert paired.loc["fidelity", "diff"] == pytest.approx(100 * (sum(agreement) / 6 - 1))
+    flips = pd.read_csv(report.flips_csv)
+    assert flips["task"].tolist() == ["needle"] and flips["change"].tolist() == ["broke"]
 
 
 @pytest.mark.parametrize(

@@ -4,9 +4,9 @@ checks what the CPU tests do not already check.
 Every test takes the `device` fixture; the `cuda` variant is marked `gpu` and skipped, with a
 reason, where no CUDA device is present. `pytest -m gpu tests/test_gpu.py` runs only the CUDA
 variants (scripts/gpu_check.sh does). No `cpu` variant for the selections compared with a CPU run
-(on CPU, a run compared with itself), nor for the decode and chunked-prefill checks of a
-configuration that tests/test_core.py's catalogue runs on CPU already, at the same or tighter
-tolerances (`test_compressed_decoding_equals_masked_full_cache`,
+(on CPU, a run compared with itself), nor for the decode and chunked-prefill checks: on CPU,
+tests/test_core.py runs both for every method of the catalogue at tighter tolerances, on two rows
+(`test_compressed_decoding_equals_masked_full_cache`,
 `test_chunked_prefill_selects_exactly_as_single_pass`).
 
 What is checked per device, for every registered method:
@@ -33,7 +33,6 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import random_ids, tiny_model
-from method_catalogue import CATALOGUE
 from reference import masked_reference_logits, record_visible
 
 import snapkv
@@ -65,22 +64,12 @@ for _name, _cls in sorted(METHODS.items()):
 IDS = [f"{n}-" + "-".join(f"{k}={v}" for k, v in p.items()) for n, p in CASES]
 
 
-def in_catalogue(name: str, params: dict) -> bool:
-    """Whether tests/test_core.py's method-wide tests run this configuration (the same parameters
-    once defaults are filled in) on CPU."""
-    want = build_method(name, **params).params()
-    return any(n == name and build_method(n, **p).params() == want for n, p in CATALOGUE)
-
-
-def on_devices(cases, ids, cpu) -> list:
-    """`device, name, params` rows (the `device` fixture's ids): `cuda` for every case, `cpu` for
-    the cases where `cpu(name, params)`."""
-    rows = []
-    for (name, params), case_id in zip(cases, ids):
-        if cpu(name, params):
-            rows.append(pytest.param("cpu", name, params, id=f"cpu-{case_id}"))
-        rows.append(pytest.param("cuda", name, params, id=f"cuda-{case_id}", marks=GPU))
-    return rows
+def on_cuda(cases, ids) -> list:
+    """`device, name, params` rows of the `cuda` device alone (the `device` fixture's ids)."""
+    return [
+        pytest.param("cuda", name, params, id=f"cuda-{case_id}", marks=GPU)
+        for (name, params), case_id in zip(cases, ids)
+    ]
 
 
 EVICTING, EVICTING_IDS = [c for c in CASES if c[0] != "full"], IDS[1:]
@@ -117,9 +106,7 @@ def decode_vs_reference(model, method, device):
     return res, [r.cpu() for r in ref]
 
 
-@pytest.mark.parametrize(
-    "device,name,params", on_devices(CASES, IDS, lambda *c: not in_catalogue(*c)), indirect=["device"]
-)
+@pytest.mark.parametrize("device,name,params", on_cuda(CASES, IDS), indirect=["device"])
 def test_compressed_decode_equals_masked_full_cache(device, name, params):
     model = model_on(device)
     res, ref = decode_vs_reference(model, build_method(name, **params), device)
@@ -129,9 +116,7 @@ def test_compressed_decode_equals_masked_full_cache(device, name, params):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
 
 
-@pytest.mark.parametrize(
-    "device,name,params", on_devices(EVICTING, EVICTING_IDS, lambda *c: False), indirect=["device"]
-)
+@pytest.mark.parametrize("device,name,params", on_cuda(EVICTING, EVICTING_IDS), indirect=["device"])
 def test_selections_equal_cpu_selections_in_fp32(device, name, params):
     ids = random_ids(PROMPT)
     method = build_method(name, **params)
@@ -177,11 +162,7 @@ def test_topk_ties_are_stable(device, n):
             assert got[b, h].tolist() == keep
 
 
-@pytest.mark.parametrize(
-    "device,name,params",
-    on_devices(EVICTING, EVICTING_IDS, lambda *c: not in_catalogue(*c)),
-    indirect=["device"],
-)
+@pytest.mark.parametrize("device,name,params", on_cuda(EVICTING, EVICTING_IDS), indirect=["device"])
 def test_chunked_prefill_equals_single_pass(device, name, params):
     model = model_on(device)
     ids = random_ids(PROMPT).to(device)
@@ -283,6 +264,7 @@ def test_agreement_sees_one_moved_position_and_ignores_head_padding():
     assert agreement([a, a], [a]) == (False, 1.0)  # a missing layer is not exact
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 @pytest.mark.parametrize(
     "bad,value",
     [(["--lengths", "4k"], "4k"), (["--model", "random:nope"], "nope"), (["--parts", "tpot,speed"], "speed"),

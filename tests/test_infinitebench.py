@@ -11,14 +11,17 @@ written to tmp_path.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from conftest import CHATML, byte_level_bpe
-from hydra import compose, initialize_config_dir
+from conftest import CHATML, byte_level_bpe, save_tiny_llama
+from hub_tasks import (
+    ROOT,
+    assert_offline_refusal,
+    compose_cfg,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
 
 from eval.spec import RunSpec
 from eval.tasks import build_task
@@ -26,7 +29,6 @@ from eval.tasks.infinitebench import metrics
 from eval.tasks.infinitebench.prompts import GPT4, MAX_NEW_TOKENS, TASKS, YARN_MISTRAL
 from eval.tasks.infinitebench.task import InfiniteBenchTask, math_find_prefix, prompt_parts
 
-ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = json.loads((ROOT / "tests" / "data" / "infinitebench_scores.json").read_text(encoding="utf-8"))
 WORDS = " ".join(f"line {i} of the book tells of gardens and rivers." for i in range(40))
 
@@ -72,16 +74,6 @@ def tok():
     corpus = [WORDS, json.dumps(PASSKEY), json.dumps(CHOICE), json.dumps(MATH_FIND), json.dumps(CODE_RUN)]
     corpus += list(YARN_MISTRAL.values()) + list(GPT4.values())
     return byte_level_bpe(corpus, 600, ["<s>", "<|im_start|>", "<|im_end|>"], chat_template=CHATML)
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -175,7 +167,7 @@ def test_middle_truncation(tmp_path, tok):
 
 
 def test_local_parquet_and_single_file(tmp_path, tok):
-    pq.write_table(pa.Table.from_pylist([MATH_FIND]), tmp_path / "math_find.parquet")
+    write_parquet(tmp_path / "math_find.parquet", [MATH_FIND])
     for data_files in (tmp_path / "math_find.parquet", tmp_path):
         task = InfiniteBenchTask(tasks=["math_find"], data_files=str(data_files))
         (sample,) = task.samples(tok)
@@ -226,61 +218,26 @@ def test_config_builds_the_task_and_selection_keeps_the_hash():
     assert gpt4.task.template == "gpt4"
 
 
-def _cli(monkeypatch, tmp_path, capsys, *overrides: str) -> tuple[int, list[str]]:
-    import eval.runner as runner
-    import run as run_module
-
-    def no_model(*a, **k):
-        raise AssertionError("the model was loaded although the data is missing")
-
-    monkeypatch.setattr(runner, "load_model", no_model)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            "run.py", f"hydra.run.dir={tmp_path}/hydra", "hydra.output_subdir=null",
-            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-            f"results_dir={tmp_path}/results", "task=infinitebench", *overrides,
-        ],
-    )  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        run_module.cli()
-    return exc.value.code, capsys.readouterr().err.strip().splitlines()
-
-
 def test_offline_without_data_files_exits_2_before_the_model_loads(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    code, err = _cli(monkeypatch, tmp_path, capsys, "task.tasks=[passkey]")
-    assert code == 2 and len(err) == 1, err
-    for part in ("error: ", "passkey", "xinrongzhang2022/InfiniteBench", "task.data_files="):
-        assert part in err[0], err
-    assert not (tmp_path / "results").exists()
+    assert_offline_refusal(
+        monkeypatch,
+        tmp_path,
+        capsys,
+        "infinitebench",
+        ["task.tasks=[passkey]"],
+        ["passkey", "xinrongzhang2022/InfiniteBench"],
+    )
 
 
 def test_bad_task_exits_2(monkeypatch, tmp_path, capsys):
-    code, err = _cli(monkeypatch, tmp_path, capsys, "task.tasks=[passkey,nope]")
+    code, err = run_cli(monkeypatch, tmp_path, capsys, "infinitebench", "task.tasks=[passkey,nope]")
     assert code == 2 and len(err) == 1 and "unknown InfiniteBench task 'nope'" in err[0], err
 
 
 # ------------------------------------------------------------------------------------------ run
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    out = tmp_path_factory.mktemp("models") / "tiny-llama-ib"
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-ib", tok)
 
 
 def test_runs_and_reports(tiny_dir, tmp_path):

@@ -13,6 +13,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
@@ -94,6 +96,7 @@ def test_the_cycle_contract_sees_a_cycle_through_a_function_level_import(tmp_pat
     assert _lint(tmp_path, config).returncode == 0
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_every_eval_module_imports_alone_in_any_order():
     """Each module imported first into a process holding no other `eval` module (forward, then in
     reverse order): a cycle held together by import order would fail one of them."""
@@ -113,6 +116,7 @@ def test_every_eval_module_imports_alone_in_any_order():
     assert int(res.stdout) == len(EVAL_MODULES) > 50
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_the_task_registry_loads_a_task_only_when_asked_and_never_its_report():
     res = _python(
         """

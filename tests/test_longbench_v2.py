@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import re
-import sys
-from pathlib import Path
 
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from conftest import CHATML, byte_level_bpe
-from hydra import compose, initialize_config_dir
+from conftest import CHATML, byte_level_bpe, save_tiny_llama
+from hub_tasks import (
+    assert_offline_refusal,
+    compose_cfg,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
 
 from eval.spec import RunSpec
 from eval.tasks import build_task
@@ -27,7 +29,6 @@ from eval.tasks.longbench_v2 import metrics
 from eval.tasks.longbench_v2.report import LongBenchV2Report
 from eval.tasks.longbench_v2.task import LongBenchV2Task, truncate_middle
 
-ROOT = Path(__file__).resolve().parents[1]
 WORDS = " ".join(f"line {i} of the book tells of gardens and rivers." for i in range(60))
 
 
@@ -63,16 +64,6 @@ def tok():
     return byte_level_bpe(
         corpus, 600, ["<s>", "<|im_start|>", "<|im_end|>"], bos="<s>", add_bos=True, chat_template=CHATML
     )
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -224,10 +215,9 @@ def test_local_layouts_and_selection(tmp_path, tok):
     (tmp_path / "hub").mkdir()
     (tmp_path / "hub" / "data.json").write_text(json.dumps(RECORDS), encoding="utf-8")
     write_jsonl(tmp_path / "records.jsonl", RECORDS)
-    (tmp_path / "shards").mkdir()
-    pq.write_table(pa.Table.from_pylist(RECORDS[:2]), tmp_path / "shards" / "train-0.parquet")
-    pq.write_table(pa.Table.from_pylist(RECORDS[2:]), tmp_path / "shards" / "train-1.parquet")
-    pq.write_table(pa.Table.from_pylist(RECORDS), tmp_path / "one.parquet")
+    write_parquet(tmp_path / "shards" / "train-0.parquet", RECORDS[:2])
+    write_parquet(tmp_path / "shards" / "train-1.parquet", RECORDS[2:])
+    write_parquet(tmp_path / "one.parquet", RECORDS)
     for path in ("hub", "hub/data.json", "records.jsonl", "shards", "one.parquet"):
         task = LongBenchV2Task(data_files=str(tmp_path / path))
         assert task.records() == RECORDS and task.num_samples() == 4, path
@@ -283,63 +273,30 @@ def test_config_builds_the_task_and_selection_keeps_the_hash():
     assert build_task("longbench_v2", lengths="long").lengths == ["long"]
 
 
-def _cli(monkeypatch, tmp_path, capsys, *overrides: str) -> tuple[int, list[str]]:
-    import eval.runner as runner
-    import run as run_module
-
-    def no_model(*a, **k):
-        raise AssertionError("the model was loaded although the data is missing")
-
-    monkeypatch.setattr(runner, "load_model", no_model)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            "run.py", f"hydra.run.dir={tmp_path}/hydra", "hydra.output_subdir=null",
-            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-            f"results_dir={tmp_path}/results", "task=longbench_v2", *overrides,
-        ],
-    )  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        run_module.cli()
-    return exc.value.code, capsys.readouterr().err.strip().splitlines()
-
-
 def test_offline_without_data_files_exits_2_before_the_model_loads(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    code, err = _cli(monkeypatch, tmp_path, capsys)
-    assert code == 2 and len(err) == 1, err
-    for part in ("error: ", "LongBench-v2 could not be loaded", "THUDM/LongBench-v2", "task.data_files="):
-        assert part in err[0], err
-    assert not (tmp_path / "results").exists()
+    assert_offline_refusal(
+        monkeypatch,
+        tmp_path,
+        capsys,
+        "longbench_v2",
+        [],
+        ["LongBench-v2 could not be loaded", "THUDM/LongBench-v2"],
+    )
 
 
 def test_missing_local_file_and_bad_value_exit_2(monkeypatch, tmp_path, capsys):
-    code, err = _cli(monkeypatch, tmp_path, capsys, f"task.data_files={tmp_path / 'nowhere.json'}")
+    code, err = run_cli(
+        monkeypatch, tmp_path, capsys, "longbench_v2", f"task.data_files={tmp_path / 'nowhere.json'}"
+    )
     assert code == 2 and len(err) == 1 and "task.data_files=" in err[0], err
-    code, err = _cli(monkeypatch, tmp_path, capsys, "task.lengths=[huge]")
+    code, err = run_cli(monkeypatch, tmp_path, capsys, "longbench_v2", "task.lengths=[huge]")
     assert code == 2 and len(err) == 1 and "lengths=['huge']" in err[0], err
 
 
 # ------------------------------------------------------------------------------------------ run
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    out = tmp_path_factory.mktemp("models") / "tiny-llama-lbv2"
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-lbv2", tok)
 
 
 def test_runs_and_reports(tiny_dir, tmp_path):

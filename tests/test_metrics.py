@@ -447,6 +447,7 @@ def test_cli_empty_inputs(tmp_path, capsys):
     assert "lcc.jsonl" in msg and "no predictions" in msg
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_cli_subprocess_bad_input_exit_code(tmp_path):
     _write_jsonl(tmp_path / "trec.jsonl", [_rec("a", ["a"], classes=["a"]), "{oops"])
     proc = _cli([str(tmp_path)])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import CHATML, byte_level_bpe
+from conftest import CHATML, byte_level_bpe, save_tiny_llama
 from hydra import compose, initialize_config_dir
 
 from eval.spec import RunSpec
@@ -455,19 +455,7 @@ def test_question_table():
 # ------------------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    out = tmp_path_factory.mktemp("models") / "tiny-llama-mq"
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-mq", tok)
 
 
 def test_run_rows_and_report(tiny_dir, tmp_path):

@@ -347,6 +347,7 @@ def test_observation_is_configured_from_conf_like_run_py():
     assert analysis.window == 8 and analysis.top_p == 0.1 and "model" not in analysis
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_observation_script_runs_as_a_file(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "observation.py"), "no_such_option=1"],

@@ -117,6 +117,7 @@ def test_bench_extra_is_what_the_harness_imports_beyond_the_library():
     assert canonicalize_name("import-linter") in names(extras["dev"])
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_console_scripts_are_harness_functions_that_run():
     scripts = project()["scripts"]
     assert scripts
@@ -204,6 +205,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_library_generates_with_the_harness_packages_hidden(tmp_path):
     env = {
         **os.environ,

@@ -9,7 +9,7 @@ from scipy.stats import binomtest
 from test_report import SNAP, base_row, write
 
 from eval.report import build_report
-from eval.store import sample_keys, sha256_hex, target_sha
+from eval.store import sample_keys, sha256_hex, shared_samples, target_sha
 
 CELLS = [(1000, 0), (1000, 50), (2000, 0), (2000, 50), (4000, 0), (4000, 50)]
 
@@ -144,6 +144,24 @@ def test_sampled_rows_pair_on_their_seed():
         }
     )
     assert sample_keys(rows).tolist() == ["p:t:11", "p:t:12", "p:t"]
+
+
+def test_shared_samples_are_aligned_in_the_baselines_order_by_content_or_else_by_id():
+    """Content hashes match a sample whatever its id; one row without them falls back to ids for
+    both sides; a duplicated sample counts once (its first row)."""
+    full = [needle_row("full", {}, n, d, 1.0) for n, d in CELLS]
+    snap = [needle_row("snapkv", SNAP, n, d, 0.5) for n, d in reversed(CELLS[1:4])]
+    snap[0]["sample_id"] = "renamed"  # CELLS[3]: the same content under another id
+    snap.append(dict(snap[1], score=0.0))  # a second row of CELLS[2]
+    a, b, matched = shared_samples(pd.DataFrame(snap), pd.DataFrame(full))
+    assert matched == "content"
+    assert b["depth_percent"].tolist() == [d for _, d in CELLS[1:4]]  # the baseline's order
+    assert a["score"].tolist() == [0.5, 0.5, 0.5] and a.index.tolist() == b.index.tolist()
+    snap[2]["prompt_sha"] = None  # rows written before the hashes existed: matched by sample id
+    a, b, matched = shared_samples(pd.DataFrame(snap), pd.DataFrame(full))
+    assert matched == "sample_id"
+    assert b["sample_id"].tolist() == ["needle-1000-50", "needle-2000-0"]
+    assert a["sample_id"].tolist() == b["sample_id"].tolist()
 
 
 def multi_question_row(method, params, context, question, score, protocol="multi_request", **kw):

@@ -279,6 +279,7 @@ def test_report_empty_dir_exit_2(tmp_path, capsys):
     assert main([str(tmp_path / "missing")]) == 2
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_report_cli_empty_dir(tmp_path):
     script = Path(__file__).resolve().parents[1] / "scripts" / "report.py"
     proc = subprocess.run(

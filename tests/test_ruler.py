@@ -18,10 +18,8 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
-from conftest import CHATML, byte_level_bpe
+from conftest import CHATML, byte_level_bpe, save_tiny_llama
 from hydra import compose, initialize_config_dir
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import eval.runner as runner
 from eval.report import build_report, prepare
@@ -418,16 +416,7 @@ def test_config_composes_and_builds():
 # ---------------------------------------------------------------------------------- end to end, report
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok) -> str:
-    out = tmp_path_factory.mktemp("models") / "tiny-llama-ruler"
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-ruler", tok, max_positions=4096)
 
 
 def test_run_end_to_end_rows_and_report(tiny_dir, data, tmp_path):

@@ -23,11 +23,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import CHATML, byte_level_bpe
+from conftest import CHATML, byte_level_bpe, save_tiny_llama
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 import eval.report.build
 import eval.runner as runner
@@ -56,15 +55,7 @@ def save_tiny_model(out: Path) -> str:
     ChatML chat template, trained on the noise haystack and the needles (the runner tests' model)."""
     corpus = [hs.NOISE_TEXT] * 10 + [s.instruction + s.needle + s.question for s in NEEDLES.values()]
     tokenizer = byte_level_bpe(corpus, 600, ["<|im_start|>", "<|im_end|>"], chat_template=CHATML)
-    tokenizer.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        eos_token_id=tokenizer.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(out, tokenizer, max_positions=4096)
 
 
 @pytest.fixture(scope="session")
@@ -440,6 +431,7 @@ def _cli(tmp_path: Path, *args: str, timeout: int = 300) -> subprocess.Completed
     )  # fmt: skip
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_cli_errors_in_a_subprocess(tmp_path):
     proc = _cli(tmp_path, "method.budget=16", f"hydra.run.dir={tmp_path}/h")
     assert proc.returncode == 2

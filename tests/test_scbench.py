@@ -10,14 +10,17 @@ written to tmp_path.
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
-from conftest import CHATML, byte_level_bpe
-from hydra import compose, initialize_config_dir
+from conftest import CHATML, byte_level_bpe, save_tiny_llama
+from hub_tasks import (
+    ROOT,
+    assert_offline_refusal,
+    compose_cfg,
+    run_cli,
+    write_jsonl,
+    write_parquet,
+)
 
 from eval.spec import RunSpec
 from eval.tasks import build_task
@@ -25,7 +28,6 @@ from eval.tasks.scbench import metrics, repoqa
 from eval.tasks.scbench.prompts import CONFIGS, DEFAULT, NEEDS_REPOQA
 from eval.tasks.scbench.task import SCBenchTask, mf_prefix
 
-ROOT = Path(__file__).resolve().parents[1]
 ALL_GOLDEN = json.loads((ROOT / "tests" / "data" / "scbench_scores.json").read_text(encoding="utf-8"))
 GOLDEN = [g for g in ALL_GOLDEN if "turn" in g]  # one turn each
 REPOQA_GOLDEN = [g for g in ALL_GOLDEN if "record" in g]  # turns of one RepoQA record
@@ -68,16 +70,6 @@ def tok():
     corpus = [WORDS, json.dumps(KV), json.dumps(CHOICE), json.dumps(MF)] + [g["prediction"] for g in GOLDEN]
     corpus += ["Extract the value corresponding to the specified key in the JSON object below."] * 3
     return byte_level_bpe(corpus, 600, ["<s>", "<|im_start|>", "<|im_end|>"], chat_template=CHATML)
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
-    return path
-
-
-def compose_cfg(overrides: list[str]):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 # ------------------------------------------------------------------------------------------ metrics
@@ -311,10 +303,8 @@ def test_middle_truncation(tmp_path, tok):
 
 # ------------------------------------------------------------------------------------------ data
 def test_local_parquet_layouts(tmp_path, tok):
-    table = pa.Table.from_pylist([KV])
-    pq.write_table(table, tmp_path / "scbench_kv.parquet")
-    (tmp_path / "hub" / "scbench_kv").mkdir(parents=True)
-    pq.write_table(table, tmp_path / "hub" / "scbench_kv" / "test-00000-of-00001.parquet")
+    write_parquet(tmp_path / "scbench_kv.parquet", [KV])
+    write_parquet(tmp_path / "hub" / "scbench_kv" / "test-00000-of-00001.parquet", [KV])
     for data_files in (tmp_path / "scbench_kv.parquet", tmp_path, tmp_path / "hub"):
         task = SCBenchTask(configs=["scbench_kv"], data_files=str(data_files), limit=1)
         assert task.records("scbench_kv") == [KV], data_files
@@ -369,64 +359,29 @@ def test_config_builds_the_task_and_selection_keeps_the_hash():
     assert build_task("scbench", configs="scbench_vt").configs == ["scbench_vt"]
 
 
-def _cli(monkeypatch, tmp_path, capsys, *overrides: str) -> tuple[int, list[str]]:
-    import eval.runner as runner
-    import run as run_module
-
-    def no_model(*a, **k):
-        raise AssertionError("the model was loaded although the data is missing")
-
-    monkeypatch.setattr(runner, "load_model", no_model)
-    monkeypatch.setattr(
-        sys,
-        "argv",
-        [
-            "run.py", f"hydra.run.dir={tmp_path}/hydra", "hydra.output_subdir=null",
-            "hydra/job_logging=disabled", "hydra/hydra_logging=disabled",
-            f"results_dir={tmp_path}/results", "task=scbench", *overrides,
-        ],
-    )  # fmt: skip
-    with pytest.raises(SystemExit) as exc:
-        run_module.cli()
-    return exc.value.code, capsys.readouterr().err.strip().splitlines()
-
-
 def test_offline_without_data_files_exits_2_before_the_model_loads(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf" / "datasets"))
-    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_kv]")
-    assert code == 2 and len(err) == 1, err
-    for part in ("error: ", "scbench_kv", "microsoft/SCBench", "task.data_files="):
-        assert part in err[0], err
-    assert not (tmp_path / "results").exists()
+    assert_offline_refusal(
+        monkeypatch,
+        tmp_path,
+        capsys,
+        "scbench",
+        ["task.configs=[scbench_kv]"],
+        ["scbench_kv", "microsoft/SCBench"],
+    )
 
 
 def test_bad_config_exits_2(monkeypatch, tmp_path, capsys):
-    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_kv,scbench_nope]")
+    code, err = run_cli(monkeypatch, tmp_path, capsys, "scbench", "task.configs=[scbench_kv,scbench_nope]")
     assert code == 2 and len(err) == 1 and "unknown SCBench config 'scbench_nope'" in err[0], err
     monkeypatch.setattr(repoqa, "available", lambda: False)
-    code, err = _cli(monkeypatch, tmp_path, capsys, "task.configs=[scbench_repoqa_and_kv]")
+    code, err = run_cli(monkeypatch, tmp_path, capsys, "scbench", "task.configs=[scbench_repoqa_and_kv]")
     assert code == 2 and len(err) == 1 and "pip install -e '.[repoqa]'" in err[0], err
 
 
 # ------------------------------------------------------------------------------------------ runs
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory, tok) -> str:
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    out = tmp_path_factory.mktemp("models") / "tiny-llama-scb"
-    tok.save_pretrained(out)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        eos_token_id=tok.eos_token_id,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    return str(out)
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama-scb", tok)
 
 
 def test_runs_under_each_protocol_and_reports(tiny_dir, tmp_path):

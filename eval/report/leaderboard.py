@@ -27,10 +27,10 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from eval.labels import method_label
-from eval.report.paired import _shared, units
+from eval.report.paired import units
 from eval.spec import RunSpec
 from eval.stats import compare, holm
-from eval.store import ResultStore
+from eval.store import ResultStore, shared_samples
 from eval.tables import md_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +130,7 @@ def cell_table(cell: Cell, rows: pd.DataFrame, names: list[str]) -> pd.DataFrame
         mine = rows[rows["method"] == name] if not rows.empty else rows
         if mine.empty or base.empty:
             continue
-        a, b, _ = _shared(mine, base)
+        a, b, _ = shared_samples(mine, base)
         if a.empty:
             continue
         datasets = b["dataset"].astype(str)

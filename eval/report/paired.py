@@ -4,9 +4,9 @@ section, `paired.csv` and `flips.csv`.
 Every compressed config of a (task, model) is compared with two baselines where they exist: the
 full cache (`method == "full"`; the same protocol where there is one) and SnapKV at the same budget
 and protocol (where several SnapKV configs share that budget: the one whose parameters differ least
-from SnapKV's defaults). Only ok rows count, and only samples both configs ran (`shared`): matched
-by content (`prompt_sha`, `target_sha`) when every row of both carries the hashes, else by
-(task, dataset, sample_id) (rows written before the hashes existed). A row per dataset, and where
+from SnapKV's defaults). Only ok rows count, and only samples both configs ran
+(`eval.store.shared_samples`): matched by content (`prompt_sha`, `target_sha`) when every row of
+both carries the hashes, else by (task, dataset, sample_id) (rows written before the hashes existed). A row per dataset, and where
 the pair shares more than one dataset a row `all` over every shared sample.
 
 Every number comes from `eval.stats.compare`. The resampling unit is the unit of independence
@@ -37,7 +37,8 @@ configs (against the full cache they differ by design): the pair is then not bud
 
 Flips (`flips`): per config against the full cache, the shared samples compression broke (the full
 cache right, the config wrong) and those it fixed, "right" meaning score >= `CORRECT_AT`, with the
-task's `flip_columns` (needle: length and depth; LongBench: dataset; RULER: task and length).
+task's `flip_columns` (needle: length and depth; LongBench: dataset; RULER: task and length). A task
+whose score is no right-or-wrong grade (`flip_columns` None: fidelity's top-1 agreement) has none.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import pandas as pd
 
 import eval.report.protocols as protocol_report
 from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm
-from eval.store import has_content_hashes, sample_keys
+from eval.store import shared_samples
 from eval.tables import cell, column_order, md_table
 
 BYTES_TOLERANCE = 0.01
@@ -143,16 +144,6 @@ def baselines(part: pd.DataFrame) -> list[tuple[str, str]]:
 
 
 # -------------------------------------------------------------------------------------------- tables
-def _shared(a: pd.DataFrame, b: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame, str]:
-    """The ok rows of configs `a` and `b` on their shared samples, aligned (one row per sample, in
-    the baseline's key order), and how they were matched (`content` or `sample_id`)."""
-    by_content = has_content_hashes(a) and has_content_hashes(b)
-    a = a.assign(_key=sample_keys(a, by_content)).drop_duplicates("_key").set_index("_key")
-    b = b.assign(_key=sample_keys(b, by_content)).drop_duplicates("_key").set_index("_key")
-    shared = [k for k in b.index if k in a.index]
-    return a.loc[shared], b.loc[shared], "content" if by_content else "sample_id"
-
-
 def units(rows: pd.DataFrame) -> pd.Series:
     """Each row's unit of independence: its `context_id` (questions sharing a context), else its
     `prompt_id` (samples of one problem), else its index (the sample itself)."""
@@ -173,7 +164,7 @@ def paired_rows(part: pd.DataFrame, strata: Sequence[str] = ("dataset",)) -> pd.
     for label, base in baselines(part):
         if covered and _is_full(part, base) and _protocol(part, base) == _protocol(part, label):
             continue
-        a, b, matched = _shared(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
+        a, b, matched = shared_samples(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
         if a.empty:
             continue
         compressed_base = str(b["method"].iloc[0]) != "full"
@@ -212,7 +203,7 @@ def flips(part: pd.DataFrame, columns: Sequence[str] = ("dataset",)) -> pd.DataF
     for label, base in baselines(part):
         if str(ok.loc[ok["config_label"] == base, "method"].iloc[0]) != "full":
             continue
-        a, b, _ = _shared(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
+        a, b, _ = shared_samples(ok[ok["config_label"] == label], ok[ok["config_label"] == base])
         right_a, right_b = a["score"] >= CORRECT_AT, b["score"] >= CORRECT_AT
         for change, mask in (("broke", right_b & ~right_a), ("fixed", right_a & ~right_b)):
             for (_, ra), (_, rb) in zip(a[mask.to_numpy()].iterrows(), b[mask.to_numpy()].iterrows()):
@@ -325,18 +316,22 @@ class PairedReport:
 
 
 def task_model_report(
-    part: pd.DataFrame, strata: Sequence[str] = ("dataset",), flip_columns: Sequence[str] = ("dataset",)
+    part: pd.DataFrame,
+    strata: Sequence[str] = ("dataset",),
+    flip_columns: Sequence[str] | None = ("dataset",),
 ) -> PairedReport:
-    """`paired_rows`, `flips` and the markdown tables of one (task, model)'s prepared rows."""
+    """`paired_rows`, `flips` and the markdown tables of one (task, model)'s prepared rows.
+    `flip_columns` None: the task's score is no right-or-wrong grade, so nothing flips (no flip
+    table, no flipped samples)."""
     rows = paired_rows(part, strata)
-    flipped = flips(part, flip_columns)
+    flipped = pd.DataFrame(columns=FLIP_COLUMNS) if flip_columns is None else flips(part, flip_columns)
     if rows.empty:
         return PairedReport(rows, flipped, [])
     task, model = str(part["task"].iloc[0]), str(part["model"].iloc[0])
     md = [f"### {task} — {model}: paired differences", "", paired_table(rows), ""]
     method = part.drop_duplicates("config_label").set_index("config_label")["method"]
     vs_full = list(dict.fromkeys(rows.loc[rows["baseline"].map(method) == "full", "config"]))
-    if vs_full:
+    if vs_full and flip_columns is not None:
         cols = [c for c in flip_columns if c in part.columns]
         md += [f"### {task} — {model}: flips against the full cache", "", FLIPS_INTRO, "",
                flip_table(flipped, vs_full, cols), ""]  # fmt: skip

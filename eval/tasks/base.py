@@ -186,13 +186,14 @@ class TaskReport:
     `paired_strata` (row columns within whose values the report's paired bootstrap resamples the
     shared samples' units of independence, and whose per-value means its pooled differences weigh equally, as the task's
     own averages do: eval/report/paired.py) and `flip_columns` (row columns naming a sample in the
-    flip tables: what compression broke or fixed).
+    flip tables: what compression broke or fixed; None where the score is no right-or-wrong grade,
+    a fraction or a mean, and the report lists no flips).
     """
 
     section: ClassVar[str] = "Scores"
     budget_values: ClassVar[dict[str, str]] = {"score": "score"}
     paired_strata: ClassVar[tuple[str, ...]] = ("dataset",)
-    flip_columns: ClassVar[tuple[str, ...]] = ("dataset",)
+    flip_columns: ClassVar[tuple[str, ...] | None] = ("dataset",)
 
     @classmethod
     def prepare_rows(cls, df: pd.DataFrame) -> pd.DataFrame:

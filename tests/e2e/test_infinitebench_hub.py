@@ -9,16 +9,10 @@ missing from the repo.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 from hub_server import HubServer, Repo
+from hub_tasks import hub_child, jsonl_bytes, loaded, refusal
 
-ROOT = Path(__file__).resolve().parents[2]
 REPO = ("dataset", "xinrongzhang2022/InfiniteBench")
 README = b"""---
 configs:
@@ -50,88 +44,54 @@ print(json.dumps({t: task.records(t) for t in task.tasks}))
 """
 
 
-def jsonl(rows: list[dict]) -> bytes:
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()
-
-
 @pytest.fixture(scope="module")
 def repo() -> Repo:
     return Repo(
         {
             "README.md": README,
-            "passkey.jsonl": jsonl(PASSKEY),
-            "code_debug.jsonl": jsonl(DEBUG),
-            "math_calc.jsonl": jsonl(CALC),
+            "passkey.jsonl": jsonl_bytes(PASSKEY),
+            "code_debug.jsonl": jsonl_bytes(DEBUG),
+            "math_calc.jsonl": jsonl_bytes(CALC),
         }
-    )
-
-
-def child(tmp_path: Path, endpoint: str, offline: bool, **kw) -> subprocess.CompletedProcess:
-    drop = (
-        "HF_HUB_OFFLINE",
-        "HF_DATASETS_OFFLINE",
-        "TRANSFORMERS_OFFLINE",
-        "HF_TOKEN",
-        "HUGGING_FACE_HUB_TOKEN",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(
-        HF_ENDPOINT=endpoint,
-        HF_HOME=str(tmp_path / "hf"),
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HUB_DISABLE_PROGRESS_BARS="1",
-        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-    )
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(kw)], env=env, capture_output=True, text=True, timeout=300
     )
 
 
 def test_loads_from_the_hub_then_from_the_cache(repo, tmp_path):
     with HubServer({REPO: repo}) as hub:
-        online = child(tmp_path, hub.url, False, tasks=["passkey", "math_calc"], limit=2)
-        assert online.returncode == 0, online.stderr
-        assert json.loads(online.stdout) == {"passkey": PASSKEY[:2], "math_calc": CALC}
+        online = hub_child(CHILD, tmp_path, hub.url, False, tasks=["passkey", "math_calc"], limit=2)
+        assert loaded(online) == {"passkey": PASSKEY[:2], "math_calc": CALC}
         assert not hub.unhandled, hub.unhandled
         fetched = " ".join(hub.paths_requested("GET"))
         assert "passkey.jsonl" in fetched and "code_debug.jsonl" not in fetched  # only the asked tasks
         assert "README.md" not in fetched  # the card's one config (every file) is not prepared
-        pinned = child(tmp_path / "pinned", hub.url, False, tasks=["code_debug"], revision=repo.commit)
-        assert pinned.returncode == 0 and json.loads(pinned.stdout) == {"code_debug": DEBUG}, pinned.stderr
-        wrong = child(tmp_path / "wrong", hub.url, False, tasks=["code_debug"], revision="0" * 40)
-        assert wrong.returncode != 0
-        line = wrong.stderr.strip().splitlines()[-1]
+        pinned = hub_child(
+            CHILD, tmp_path / "pinned", hub.url, False, tasks=["code_debug"], revision=repo.commit
+        )
+        assert loaded(pinned) == {"code_debug": DEBUG}
+        wrong = hub_child(CHILD, tmp_path / "wrong", hub.url, False, tasks=["code_debug"], revision="0" * 40)
         assert (
             "code_debug could not be loaded from the Hub dataset xinrongzhang2022/InfiniteBench "
-            f"at revision {'0' * 40}" in line
+            f"at revision {'0' * 40}" in refusal(wrong)
         )
-        assert "task.data_files=PATH" in line
         endpoint = hub.url
-    # The endpoint is gone: offline mode reads the same records from `datasets`' cache.
-    cached = child(tmp_path, endpoint, True, tasks=["passkey"])
-    assert cached.returncode == 0 and json.loads(cached.stdout) == {"passkey": PASSKEY}, cached.stderr
-    gone = child(tmp_path, endpoint, False, tasks=["passkey", "math_calc"])  # nothing answers there
-    assert gone.returncode == 0, gone.stderr
-    assert json.loads(gone.stdout) == {"passkey": PASSKEY, "math_calc": CALC}
-    pinned = child(tmp_path / "pinned", endpoint, True, tasks=["code_debug"], revision=repo.commit)
-    assert pinned.returncode == 0 and json.loads(pinned.stdout) == {"code_debug": DEBUG}, pinned.stderr
-    missing = child(tmp_path, endpoint, True, tasks=["code_debug"])  # never fetched at the default branch
-    assert missing.returncode != 0
-    line = missing.stderr.strip().splitlines()[-1]
+    # The endpoint is gone: offline mode reads the same records from the Hugging Face cache.
+    cached = hub_child(CHILD, tmp_path, endpoint, True, tasks=["passkey"])
+    assert loaded(cached) == {"passkey": PASSKEY}
+    # Offline mode off, and nothing answers at the endpoint: the cache all the same.
+    gone = hub_child(CHILD, tmp_path, endpoint, False, tasks=["passkey", "math_calc"])
+    assert loaded(gone) == {"passkey": PASSKEY, "math_calc": CALC}
+    pinned = hub_child(CHILD, tmp_path / "pinned", endpoint, True, tasks=["code_debug"], revision=repo.commit)
+    assert loaded(pinned) == {"code_debug": DEBUG}
+    # code_debug was never fetched at the default branch:
+    missing = hub_child(CHILD, tmp_path, endpoint, True, tasks=["code_debug"])
+    line = refusal(missing)
     assert "code_debug could not be loaded" in line and "no copy is in the Hugging Face cache" in line
 
 
 def test_task_missing_from_the_repo_names_it(repo, tmp_path):
     with HubServer({REPO: repo}) as hub:
-        out = child(tmp_path, hub.url, False, tasks=["kv_retrieval"])
-    assert out.returncode != 0
-    line = out.stderr.strip().splitlines()[-1]
+        out = hub_child(CHILD, tmp_path, hub.url, False, tasks=["kv_retrieval"])
     assert (
         "FileNotFoundError: InfiniteBench task kv_retrieval could not be loaded from the Hub dataset "
-        "xinrongzhang2022/InfiniteBench" in line
+        "xinrongzhang2022/InfiniteBench" in refusal(out)
     )
-    assert "task.data_files=PATH" in line

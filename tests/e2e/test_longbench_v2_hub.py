@@ -9,15 +9,11 @@ Hub does not hold.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from hub_server import HubServer, Repo
+from hub_tasks import hub_child, loaded, refusal
 
-ROOT = Path(__file__).resolve().parents[2]
 REPO = ("dataset", "THUDM/LongBench-v2")
 README = b"""---
 license: apache-2.0
@@ -47,59 +43,28 @@ def repo() -> Repo:
     return Repo({"README.md": README, "data.json": json.dumps(RECORDS).encode()})
 
 
-def child(tmp_path: Path, endpoint: str, offline: bool, **kw) -> subprocess.CompletedProcess:
-    drop = (
-        "HF_HUB_OFFLINE",
-        "HF_DATASETS_OFFLINE",
-        "TRANSFORMERS_OFFLINE",
-        "HF_TOKEN",
-        "HUGGING_FACE_HUB_TOKEN",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in drop}
-    env.update(
-        HF_ENDPOINT=endpoint,
-        HF_HOME=str(tmp_path / "hf"),
-        HF_HUB_DISABLE_TELEMETRY="1",
-        HF_HUB_DISABLE_PROGRESS_BARS="1",
-        HF_DATASETS_DISABLE_PROGRESS_BARS="1",
-        PYTHONPATH=str(ROOT),
-        OMP_NUM_THREADS="1",
-    )
-    if offline:
-        env["HF_HUB_OFFLINE"] = "1"
-    return subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(kw)], env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_loads_from_the_hub_then_from_the_cache(repo, tmp_path):
     with HubServer({REPO: repo}) as hub:
-        online = child(tmp_path, hub.url, False, lengths=["short", "long"])
-        assert online.returncode == 0, online.stderr
-        assert json.loads(online.stdout) == [r for r in RECORDS if r["length"] != "medium"]
+        online = hub_child(CHILD, tmp_path, hub.url, False, lengths=["short", "long"])
+        assert loaded(online) == [r for r in RECORDS if r["length"] != "medium"]
         assert not hub.unhandled, hub.unhandled
-        pinned = child(tmp_path / "pinned", hub.url, False, revision=repo.commit, limit=2)
-        assert pinned.returncode == 0 and json.loads(pinned.stdout) == RECORDS[:2], pinned.stderr
-        wrong = child(tmp_path / "wrong", hub.url, False, revision="0" * 40)
-        assert wrong.returncode != 0
-        line = wrong.stderr.strip().splitlines()[-1]
+        pinned = hub_child(CHILD, tmp_path / "pinned", hub.url, False, revision=repo.commit, limit=2)
+        assert loaded(pinned) == RECORDS[:2]
+        wrong = hub_child(CHILD, tmp_path / "wrong", hub.url, False, revision="0" * 40)
         assert (
             f"LongBench-v2 could not be loaded from the Hub dataset THUDM/LongBench-v2 at revision {'0' * 40}"
-            in line
+            in refusal(wrong)
         )
-        assert "task.data_files=PATH" in line
         endpoint = hub.url
     # The endpoint is gone: offline mode reads the same records from `datasets`' cache.
-    cached = child(tmp_path, endpoint, True)
-    assert cached.returncode == 0 and json.loads(cached.stdout) == RECORDS, cached.stderr
+    cached = hub_child(CHILD, tmp_path, endpoint, True)
+    assert loaded(cached) == RECORDS
 
 
 def test_repository_missing_from_the_hub_names_it(tmp_path):
     with HubServer({}) as hub:
-        out = child(tmp_path, hub.url, False, repo="THUDM/LongBench-v3")
-    assert out.returncode != 0
-    line = out.stderr.strip().splitlines()[-1]
+        out = hub_child(CHILD, tmp_path, hub.url, False, repo="THUDM/LongBench-v3")
     assert (
-        "FileNotFoundError: LongBench-v2 could not be loaded from the Hub dataset THUDM/LongBench-v3" in line
+        "FileNotFoundError: LongBench-v2 could not be loaded from the Hub dataset THUDM/LongBench-v3"
+        in refusal(out)
     )
-    assert "task.data_files=PATH" in line

@@ -40,16 +40,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import huggingface_hub
-
 from eval.tasks.base import Sample, Task
-from eval.tasks.hub_data import read_local
+from eval.tasks.hub_data import load_hub_file, read_local
 from eval.tasks.infinitebench import metrics
 from eval.tasks.infinitebench.prompts import MAX_NEW_TOKENS, TASKS, TEMPLATES
 from eval.tasks.longbench.task import split_prompt, truncate_middle
 from eval.tasks.registry import register_task
-from snapkv.errors import one_line
-from snapkv_models.hub import hub_unavailable
 
 HUB_REPO_ID = "xinrongzhang2022/InfiniteBench"
 CHOICE_TASKS = ("longbook_choice_eng", "code_debug")
@@ -117,32 +113,6 @@ def _local_file(task: str, data_files: Path, n_tasks: int) -> Path:
         f"InfiniteBench task {task} not found in task.data_files={data_files} (looked for {task}.jsonl and "
         f"{task}.parquet); unset task.data_files to load {HUB_REPO_ID} from the Hub"
     )
-
-
-def load_hub(task: str, repo: str, revision: str | None) -> list[dict[str, Any]]:
-    """The records of ``<task>.jsonl`` in the Hub dataset `repo` (huggingface_hub's cache: fetched
-    once, read from the cache offline); FileNotFoundError (one line naming the task, the repository
-    and `task.data_files`) when it cannot be had."""
-    unavailable = None
-    try:
-        # When the endpoint does not answer, the cache only: a missing file fails at once, not after retries.
-        unavailable = hub_unavailable()
-        path = huggingface_hub.hf_hub_download(
-            repo_id=repo,
-            filename=f"{task}.jsonl",
-            repo_type="dataset",
-            revision=revision,
-            local_files_only=bool(unavailable),
-        )
-    except Exception as err:  # offline, unreachable, missing repo/file/revision: one actionable line
-        at = f" at revision {revision}" if revision else ""
-        why = f"{unavailable} and no copy is in the Hugging Face cache" if unavailable else one_line(err)
-        raise FileNotFoundError(
-            f"InfiniteBench task {task} could not be loaded from the Hub dataset {repo}{at} ({why}); "
-            "on a machine without the Hub give local files with task.data_files=PATH "
-            "(a directory of <task>.jsonl files)"
-        ) from None
-    return read_local(Path(path))
 
 
 def _check_record(task: str, index: int, record: dict[str, Any]) -> None:
@@ -236,7 +206,13 @@ class InfiniteBenchTask(Task):
             if self.data_files is not None:
                 rows = read_local(_local_file(task, Path(self.data_files).expanduser(), len(self.tasks)))
             else:
-                rows = load_hub(task, self.repo, self.revision)
+                rows = load_hub_file(
+                    f"InfiniteBench task {task}",
+                    self.repo,
+                    f"{task}.jsonl",
+                    self.revision,
+                    "a directory of <task>.jsonl files",
+                )
             rows = rows[: self.limit] if self.limit is not None else rows
             for i, record in enumerate(rows):
                 _check_record(task, i, record)

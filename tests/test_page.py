@@ -84,3 +84,9 @@ def test_folder_readme_names_duplicates_and_uncommitted_trees(tmp_path):
     text = page.folder_readme(tmp_path / "g")
     assert "Duplicated samples: none" in text and "not all from one CPU kind" not in text
     assert page.folder_readme(tmp_path / "empty") is None
+
+
+def test_a_results_folder_without_rows_renders_every_section_empty(tmp_path):
+    (tmp_path / "results").mkdir()
+    text = page.page(tmp_path / "results", "## Leaderboard\n", "<!-- a -->", "<!-- /a -->")
+    assert "No result rows yet" in text and text.count("No rows yet.") == len(page.SECTIONS)

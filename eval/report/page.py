@@ -488,8 +488,10 @@ def _provenance(rows: pd.DataFrame) -> str:
 
 # --------------------------------------------------------------------------------------------- page
 def how_to_read(root: Path) -> str:
-    frames = [load(p) for p in sorted(root.iterdir()) if p.is_dir()]
-    rows = pd.concat([f for f in frames if not f.empty], ignore_index=True)
+    frames = [f for f in (load(p) for p in sorted(root.iterdir()) if p.is_dir()) if not f.empty]
+    if not frames:
+        return "## How to read\n\nNo result rows yet: each section names the command that writes them."
+    rows = pd.concat(frames, ignore_index=True)
     models = ", ".join(
         f"{m} ({'/'.join(sorted({DTYPES.get(str(d), str(d)) for d in g['dtype'].dropna()}))})"
         for m, g in rows.groupby("model", sort=True)
@@ -499,19 +501,21 @@ def how_to_read(root: Path) -> str:
     versions = sorted(
         {str(v.get("snapkv_bench")) for v in rows["versions"] if isinstance(v, dict)} - {"None"}
     )
+    commits = rows["git_sha"].dropna().nunique()
     return "\n".join(
         [
             "## How to read",
             "",
-            f"Models (dtype): {models}; greedy unless a section samples. {len(rows)} rows from "
-            f"{rows['git_sha'].dropna().nunique()} commits (snapkv-bench {', '.join(versions) or '?'}); CPU "
-            f"kernels recorded: {cpus or 'none'}, {len(rows) - len(kernels)} rows from before that record. A table "
-            'gives each config\'s n (samples shared with the full cache) and score x100; "minus full" is the '
-            "paired difference with a 95% unit-bootstrap interval (a context's questions, a problem's samples "
-            'resampled together); every p is Holm-adjusted over its table, and "no difference detected" '
-            f'means Holm\'s p >= {ALPHA}, not equality ("same within ±m" needs a TOST). Configs are '
-            "method + budget; the full config and every per-task table are in the folder's report.md, "
-            "how the rows were run in its README.md.",
+            f"- Models (dtype): {models}; greedy decoding unless a section samples.",
+            f"- {len(rows)} rows from {commits} commits (snapkv-bench {', '.join(versions) or '?'}); CPU kernels "
+            f"recorded: {cpus or 'none'}; {len(rows) - len(kernels)} rows from before that record.",
+            '- A table gives each config\'s n (samples shared with the full cache) and score x100; "minus full" '
+            "is the paired difference with a 95% unit-bootstrap interval (a context's questions, a problem's "
+            "samples resampled together).",
+            f'- Every p is Holm-adjusted over its table; "no difference detected" means Holm\'s p >= {ALPHA}, not '
+            f'equality: "same within ±{MARGIN:g}" needs a TOST at that margin (points x100).',
+            "- Configs are method + budget: the full config and every per-task table are in the folder's "
+            "report.md, how its rows ran (dtype, CPU, commits) in its README.md.",
         ]
     )
 

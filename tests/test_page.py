@@ -90,3 +90,13 @@ def test_a_results_folder_without_rows_renders_every_section_empty(tmp_path):
     (tmp_path / "results").mkdir()
     text = page.page(tmp_path / "results", "## Leaderboard\n", "<!-- a -->", "<!-- /a -->")
     assert "No result rows yet" in text and text.count("No rows yet.") == len(page.SECTIONS)
+
+
+def test_partial_credit_stands_in_for_the_score_where_a_section_says_so(tmp_path):
+    rows = needle_rows("full", {}, [1.0] * N) + needle_rows("snapkv", SNAP, [0.0] * N)
+    for r in rows[N:]:
+        r["scores"] = {"exact": 0.0, "partial": 0.5}
+    write(tmp_path / "f", rows)
+    t = page.table(page.Part("f", MODEL, metric="partial").rows(tmp_path))
+    assert t.lines[0].score == 50.0 and t.lines[0].vs_full.diff == -50.0
+    assert "| config | n | partial credit x100 | minus full [95% CI] |" in page.markdown(t, "partial")

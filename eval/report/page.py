@@ -275,6 +275,7 @@ class Line:
     holm_ref: float = math.nan
     ref_label: str = ""
     whole: bool = False  # ran every sample the full cache ran
+    full: Line | None = None  # the full-cache config it is compared with (the same protocol)
 
 
 @dataclass
@@ -338,7 +339,7 @@ def table(part: pd.DataFrame) -> Table:
             if a["partial"].notna().any():
                 line.partial = 100 * a["partial"].mean()
             line.same_full = tost(diffs, MARGIN, unit) if c.n_units >= 2 else None
-            line.whole = c.n == by_label[base].n
+            line.whole, line.full = c.n == by_label[base].n, by_label[base]
         else:
             line.vs_ref, line.ref_label = c, names[base]
     ps = [(ln, w) for ln in out.lines for w in ("full", "ref") if getattr(ln, f"vs_{w}") is not None]
@@ -424,7 +425,8 @@ def _listed(items: list[tuple[float, str, float, int]]) -> str:
         return named
     ps, ns = [t[2] for t in rest], sorted({t[3] for t in rest})
     n = f"n = {ns[0]}" if len(ns) == 1 else f"n = {ns[0]}-{ns[-1]}"
-    return f"{named} and {len(rest)} more (Holm {_p_is(min(ps))} to {max(ps):.3f}, {n}; the table)"
+    holm_p = _p_is(min(ps)) + (f" to {max(ps):.3f}" if max(ps) > min(ps) else "")
+    return f"{named} and {len(rest)} more (Holm {holm_p}, {n}; the table)"
 
 
 def reading(t: Table) -> list[str]:
@@ -446,7 +448,8 @@ def reading(t: Table) -> list[str]:
             else f"Tied for the best mean ({len(best)} configs)"
         )
         text = f"{what}: {names} ({top:.1f}"
-        text += f"; the full cache {t.full.score:.1f}, n = {t.full.n})" if t.full else ")"
+        full = best[0].full or t.full
+        text += f"; the full cache {full.score:.1f}, n = {full.n})" if full else ")"
         if best[0].vs_full is not None and len(best) == 1:
             c = best[0].vs_full
             text += f", {_diff(c)} against the full cache: {said(c, best[0].holm_full, best[0].same_full)}"
@@ -530,7 +533,7 @@ def section_markdown(s: Section, root: Path) -> str:
     out += [
         f"{s.part.model}, {_provenance(t.rows)} ([how they ran]({folder}/README.md)):",
         "",
-        markdown(t),
+        markdown(t, s.part.metric),
         "",
     ]
     out += [f"- {line}" for line in reading(t)]

@@ -221,6 +221,31 @@ class TruncatedRowWarning(UserWarning):
     """A results file ends with an incomplete line (a process was killed mid-write); it is skipped."""
 
 
+class DuplicateRowWarning(UserWarning):
+    """One sample of one config is stored in more than one results file (e.g. two shard files)."""
+
+
+DUPLICATE_COLUMNS = ["task", "model", "method_hash", "sample_id", "files"]
+
+
+def row_key(row: dict) -> tuple:
+    """The key `load_dir` merges rows on: (task, model, method_hash, sample_id)."""
+    return (row.get("task"), row.get("model"), row.get("method_hash"), str(row["sample_id"]))
+
+
+def duplicate_rows(rows: Iterable[dict]) -> pd.DataFrame:
+    """`DUPLICATE_COLUMNS` of every key (`row_key`) whose rows come from more than one file (their
+    `file` field): the same sample of the same config written twice, e.g. by two shard runs that
+    overlapped. A rerun appending to its own file (an error row, then the ok one) is not listed."""
+    files: dict[tuple, list[str]] = {}
+    for row in rows:
+        where = files.setdefault(row_key(row), [])
+        if row.get("file") not in where:
+            where.append(row.get("file"))
+    records = [[*k, ", ".join(sorted(map(str, f)))] for k, f in sorted(files.items(), key=str) if len(f) > 1]
+    return pd.DataFrame(records, columns=DUPLICATE_COLUMNS)
+
+
 def _json_default(obj: Any) -> Any:
     # numpy scalars / arrays, paths, sets: make rows written from tensors/arrays serialisable.
     if hasattr(obj, "item") and callable(obj.item) and getattr(obj, "ndim", 0) == 0:
@@ -582,7 +607,9 @@ class ResultStore:
 
         De-duplicated on (task, model, method_hash, sample_id) -- method_hash taken from the row, else
         from the file name -- keeping the last "ok" row (else the last row), so shard files and
-        overlapping reruns merge without duplicates. Columns: `ROW_FIELDS` (missing ones are None),
+        overlapping reruns merge without duplicates. A sample stored in more than one file is not
+        dropped silently: a `DuplicateRowWarning` names how many, and `attrs["duplicates"]` of the
+        frame holds them (`duplicate_rows`, as a tuple of records: attrs must compare equal). Columns: `ROW_FIELDS` (missing ones are None),
         any extra fields the rows carry, and `file` (the source file relative to `results_dir`).
         A `*.jsonl` whose first row is an object without `sample_id` (not a results file, e.g.
         LongBench-format predictions exported next to the results) is skipped with a warning.
@@ -608,15 +635,21 @@ class ResultStore:
                     row["method_hash"] = file_hash
                 row["file"] = rel
                 rows.append(row)
-        merged = list(
-            latest_rows(
-                rows, key=lambda r: (r.get("task"), r.get("model"), r.get("method_hash"), str(r["sample_id"]))
-            ).values()
-        )
+        merged = list(latest_rows(rows, key=row_key).values())
         columns = (
             list(ROW_FIELDS) + sorted({k for r in merged for k in r} - set(ROW_FIELDS) - {"file"}) + ["file"]
         )
-        return pd.DataFrame.from_records(merged, columns=columns)
+        out = pd.DataFrame.from_records(merged, columns=columns)
+        dups = duplicate_rows(rows)
+        if len(dups):
+            warnings.warn(
+                f"{results_dir}: {len(dups)} samples are stored in more than one results file "
+                f"(e.g. {dups['sample_id'].iloc[0]} in {dups['files'].iloc[0]}); the last ok row of each is read",
+                DuplicateRowWarning,
+                stacklevel=2,
+            )
+        out.attrs["duplicates"] = tuple(tuple(r) for r in dups.itertuples(index=False))
+        return out
 
 
 def fields_missing(row: dict, fields: Sequence[str] = ROW_FIELDS) -> list[str]:

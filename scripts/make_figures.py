@@ -12,8 +12,11 @@ At whatever scale was run, from the results store and the benchmark CSVs:
 - digits as single tokens: SnapKV's kept positions around the needle (results/digits/kept_positions.*)
   and the kernel / span ablation next to the full cache (results/digits/ rows);
 - the observation analysis figures (re-plotted from results/observation/*.csv);
-- the leaderboard (conf/experiment/leaderboard.yaml's grid): results/leaderboard.csv and the table
+- the leaderboard (conf/experiment/leaderboard.yaml's grid): results/leaderboard.csv and its table
   between the `leaderboard` markers at the top of results/README.md (`eval.report.leaderboard`);
+- results/README.md as a whole (the leaderboard, then one section per question), each results
+  folder's README.md (how its rows ran) and the result lines between the `results` markers of the
+  top README.md (`eval.report.page`);
 - eviction against quantization at equal bytes (results/equal_bytes/, when it holds rows): its
   equal_bytes.md, CSVs and figure (`eval.report.equal_bytes`);
 - the GPU check (results/gpu/: `scripts/gpu_check.sh` CSVs): its report.md and four-panel figure,
@@ -44,6 +47,7 @@ from eval.bench.report import plot  # noqa: E402
 from eval.plots import score_vs_budget  # noqa: E402
 from eval.report import equal_bytes as equal_bytes_report  # noqa: E402
 from eval.report import leaderboard as leaderboard_report  # noqa: E402
+from eval.report import page  # noqa: E402
 from eval.store import ResultStore  # noqa: E402
 from eval.tables import column_order, md_table, slug  # noqa: E402
 
@@ -244,15 +248,25 @@ def gpu(root: Path, docs: Path | None) -> list[Path]:
     return written
 
 
-def leaderboard(root: Path) -> list[Path]:
-    """results/leaderboard.csv (every cell's numbers) and the table between the leaderboard markers
-    of results/README.md, from the rows of the grid's cells under `root`."""
+def gallery(root: Path, readme: Path | None) -> list[Path]:
+    """results/leaderboard.csv (every cell's numbers), results/README.md rendered whole from the rows
+    under `root` (the leaderboard block first), each folder's README.md, and the result lines of
+    `readme` (the top README.md) between its `results` markers."""
+    page.clear_cache()
     cells, table = leaderboard_report.build(root)
     csv = root / "leaderboard.csv"
     table.to_csv(csv, index=False, float_format="%.6g")
-    written = [csv]
-    if between_markers(root / "README.md", LB_BEGIN, LB_END, leaderboard_report.block(cells, table) + "\n"):
-        written.append(root / "README.md")
+    block = leaderboard_report.block(cells, table) + "\n"
+    (root / "README.md").write_text(page.page(root, block, LB_BEGIN, LB_END), encoding="utf-8")
+    written = [csv, root / "README.md"]
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        text = page.folder_readme(sub)
+        if text is not None:
+            (sub / "README.md").write_text(text, encoding="utf-8")
+            written.append(sub / "README.md")
+    if readme is not None and readme.exists():
+        if between_markers(readme, page.README_BEGIN, page.README_END, page.readme_block(root)):
+            written.append(readme)
     return written
 
 
@@ -270,7 +284,8 @@ def main(argv: list[str]) -> int:
         written += sweep_figure(root, out, "pooling", "pooling_ablation")
         written += sweep_figure(root, out, "window", "sweep_window_budget")
         written += digits(root, out)
-    written += leaderboard(root)
+    committed = root.resolve() == (ROOT / "results").resolve()
+    written += gallery(root, ROOT / "README.md" if committed else None)
     written += equal_bytes_report.render(root / equal_bytes_report.FOLDER)
     written += latency(root, out)
     written += observation(root, out)

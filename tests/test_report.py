@@ -16,7 +16,7 @@ from eval.labels import budget_of, method_label, quiet_defaults
 from eval.plots import needle_compare_figure, needle_heatmap, score_vs_budget, trained_context_position
 from eval.report import build as report
 from eval.report import main
-from eval.store import ResultStore, config_hash, result_path
+from eval.store import DuplicateRowWarning, ResultStore, config_hash, result_path
 from eval.tables import MIXED_NOTE, slug
 from eval.tasks.needle.report import _score_metric
 from snapkv import METHODS, Method, build_method
@@ -659,3 +659,22 @@ def test_method_label_writes_a_decode_schedule_compactly():
     assert label("knorm", interval=16, target=64, buffer=8) == (
         "knorm b=128 decode=16,buffer=8,target=64 protect=generation_prompt"
     )
+
+
+def test_report_names_samples_stored_in_two_shard_files(tmp_path, caplog):
+    """A sample written by two overlapping shard runs is read once, and the report says so."""
+    d = tmp_path / "results"
+    rows = [base_row(f"s{i}", "needle", "needle", "snapkv", SNAP, 1.0) for i in range(3)]
+    h = rows[0]["method_hash"]
+    for shard, part in ((0, rows[:2]), (1, rows[1:])):  # s1 in both files
+        store = ResultStore(result_path(d, "needle", MODEL, "snapkv", h, shard, 2))
+        for r in part:
+            store.append(r)
+    with pytest.warns(DuplicateRowWarning, match="1 samples"):
+        built = report.build_report(d, plots=False)
+    assert "**1 samples are stored in more than one results file**" in built.markdown
+    assert "s1 (tiny/model, config " in built.markdown
+    assert "samples are stored in more than one results file" in caplog.text
+    clean = tmp_path / "clean"
+    write(clean, rows)
+    assert "more than one results file" not in report.build_report(clean, plots=False).markdown

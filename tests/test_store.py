@@ -13,6 +13,7 @@ from eval.store import (
     ROW_FIELDS,
     ROW_SCHEMA,
     SAMPLED_ROW_SCHEMA,
+    DuplicateRowWarning,
     ResultStore,
     TruncatedRowWarning,
     config_hash,
@@ -165,7 +166,13 @@ def test_load_dir_merges_shards_without_duplicates(tmp_path):
     # Same sample ids under another config are different results.
     other = ResultStore(result_path(tmp_path, "needle", "m", "full", "99999999"))
     other.append(row("a", method="full", method_params={}, method_hash="99999999"))
-    df = ResultStore.load_dir(tmp_path)
+    with pytest.warns(DuplicateRowWarning, match="1 samples are stored in more than one results file"):
+        df = ResultStore.load_dir(tmp_path)
+    # "c" is in both shard files: listed; "d" was rerun within one file: not a duplicate.
+    assert df.attrs["duplicates"] == (
+        ("needle", "tiny/model", "abcd1234", "c",
+         "needle/m/snapkv-abcd1234.shard0of2.jsonl, needle/m/snapkv-abcd1234.shard1of2.jsonl"),
+    )  # fmt: skip
     assert len(df) == 6
     assert not df.duplicated(["method_hash", "sample_id"]).any()
     snap = df[df["method_hash"] == "abcd1234"].set_index("sample_id")
@@ -191,7 +198,7 @@ def test_load_dir_hash_from_file_name_and_empty(tmp_path):
     del r["method_hash"]
     ResultStore(tmp_path / "t" / "snapkv-0badcafe.jsonl").append(r)
     df = ResultStore.load_dir(tmp_path)
-    assert df["method_hash"].tolist() == ["0badcafe"]
+    assert df["method_hash"].tolist() == ["0badcafe"] and df.attrs["duplicates"] == ()
     with pytest.raises(FileNotFoundError):
         ResultStore.load_dir(tmp_path / "missing")
 

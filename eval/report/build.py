@@ -44,6 +44,7 @@ import math
 import re
 import sys
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,7 @@ _MEAN_COLUMNS = [
 # Harness bookkeeping of the machine's load while a sample ran (eval/store.py; None in old rows).
 NOISE_COLUMNS = ("other_cores", "load_1m", "cpu_count")
 COST_KEYS = ["task", "model", "config_label"]
+DUPLICATES_LISTED = 6  # duplicated samples named in report.md (the warning gives the count)
 SUMMARY_COLUMNS = SUMMARY_KEYS + [
     "method_params",
     "n",
@@ -333,8 +335,24 @@ def paired_reports(df: pd.DataFrame) -> list[paired.PairedReport]:
     return out
 
 
+def duplicates_note(duplicates: Sequence[Sequence[Any]]) -> str:
+    """The report's line on samples stored in more than one results file (`eval.store.duplicate_rows`
+    records); "" when there are none."""
+    if not duplicates:
+        return ""
+    named = "; ".join(f"{r[3]} ({r[1]}, config {r[2]}: {r[4]})" for r in duplicates[:DUPLICATES_LISTED])
+    more = f"; +{len(duplicates) - DUPLICATES_LISTED} more" if len(duplicates) > DUPLICATES_LISTED else ""
+    return (
+        f"**{len(duplicates)} samples are stored in more than one results file** (each is counted once: "
+        f"its last ok row): {named}{more}."
+    )
+
+
 def build_markdown(
-    df: pd.DataFrame, results_dir: Path, pairs: list[paired.PairedReport] | None = None
+    df: pd.DataFrame,
+    results_dir: Path,
+    pairs: list[paired.PairedReport] | None = None,
+    duplicates: Sequence[Sequence[Any]] = (),
 ) -> str:
     n_bad = int((~df["ok"]).sum())
     parts = [
@@ -343,6 +361,8 @@ def build_markdown(
         f"Results: `{results_dir}` — {len(df)} rows, {int(df['ok'].sum())} ok, {n_bad} not ok "
         "(error/oom rows are counted but excluded from score means).",
     ]
+    if duplicates:
+        parts += ["", duplicates_note(duplicates)]
     sections: dict[str, list[str]] = {TaskReport.section: []}  # the generic "Scores" first
     for task, part in df.groupby("task", sort=True):
         report = task_report(task)
@@ -480,6 +500,9 @@ def build_report(
         raise NothingToReport(f"no result rows (*.jsonl) found under {results_dir}")
     out = Path(out) if out is not None else results_dir
     out.mkdir(parents=True, exist_ok=True)
+    duplicates = raw.attrs.get("duplicates", ())
+    if duplicates:
+        logger.warning("warning: %s", duplicates_note(duplicates))
     df = prepare(raw)
     summarize(df).to_csv(out / "summary.csv", index=False)
     pairs = paired_reports(df)
@@ -497,7 +520,7 @@ def build_report(
         names = _replace_figures(out, before, written)
     else:  # figures left as they are: keep listing those still there
         written, names = [], [n for n in before if (out / n).is_file()]
-    markdown = build_markdown(df, results_dir, pairs)
+    markdown = build_markdown(df, results_dir, pairs, duplicates)
     if names:
         markdown = f"{markdown.rstrip()}\n\n{figures_section(names)}"
     (out / "report.md").write_text(markdown, encoding="utf-8")

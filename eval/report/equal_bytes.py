@@ -54,7 +54,8 @@ from eval import protocols
 from eval.labels import BUDGET_KEYS, method_label
 from eval.report import leaderboard
 from eval.report.build import prepare
-from eval.report.paired import _shared, units
+from eval.report.paired import units
+from eval.store import shared_samples
 from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm, units_of
 from eval.store import ResultStore
 from eval.tables import cell, md_table, slug
@@ -237,11 +238,11 @@ def analyse(
     for c in order:
         mine, vs_full = by[c], False
         if full is not None and c != full:
-            a, _, _ = _shared(mine, by[full])
+            a, _, _ = shared_samples(mine, by[full])
             if not a.empty:
                 mine, vs_full = a, True
         elif c == full:
-            mine = _shared(mine, mine)[0]
+            mine = shared_samples(mine, mine)[0]
         score, n_units = _score(mine)
         first = mine.iloc[0]
         quant = first["quant"]
@@ -259,7 +260,7 @@ def analyse(
         for second in compressed[i + 1 :]:
             if by[first]["kind"].iloc[0] == by[second]["kind"].iloc[0]:
                 continue  # same kind: the leaderboard's comparison, not this one
-            a, b, _ = _shared(by[first], by[second])
+            a, b, _ = shared_samples(by[first], by[second])
             if a.empty or not b["kv_bytes"].mean() > 0:
                 continue
             ratio = a["kv_bytes"].mean() / b["kv_bytes"].mean()
@@ -276,7 +277,7 @@ def analyse(
     if full is not None:
         for target in fractions:
             for c in compressed:
-                a, b, _ = _shared(by[c], by[full])
+                a, b, _ = shared_samples(by[c], by[full])
                 if a.empty or not a["kv_bytes_full"].sum() > 0:
                     continue
                 fraction = a["kv_bytes"].sum() / a["kv_bytes_full"].sum()

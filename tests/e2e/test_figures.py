@@ -24,6 +24,7 @@ from eval.plots import (
     score_limits,
     score_vs_budget_figure,
 )
+from eval.report.page import GENERATED
 from eval.tables import slug
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -109,6 +110,7 @@ def _derived(path: Path) -> bool:
         or path.name in ("report.md", "summary.csv")
         or path.parts[0] == "figures"
         or path == Path("leaderboard.csv")
+        or (path.name == "README.md" and GENERATED in (ROOT / "results" / path).read_text(encoding="utf-8"))
     )
 
 

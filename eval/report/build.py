@@ -43,8 +43,8 @@ import logging
 import math
 import re
 import sys
-from dataclasses import dataclass, field
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 

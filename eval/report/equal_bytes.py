@@ -55,9 +55,8 @@ from eval.labels import BUDGET_KEYS, method_label
 from eval.report import leaderboard
 from eval.report.build import prepare
 from eval.report.paired import units
-from eval.store import shared_samples
 from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm, units_of
-from eval.store import ResultStore
+from eval.store import ResultStore, shared_samples
 from eval.tables import cell, md_table, slug
 
 ROOT = Path(__file__).resolve().parents[2]

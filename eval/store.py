@@ -212,6 +212,13 @@ SAMPLED_ROW_SCHEMA: dict[str, tuple[str, str]] = {
     "temperature": ("float", "sampling temperature (`generation.temperature`)"),
     "top_p": ("float", "nucleus sampling threshold (`generation.top_p`)"),
 }
+# Columns of rows with quantized storage only (`kv_quant=kivi|quanto|hqq`); other rows have none.
+QUANTIZED_ROW_SCHEMA: dict[str, tuple[str, str]] = {
+    "kv_quant": (
+        "dict",
+        "how the kept entries were stored: kind, bits, group_size, residual, order (`snapkv.kv_quant.KVQuant`; part of the config hash); `kv_bytes` then counts the quantized layout",
+    ),
+}
 STATUSES = ("ok", "oom", "error")
 
 _HASH_RE = re.compile(r"-([0-9a-f]{8})(?:\.|$)")

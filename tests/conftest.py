@@ -189,10 +189,15 @@ def pytest_collection_modifyitems(config, items):
         items[:] = fast
 
 
+_ROOT_LEVEL = logging.getLogger().level
+
+
 @pytest.fixture(autouse=True)
 def _project_loggers_enabled():
     """An in-process Hydra run (logging.config.dictConfig) disables the loggers that existed before
-    it; every test starts with the project's loggers enabled, whatever ran before it."""
+    it and, with `hydra/job_logging=disabled`, sets the root logger to ERROR; every test starts with
+    the project's loggers enabled and the root logger's level as it was, whatever ran before it."""
+    logging.getLogger().setLevel(_ROOT_LEVEL)
     project = ("eval", "snapkv", "snapkv_models", "run")
     for name, logger in logging.root.manager.loggerDict.items():
         if name.split(".")[0] in project and isinstance(logger, logging.Logger):

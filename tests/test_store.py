@@ -10,6 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from eval.spec import RunSpec
 from eval.store import (
+    QUANTIZED_ROW_SCHEMA,
     ROW_FIELDS,
     ROW_SCHEMA,
     SAMPLED_ROW_SCHEMA,
@@ -303,5 +304,5 @@ def test_the_row_schema_is_described_once_beside_row_fields():
     # The fidelity task's measured columns are real too: the ones its report reads, and its timing.
     task_columns |= {*fidelity_report.METRICS, "teacher_force_s"}
     named = set(re.findall(r"`([a-z][a-z0-9_]*)`", section)) - task_columns - {"truncated"}
-    documented = set(ROW_FIELDS) | set(SAMPLED_ROW_SCHEMA)
+    documented = set(ROW_FIELDS) | set(SAMPLED_ROW_SCHEMA) | set(QUANTIZED_ROW_SCHEMA)
     assert named and named <= documented, named - documented

@@ -213,7 +213,6 @@ def test_nothing_renders_without_rows(tmp_path):
 
 # ------------------------------------------------------------------------------------------ the grid
 ROOT = Path(__file__).resolve().parents[1]
-HAS_KV_QUANT = (ROOT / "conf" / "kv_quant").is_dir()
 
 
 def compose_spec(overrides) -> RunSpec:
@@ -243,9 +242,7 @@ def test_the_experiment_alone_is_the_grids_first_config():
 @pytest.mark.parametrize("storage", [False, True], ids=["plain", "quantized"])
 def test_the_grid_composes(storage):
     """One config per task, method kind and storage composes and builds as run.py builds it; the
-    quantized ones need conf/kv_quant/ (the quantized storage)."""
-    if storage and not HAS_KV_QUANT:
-        pytest.skip("conf/kv_quant/ is not in this checkout: the quantized configs cannot compose yet")
+    quantized ones through conf/kv_quant/ (the quantized storage)."""
     picked = {}
     for r in eb.load_plan():
         if (r.storage is not None) == storage:

@@ -12,6 +12,7 @@ its KV cache.
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, ClassVar
@@ -30,7 +31,7 @@ class EngineOutput:
     fields: dict[str, Any] = field(default_factory=dict)
 
 
-class Engine:
+class Engine(ABC):
     """An inference engine beside the transformers path (`engine=<name>`, conf/engine/).
 
     A subclass is a dataclass of its options (conf/engine/<name>.yaml, every key a field) and
@@ -46,20 +47,20 @@ class Engine:
     # How to install what the engine needs (the error line of a run without it).
     install: ClassVar[str] = ""
 
-    def check_model(self, name: str) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def check_model(self, name: str) -> None: ...
 
-    def configure(self, method: Method, chunk_size: int | None = None) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def configure(self, method: Method, chunk_size: int | None = None) -> None: ...
 
-    def identity(self) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def identity(self) -> dict[str, Any]: ...
 
-    def load(self, model_name: str) -> dict[str, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def load(self, model_name: str) -> dict[str, Any]: ...
 
-    def generate(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineOutput:
-        raise NotImplementedError
+    @abstractmethod
+    def generate(self, ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> EngineOutput: ...
 
     def warm_up(self, vocab_size: int, tokens: int = 256) -> float:
         """One untimed generation of `tokens` fixed ids and 2 new tokens (see eval.runner.warm_up);

@@ -19,6 +19,7 @@ import re
 import textwrap
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -250,22 +251,10 @@ def _draw_heatmap(ax, table: pd.DataFrame, scale: float, trained_context: int | 
     return im
 
 
-def score_vs_budget(
-    df: pd.DataFrame,
-    path: str | os.PathLike,
-    title: str | None = None,
-    x: str = "budget",
-    y: str = "score",
-    line: str = "label",
-    xlabel: str = "KV budget (tokens)",
-    ylabel: str = "score",
-    scale: float = 1.0,
-    compressed: str = "compressed",
-    y_top: float = SCALE,
-) -> Path:
-    """Mean `y` vs `x` (log2 axis), one line per value of `line`, saved as PNG; see `score_vs_budget_figure`."""
-    fig = score_vs_budget_figure(df, title, x, y, line, xlabel, ylabel, scale, compressed, y_top)
-    return _save(fig, path)
+def score_vs_budget(df: pd.DataFrame, path: str | os.PathLike, **options: Any) -> Path:
+    """Mean `y` vs `x` (log2 axis), one line per value of `line`, saved as PNG; `options` are
+    `score_vs_budget_figure`'s (title, x, y, line, labels, scale, compressed, y_top)."""
+    return _save(score_vs_budget_figure(df, **options), path)
 
 
 def score_vs_budget_figure(

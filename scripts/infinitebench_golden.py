@@ -30,21 +30,11 @@ import types
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "tests" / "data" / "infinitebench_scores.json"
+sys.path.insert(0, str(OUT.parents[2]))
+
+from eval.tasks.infinitebench.prompts import TASKS  # noqa: E402  (the tasks in the original's order)
+
 MODELS = ("gpt4", "yarn-mistral", "claude2", "kimi")
-TASKS = (
-    "passkey",
-    "number_string",
-    "kv_retrieval",
-    "longbook_sum_eng",
-    "longbook_choice_eng",
-    "longbook_qa_eng",
-    "longbook_qa_chn",
-    "longdialogue_qa_eng",
-    "math_find",
-    "math_calc",
-    "code_run",
-    "code_debug",
-)
 FIRST, RIGHT, WRONG = 4, 2, 2  # cases per model and task
 SUMMARIES = 2  # longbook_sum_eng: the first two per model (each pair is ~6 KB of text)
 HAND: list[tuple[str, object, list[str]]] = [
@@ -94,7 +84,6 @@ def load_scorer(repo: Path) -> types.ModuleType:
 
 
 def means(repo: Path, cs: types.ModuleType) -> None:
-    sys.path.insert(0, str(OUT.parents[2]))
     from eval.tasks.infinitebench.metrics import score as ours
 
     for model in sorted(p.name for p in (repo / "results").iterdir() if p.is_dir()):

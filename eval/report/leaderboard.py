@@ -211,6 +211,7 @@ def block(cells: list[Cell], table: pd.DataFrame, names: list[str] | None = None
         "context's questions resampled together); (n=...) where fewer samples are shared. Bold: the\n"
         "highest mean of the compressed methods that ran every sample of the column (ties all bold),\n"
         "nothing more. p, exact p\n"
-        "and Holm's p per column: `leaderboard.csv`. — : not run yet (`python scripts/leaderboard.py run`).\n\n"
+        "and Holm's p per column: `leaderboard.csv`. — : not run yet (`python scripts/leaderboard.py run`;\n"
+        "the grid file states what each cell costs to run and which committed rows it reuses).\n\n"
         + markdown(cells, table, names)
     )

@@ -1,6 +1,7 @@
 """The serving benchmark (`eval.bench.serving`): arrivals and scheduling against a fake paged-KV
 pipeline on a fake clock, preemption counting, the concurrency search, aggregation, per-round
-ratios, the CLI's one-line errors; one real run on SmolLM2's GGUF (slow, needs openvino_genai).
+ratios, the CLI's one-line errors, the pipeline settings handed to the engine's builder; one real
+run on a tiny random GGUF (slow, needs openvino_genai).
 
 The fake pipeline schedules like OpenVINO GenAI's continuous batching does, in small: requests in
 arrival priority, a prompt admitted whole when its blocks are free, one token per generating
@@ -347,6 +348,62 @@ def test_model_path_must_be_gguf_or_a_folder(tmp_path, capsys):
     bad.write_bytes(b"")
     assert serving.main(["--model-path", str(bad)]) == 2
     assert "a .gguf file or an OpenVINO IR folder" in capsys.readouterr().err
+    assert serving.main(["--model-path", str(tmp_path)]) == 2  # a folder without openvino_model.xml
+    assert "OpenVINO IR folder (openvino_model.xml)" in capsys.readouterr().err
+
+
+# ---- the pipeline: the engine's builder
+
+
+@in_child_process
+def test_pipelines_are_built_by_the_engines_builder(monkeypatch):
+    """Every configuration's pipeline comes from `eval.engines.openvino.build_pipeline` (the one
+    place a SchedulerConfig / CacheEvictionConfig is written), with the bench's fixed pool. In a
+    child process: openvino_genai imported under pytest's capture breaks later in-process Hydra
+    runs."""
+    ov_genai = pytest.importorskip("openvino_genai")
+    from eval.engines import openvino as ov_engine
+
+    calls = []
+    monkeypatch.setattr(ov_engine, "build_pipeline", lambda model, **kw: calls.append((model, kw)))
+    settings = serving.parse([
+        "--pool-blocks", "40", "--batched-tokens", "128", "--start-size", "32", "--recent-size", "64",
+        "--snapkv-window", "8", "--threads", "2", "--budgets", "128,256", "--modes", "snapkv,sum",
+    ])  # fmt: skip
+    for cfg in settings.configs():
+        serving.OvPipeline("m.gguf", settings, cfg, max_num_seqs=3)
+    assert [m for m, _ in calls] == ["m.gguf"] * 5
+    assert all(
+        {k: kw[k] for k in kw if k != "eviction"}
+        == dict(
+            kv_cache_precision=None,
+            inference_precision=None,
+            num_kv_blocks=40,
+            max_num_seqs=3,
+            max_num_batched_tokens=128,
+            threads=2,
+        )  # fmt: skip
+        for _, kw in calls
+    )
+    evictions = [kw["eviction"] for _, kw in calls]
+    assert evictions[0] is None  # the full cache
+    got = {
+        (c.label, e["aggregation"], e["snapkv_window_size"], e["max_cache_size"])
+        for c, e in zip(settings.configs()[1:], evictions[1:])
+    }
+    assert got == {
+        ("snapkv@128", "norm_sum", 8, 128), ("snapkv@256", "norm_sum", 8, 256),
+        ("sum@128", "sum", 0, 128), ("sum@256", "sum", 0, 256),
+    }  # fmt: skip
+    # Each dict is what the engine's eviction_config turns into the pipeline's CacheEvictionConfig.
+    for mode in serving.MODES:
+        if mode == "full":
+            continue
+        ev = ov_engine.eviction_config(serving.eviction(settings, serving.Config(mode, 256)))
+        assert (ev.get_start_size(), ev.get_recent_size(), ev.get_max_cache_size()) == (32, 64, 256)
+        assert ev.aggregation_mode == getattr(ov_genai.AggregationMode, serving.MODES[mode][0].upper())
+        assert ev.snapkv_window_size == (8 if mode == "snapkv" else 0) and not ev.apply_rotation
+        assert ev.kvcrush_config is None or ev.kvcrush_config.budget == 0
 
 
 def test_missing_openvino_genai_says_how_to_install(capsys, monkeypatch):
@@ -483,25 +540,29 @@ def test_a_failing_pipeline_gives_an_error_row_and_the_run_goes_on(tokenizer, tm
 
 @pytest.mark.slow
 @in_child_process
-def test_real_smoke_run_on_smollm2_gguf(tmp_path, monkeypatch):
+def test_real_smoke_run_on_a_tiny_gguf(tmp_path):
+    """A whole run of the real pipeline on a tiny random Llama GGUF with a tokenizer of its own
+    (tests/tiny_gguf.py: nothing cached or downloaded)."""
     pytest.importorskip("openvino_genai")
-    monkeypatch.delenv("SNAPKV_BENCH_CACHE")  # the user's cache: the embedded GGUF, if fetched
-    from snapkv_models.embedded import verify_cached
+    from tiny_gguf import tiny_text_gguf
 
-    if not verify_cached(serving.EMBEDDED_MODEL):
-        pytest.skip(f"{serving.EMBEDDED_MODEL}'s GGUF is not in the cache (tests never download)")
+    model = tiny_text_gguf(tmp_path / "tiny.gguf")
     out = tmp_path / "serving"
-    argv = ["--pool-blocks", "24", "--requests", "2", "--concurrency", "1,2", "--length", "256",
-            "--max-new-tokens", "12", "--modes", "snapkv", "--budgets", "128", "--rounds", "1",
-            "--threads", "1", "--reference-tokens", "0", "--out", str(out)]  # fmt: skip
+    argv = ["--model-path", str(model), "--pool-blocks", "24", "--requests", "2", "--concurrency", "1,2",
+            "--length", "256", "--max-new-tokens", "12", "--modes", "snapkv", "--budgets", "128",
+            "--rounds", "1", "--threads", "1", "--reference-tokens", "0", "--out", str(out)]  # fmt: skip
     assert serving.main(argv) == 0
     with open(out / "points.csv") as f:
         points = list(csv.DictReader(f))
     assert [(p["concurrency"], p["config"]) for p in points] == [
         ("1", "full"), ("1", "snapkv@128"), ("2", "full"), ("2", "snapkv@128")
     ]  # fmt: skip
-    assert all(p["completed"] == "2" and float(p["tokens_per_s"]) > 0 for p in points)
+    assert all(p["status"] == "ok" and p["completed"] == "2" and float(p["tokens_per_s"]) > 0 for p in points)
+    assert all(p["model"] == "tiny.gguf" for p in points)
     with open(out / "requests.csv") as f:
         requests = list(csv.DictReader(f))
     assert len(requests) == 8 and all(r["output_tokens"] == "12" for r in requests)
+    # The budget holds the evicting configuration's pool usage below the full cache's.
+    usage = {p["config"]: float(p["max_cache_usage"]) for p in points if p["concurrency"] == "2"}
+    assert usage["snapkv@128"] < usage["full"]
     assert (out / "throughput_closed.png").exists()

@@ -3,13 +3,12 @@ engine, the GGUF rewrite, full-cache parity of OpenVINO GenAI against the transf
 tiny random Llama GGUF both load, that a budget changes what the engine keeps, and the accuracy
 agreement of eval/engines/parity.py on synthetic rows.
 
-The engine tests need openvino_genai (`pip install -e '.[openvino]'`) and the SmolLM2 GGUF in the
-cache (its tokenizer metadata goes into the tiny model, so text round-trips); they are skipped,
-saying which, where either is missing."""
+The tiny model carries a tiny byte-level BPE tokenizer of its own (tests/tiny_gguf.py), so the
+engine tests need nothing cached or downloaded; they need openvino_genai (`pip install -e
+'.[openvino]'`) and are skipped, saying so, without it."""
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
@@ -18,29 +17,20 @@ import pandas as pd
 import pytest
 import torch
 from conftest import in_child_process
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
-from gguf.quants import dequantize, quantize
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
 from hydra import compose, initialize_config_dir
 from omegaconf import open_dict
+from tiny_gguf import SPECIAL, tiny_llama_gguf, tiny_text_gguf, tiny_tokenizer, toy_tokenizer
 
 from eval.conf import CONF_DIR
 from eval.engines import build_engine
 from eval.engines import openvino as ov_engine
-from eval.engines.gguf_files import (
-    copy_metadata,
-    field_value,
-    metadata,
-    rewrite_f16,
-    tensor_types,
-    write_gguf,
-)
+from eval.engines.gguf_files import field_value, rewrite_f16, tensor_types
 from eval.engines.parity import agreement, closest, first_divergence, parity_table
 from eval.spec import RunSpec
 from snapkv import build_method
-from snapkv_models.embedded import EMBEDDED, model_dir
 
-SMOL = "smollm2-135m-instruct"
-SMOL_GGUF = model_dir(SMOL) / EMBEDDED[SMOL].filename
 needs_engine = pytest.mark.skipif(
     not ov_engine.installed(), reason="openvino_genai is not installed (pip install -e '.[openvino]')"
 )
@@ -156,72 +146,6 @@ def test_what_the_engine_cannot_express_exits_2_before_anything_loads(
 
 
 # ------------------------------------------------------------------------------------------ GGUF files
-LAYERS, HIDDEN, HEADS, KV_HEADS, FFN = 2, 64, 4, 2, 128
-
-
-@functools.cache
-def smol_tokenizer() -> dict:
-    """The SmolLM2 GGUF's tokenizer metadata (read once: parsing its 100K strings takes seconds)."""
-    return {k: v for k, v in metadata(GGUFReader(str(SMOL_GGUF))).items() if k.startswith("tokenizer.")}
-
-
-def toy_tokenizer(vocab: int = 512) -> dict:
-    """Tokenizer metadata of a made-up vocabulary (for tests that tokenize no text)."""
-    strings, i32 = GGUFValueType.STRING, GGUFValueType.INT32
-    return {
-        "tokenizer.ggml.model": ("gpt2", strings, None),
-        "tokenizer.ggml.tokens": ([f"<t{i}>" for i in range(vocab)], GGUFValueType.ARRAY, strings),
-        "tokenizer.ggml.token_type": ([1] * vocab, GGUFValueType.ARRAY, i32),
-        "tokenizer.ggml.merges": (["<t1> <t2>"], GGUFValueType.ARRAY, strings),
-    }
-
-
-def tiny_llama_gguf(path, tokenizer: dict, qtype: GGMLQuantizationType = GGMLQuantizationType.F16, seed=0):
-    """A 2-layer random Llama GGUF with the `tokenizer` metadata (SmolLM2's: vocabulary, merges,
-    special tokens, chat template, so text round-trips). Weights are drawn large enough that
-    attention is far from uniform (a budget then changes the output); the layers' matrices are
-    stored as `qtype`."""
-    vocab = len(tokenizer["tokenizer.ggml.tokens"][0])
-    rng = np.random.default_rng(seed)
-    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
-    arch = {
-        "block_count": (LAYERS, u32), "context_length": (4096, u32), "embedding_length": (HIDDEN, u32),
-        "feed_forward_length": (FFN, u32), "attention.head_count": (HEADS, u32),
-        "attention.head_count_kv": (KV_HEADS, u32), "rope.freq_base": (10000.0, f32),
-        "attention.layer_norm_rms_epsilon": (1e-5, f32), "vocab_size": (vocab, u32),
-        "rope.dimension_count": (HIDDEN // HEADS, u32),
-    }  # fmt: skip
-
-    def matrix(name, rows, cols, scale):
-        w = (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
-        if qtype == GGMLQuantizationType.F16 or not name.startswith("blk."):
-            return w.astype(np.float16), None
-        return quantize(w, qtype), qtype
-
-    def fill(writer):
-        copy_metadata(
-            tokenizer, writer, **{f"llama.{k}": v for k, v in arch.items()}, **{"general.file_type": (1, u32)}
-        )
-        hd = HIDDEN // HEADS
-        shapes = {"token_embd": (vocab, HIDDEN, 1.0), "output": (vocab, HIDDEN, 0.5)}
-        for i in range(LAYERS):
-            shapes |= {
-                f"blk.{i}.attn_q": (HEADS * hd, HIDDEN, 0.3), f"blk.{i}.attn_k": (KV_HEADS * hd, HIDDEN, 0.3),
-                f"blk.{i}.attn_v": (KV_HEADS * hd, HIDDEN, 0.3), f"blk.{i}.attn_output": (HIDDEN, HEADS * hd, 0.3),
-                f"blk.{i}.ffn_gate": (FFN, HIDDEN, 0.3), f"blk.{i}.ffn_up": (FFN, HIDDEN, 0.3),
-                f"blk.{i}.ffn_down": (HIDDEN, FFN, 0.3),
-            }  # fmt: skip
-        for name, (rows, cols, scale) in shapes.items():
-            data, raw = matrix(name, rows, cols, scale)
-            writer.add_tensor(f"{name}.weight", data, raw_dtype=raw)
-        writer.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
-        for i in range(LAYERS):
-            writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(HIDDEN, np.float32))
-            writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(HIDDEN, np.float32))
-
-    return write_gguf(path, "llama", fill)
-
-
 def test_f16_rewrite_keeps_metadata_and_dequantized_weights(tmp_path):
     src = tiny_llama_gguf(tmp_path / "q.gguf", toy_tokenizer(), GGMLQuantizationType.Q5_0)
     assert "Q5_0" in tensor_types(src)  # a type the engine's reader refuses
@@ -263,11 +187,9 @@ def test_a_local_gguf_of_another_quantization_is_converted_once(tmp_path, monkey
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """(path of the tiny GGUF, the transformers model loaded from it in float32)."""
-    if not SMOL_GGUF.exists():
-        pytest.skip(f"the {SMOL} GGUF is not in the cache")
     from transformers import AutoModelForCausalLM
 
-    path = tiny_llama_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf", smol_tokenizer())
+    path = tiny_text_gguf(tmp_path_factory.mktemp("tiny") / "tiny.gguf")
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return path, model.eval()
 
@@ -279,7 +201,9 @@ def engine_for(path, method: str, **params):
 
 
 def prompt_ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(1000, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    """`n` random ids of the tiny vocabulary's ordinary tokens (no special token: no EOS inside)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(len(SPECIAL), len(tiny_tokenizer()), (n,), generator=g).tolist()
 
 
 @needs_engine
@@ -329,7 +253,7 @@ def test_a_run_through_the_harness_writes_engine_rows(tiny, tmp_path):
 
     path, _ = tiny
     common = [
-        f"model.name={path}", f"model.tokenizer={SMOL_GGUF}", "task.haystack=noise", "task.lengths=[400]",
+        f"model.name={path}", "model.tokenizer=null", "task.haystack=noise", "task.lengths=[400]",
         "task.depths=[50]", "task.max_new_tokens=8", f"results_dir={tmp_path}", "progress=false",
         "report=false", "budget=128",
     ]  # fmt: skip

@@ -60,15 +60,15 @@ from eval.machine import CpuNoise
 from eval.stats import spread
 from snapkv.errors import first_line
 
-# Eviction modes: (OpenVINO GenAI AggregationMode name, snapkv_window_size). The three aggregation
-# modes score every prompt token (window 0); `snapkv` scores the prompt by its last
-# `snapkv_window` queries (SnapKV's observation window), then aggregates like norm_sum.
+# Eviction modes: (the engine's aggregation, `eval.engines.openvino.AGGREGATIONS`; snapkv_window_size).
+# The three aggregation modes score every prompt token (window 0); `snapkv` scores the prompt by its
+# last `snapkv_window` queries (SnapKV's observation window), then aggregates like norm_sum.
 MODES: dict[str, tuple[str, int | None] | None] = {
     "full": None,
-    "norm_sum": ("NORM_SUM", 0),
-    "sum": ("SUM", 0),
-    "adaptive_rkv": ("ADAPTIVE_RKV", 0),
-    "snapkv": ("NORM_SUM", None),  # None: the --snapkv-window value
+    "norm_sum": ("norm_sum", 0),
+    "sum": ("sum", 0),
+    "adaptive_rkv": ("adaptive_rkv", 0),
+    "snapkv": ("norm_sum", None),  # None: the --snapkv-window value
 }
 ARRIVALS = ("closed", "poisson")
 # The CPU plugin's KV block (tokens): 8 blocks hold a 256-token prefill chunk. Only the default
@@ -242,9 +242,10 @@ def parse(argv: Sequence[str]) -> Settings:
         path = Path(s.model_path).expanduser()
         if not path.exists():
             raise ValueError(f"model path not found: model_path={s.model_path!r}")
-        if not (path.is_dir() or path.suffix == ".gguf"):
+        if not ((path.is_dir() and (path / "openvino_model.xml").is_file()) or path.suffix == ".gguf"):
             raise ValueError(
-                f"model_path must be a .gguf file or an OpenVINO IR folder, got model_path={s.model_path!r}"
+                "model_path must be a .gguf file or an OpenVINO IR folder (openvino_model.xml), "
+                f"got model_path={s.model_path!r}"
             )
     try:
         check_haystack_name(s.haystack)
@@ -338,6 +339,24 @@ class Pipeline(Protocol):
     def cache_usage(self) -> float: ...  # % of the pool in use after the last step
 
 
+def eviction(settings: Settings, config: Config) -> dict[str, Any] | None:
+    """`config`'s cache eviction as `eval.engines.openvino.eviction_config`'s dict (None: the full
+    cache): `start_size` and `recent_size` from the command line, `max_cache_size` the budget, no
+    re-rotation, no KVCrush."""
+    if config.mode == "full":
+        return None
+    aggregation, window = MODES[config.mode]
+    return {
+        "start_size": settings.start_size,
+        "recent_size": settings.recent_size,
+        "max_cache_size": config.budget,
+        "aggregation": aggregation,
+        "snapkv_window_size": settings.snapkv_window if window is None else window,
+        "apply_rotation": False,
+        "kvcrush": 0,
+    }
+
+
 class OvHandle:
     """An `openvino_genai.GenerationHandle`, read after every step."""
 
@@ -361,31 +380,26 @@ class OvHandle:
 class OvPipeline:
     """A `ContinuousBatchingPipeline` on CPU over a fixed pool of `pool_blocks` KV blocks, dynamic
     split-fuse prefill in chunks of `batched_tokens`, prefix caching off (a finished request frees
-    its blocks), the cache eviction of `config` (none for the full cache)."""
+    its blocks), the cache eviction of `config` (none for the full cache), the plugin's default KV
+    and inference precisions: built by the engine's `eval.engines.openvino.build_pipeline` (which
+    also rewrites, once, a GGUF of a type its reader refuses as F16: `eval.engines.openvino.model_path`)."""
 
     def __init__(self, model_path: str, settings: Settings, config: Config, max_num_seqs: int):
         import openvino_genai as ov_genai
 
-        sc = ov_genai.SchedulerConfig()
-        sc.num_kv_blocks = settings.pool_blocks
-        sc.max_num_seqs = max_num_seqs
-        sc.max_num_batched_tokens = settings.batched_tokens
-        sc.dynamic_split_fuse = True
-        sc.enable_prefix_caching = False
-        sc.use_cache_eviction = config.mode != "full"
-        if sc.use_cache_eviction:
-            mode, window = MODES[config.mode]
-            sc.cache_eviction_config = ov_genai.CacheEvictionConfig(
-                start_size=settings.start_size,
-                recent_size=settings.recent_size,
-                max_cache_size=config.budget,
-                aggregation_mode=getattr(ov_genai.AggregationMode, mode),
-                apply_rotation=False,
-                snapkv_window_size=settings.snapkv_window if window is None else window,
-            )
-        props = {"INFERENCE_NUM_THREADS": settings.threads} if settings.threads else {}
+        from eval.engines.openvino import build_pipeline
+
         self.ov_genai = ov_genai
-        self.pipe = ov_genai.ContinuousBatchingPipeline(str(model_path), sc, "CPU", props)
+        self.pipe = build_pipeline(
+            str(model_path),
+            eviction=eviction(settings, config),
+            kv_cache_precision=None,
+            inference_precision=None,
+            num_kv_blocks=settings.pool_blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=settings.batched_tokens,
+            threads=settings.threads,
+        )
         self._next_id = 0
 
     def add(self, request: Request) -> OvHandle:

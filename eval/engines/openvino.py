@@ -19,8 +19,10 @@ grown a block past `max_cache_size` (SnapKV compresses once, at the end of prefi
 scoring while decoding (`aggregation`). Every size must be a whole number of blocks; a method,
 parameter or option the engine cannot express is a ValueError naming it, before anything loads.
 
-`build_pipeline` builds a pipeline from a model name and scheduler / eviction settings for any
-caller (a throughput benchmark); `OpenVINOEngine` is the harness' adapter around it.
+`build_pipeline` builds a pipeline from a model name and scheduler / eviction settings, the one
+place they become a `SchedulerConfig` and `CacheEvictionConfig`: `OpenVINOEngine` (the harness'
+adapter) and the serving benchmark (`eval.bench.serving`, a fixed pool of KV blocks) build theirs
+with it.
 """
 
 from __future__ import annotations
@@ -125,19 +127,21 @@ def model_path(name: str) -> Path:
 
 # ------------------------------------------------------------------------------------- pipeline
 def eviction_config(eviction: dict[str, Any]):
-    """An `openvino_genai.CacheEvictionConfig` from `OpenVINOEngine.eviction`'s dict."""
+    """An `openvino_genai.CacheEvictionConfig` from an eviction dict (`OpenVINOEngine.eviction`'s,
+    or a benchmark's): start_size, recent_size, max_cache_size, aggregation and snapkv_window_size;
+    apply_rotation (default False), kvcrush (blocks, default 0: off) and kvcrush_anchor optional."""
     import openvino_genai as ov_genai
 
     kvcrush = None
     if eviction.get("kvcrush", 0):
-        anchor = getattr(ov_genai.KVCrushAnchorPointMode, eviction["kvcrush_anchor"].upper())
+        anchor = getattr(ov_genai.KVCrushAnchorPointMode, eviction.get("kvcrush_anchor", "random").upper())
         kvcrush = ov_genai.KVCrushConfig(eviction["kvcrush"], anchor)
     return ov_genai.CacheEvictionConfig(
         start_size=eviction["start_size"],
         recent_size=eviction["recent_size"],
         max_cache_size=eviction["max_cache_size"],
         aggregation_mode=getattr(ov_genai.AggregationMode, eviction["aggregation"].upper()),
-        apply_rotation=eviction["apply_rotation"],
+        apply_rotation=eviction.get("apply_rotation", False),
         snapkv_window_size=eviction["snapkv_window_size"],
         kvcrush_config=kvcrush,
     )
@@ -148,27 +152,35 @@ def build_pipeline(
     *,
     eviction: dict[str, Any] | None = None,
     device: str = "CPU",
-    kv_cache_precision: str = "f32",
-    inference_precision: str = "f32",
+    kv_cache_precision: str | None = "f32",
+    inference_precision: str | None = "f32",
     cache_size_gb: int = 1,
+    num_kv_blocks: int | None = None,
     max_num_seqs: int = 1,
     max_num_batched_tokens: int | None = None,
     enable_prefix_caching: bool = False,
     threads: int | None = None,
 ):
     """A `ContinuousBatchingPipeline` for the model `model` (an embedded name, a .gguf file or an
-    OpenVINO IR folder: `model_path`), its KV pool `cache_size_gb` GB in `kv_cache_precision`.
+    OpenVINO IR folder: `model_path`), its KV pool `cache_size_gb` GB, or `num_kv_blocks` blocks
+    when given (a serving benchmark's fixed pool), in `kv_cache_precision`. The one place a
+    pipeline's `SchedulerConfig` and `CacheEvictionConfig` are written: the harness' adapter and
+    the serving benchmark (`eval.bench.serving`) both build theirs here.
 
-    eviction: None (full cache) or a dict with start_size, recent_size, max_cache_size (tokens,
-    whole blocks), aggregation (sum | norm_sum | adaptive_rkv), snapkv_window_size, apply_rotation,
-    kvcrush (blocks, 0: off) and kvcrush_anchor. max_num_batched_tokens: tokens one step may
-    process (None: a whole prompt in one step, no chunked prefill). threads: the CPU plugin's
-    INFERENCE_NUM_THREADS (None: the plugin's choice)."""
+    eviction: None (full cache) or `eviction_config`'s dict. kv_cache_precision /
+    inference_precision: None leaves the device plugin's default (on CPU: a u8 KV cache, bf16 or
+    f32 inference by the CPU's features). max_num_seqs: requests scheduled at once.
+    max_num_batched_tokens: tokens one step may process (None: a whole prompt in one step, no
+    chunked prefill); dynamic split-fuse is on. enable_prefix_caching: off, a finished request frees
+    its blocks. threads: the CPU plugin's INFERENCE_NUM_THREADS (None: the plugin's choice)."""
     require()
     import openvino_genai as ov_genai
 
     sched = ov_genai.SchedulerConfig()
-    sched.cache_size = cache_size_gb
+    if num_kv_blocks is not None:
+        sched.num_kv_blocks = num_kv_blocks
+    else:
+        sched.cache_size = cache_size_gb
     sched.max_num_seqs = max_num_seqs
     sched.dynamic_split_fuse = True
     sched.max_num_batched_tokens = max_num_batched_tokens or 2**31 - 1
@@ -176,10 +188,11 @@ def build_pipeline(
     if eviction is not None:
         sched.use_cache_eviction = True
         sched.cache_eviction_config = eviction_config(eviction)
-    props: dict[str, Any] = {
-        "KV_CACHE_PRECISION": kv_cache_precision,
-        "INFERENCE_PRECISION_HINT": inference_precision,
-    }
+    props: dict[str, Any] = {}
+    if kv_cache_precision is not None:
+        props["KV_CACHE_PRECISION"] = kv_cache_precision
+    if inference_precision is not None:
+        props["INFERENCE_PRECISION_HINT"] = inference_precision
     if threads is not None:
         props["INFERENCE_NUM_THREADS"] = threads
     return ov_genai.ContinuousBatchingPipeline(str(model_path(model)), sched, device, props)

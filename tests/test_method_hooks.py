@@ -30,9 +30,11 @@ class _ProbeState:
 
 @dataclass
 class _Probe(GenerateCheck, Method):
-    """Test-only method (not registered) that uses every hook of `Method`, and `GenerateCheck`'s."""
+    """Test-only method (not registered) that uses hooks and declarations of `Method` (its last
+    chunk's length: `observation_window`), and `GenerateCheck`'s hook."""
 
     name = "probe"
+    observation_window = "last_chunk"
     budget: int | None = 32
     last_chunk: int = 20
     refuse_generate: bool = False
@@ -45,10 +47,6 @@ class _Probe(GenerateCheck, Method):
     def check_model_generate(self) -> None:
         if self.refuse_generate:
             raise ValueError("probe refuses model.generate")
-
-    @property
-    def min_last_chunk(self) -> int:
-        return self.last_chunk
 
     def observe(self, layer, query, key, module) -> None:
         if layer.method_state is None:

@@ -58,7 +58,7 @@ class DecodeSchedule:
     - `window`: the latest tokens (prompt tokens first, then generated ones) whose queries
       `[batch, heads, window, head_dim]` are kept and passed as `query` to the method's `score()`;
       None: the method's own observation window (`min_last_chunk`: SnapKV's `window`, 1 for
-      window-free methods). SnapKV's scores may take fewer (its `validate_schedule`): the
+      window-free methods). SnapKV's scores may take fewer (`Method.decode_window_floor`): the
       scheduled steps then vote with those queries only, the `window` entries staying protected.
 
     At a scheduled step, after the step's attention: `score(layer, window_queries, layer.keys,

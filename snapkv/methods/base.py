@@ -251,10 +251,13 @@ class Method:
     checks (`__post_init__`, `check_schedule`), `params()`, protection (`protected_tail`, `shield`,
     `select`), `compress_prefill`, `compress_decode` and the per-step eviction it runs. Budget
     policies and selections around any scorer (`snapkv.methods.compose.ScorerWrapper`) delegate the
-    scorer's part of those to it. Two overrides remain where the base class's template is not the
-    method's: StreamingLLM's and TOVA's `victims` / `evicts_in_place` (per-step eviction's one
-    slot, found without scores: the decode hot path) and Expected Attention's `compress_decode`
-    (its statistics re-fitted to the window's queries before a scheduled step scores).
+    scorer's part of those to it. Three templates are still overridden where the method's step is
+    not the template's (`tests/test_method_hooks.py` lists them): StreamingLLM's `victims` and
+    `evicts_in_place` and TOVA's `victims` (per-step eviction's victim as one slot for every head,
+    from positions alone or one head's scores: the decode hot path; StreamingLLM's compacted
+    positions re-rotate in `prune` yet evict in place with original positions), and Expected
+    Attention's `compress_decode` (its statistics re-fitted to the window's queries before a
+    scheduled step scores, and dropped after it).
     """
 
     name: ClassVar[str] = ""

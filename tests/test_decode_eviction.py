@@ -135,6 +135,42 @@ def test_in_place_eviction_equals_the_copying_path_and_reuses_one_buffer(name, p
     assert res.decode_evicted == want_res.decode_evicted and res.kv_tokens_end == BUDGET
 
 
+@pytest.mark.parametrize(
+    "name,params",
+    [
+        ("h2o", dict(budget=16, recent=4)),
+        ("tova", dict(budget=16)),
+        ("knorm", dict(budget=16, evict_during_decode=True)),
+    ],
+)
+def test_in_place_eviction_keeps_the_protected_question(name, params, monkeypatch):
+    """With `protect="question"` the question's entries are never an in-place victim: every step
+    keeps what the copying path (whose scores `shield` protects) keeps, and the question whole."""
+    model = tiny_model("llama")
+    ctx, question = random_ids(40), random_ids(8, seed=5)
+
+    def kept(ordered: bool) -> list[list[int]]:
+        trace = []
+        original = snapkv.hooks.Session.after_attention
+
+        def spy(self, module, layer, query, key):
+            original(self, module, layer, query, key)
+            if module.layer_idx == 0 and layer.state == "ready":
+                trace.append(sorted(layer.positions[0, 0].tolist()))
+
+        method = build_method(name, protect="question", **params)
+        monkeypatch.setattr(snapkv.hooks.Session, "after_attention", spy)
+        if ordered:
+            monkeypatch.setattr(type(method), "evicts_in_place", property(lambda self: False))
+        generate_ids(model, ctx, question, method, max_new_tokens=12)
+        monkeypatch.undo()
+        return trace
+
+    got, want = kept(False), kept(True)
+    assert got == want
+    assert len(got) > 8 and all(set(range(40, 48)) <= set(step) for step in got)
+
+
 def test_compacted_streamingllm_and_padded_rows_take_the_ordered_path():
     assert not build_method("streamingllm", budget=BUDGET, positions="compacted").evicts_in_place
     assert not build_method("adakv", budget=BUDGET, window=8).evicts_in_place  # splits the budget in prune

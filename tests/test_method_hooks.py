@@ -5,6 +5,7 @@ cache layer for attributes."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from conftest import random_ids, tiny_model
 import snapkv
 from snapkv import generate_ids, prefill
 from snapkv.cache import CompressibleLayer
-from snapkv.methods import Method, build_method, check_model_generate, post_init_from_tokenizer
-from snapkv.methods.base import GenerateCheck, OwnPass
+from snapkv.methods import METHODS, Method, build_method, check_model_generate, post_init_from_tokenizer
+from snapkv.methods.base import GenerateCheck, KeptOrder, OwnAttention, OwnPass
+from snapkv.methods.compose import ScorerWrapper
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERIC = ["snapkv/hooks.py", "snapkv/generation.py", "snapkv/cache.py", "snapkv/methods/base.py"]
@@ -30,9 +32,11 @@ class _ProbeState:
 
 @dataclass
 class _Probe(GenerateCheck, Method):
-    """Test-only method (not registered) that uses every hook of `Method`, and `GenerateCheck`'s."""
+    """Test-only method (not registered) that uses hooks and declarations of `Method` (its last
+    chunk's length: `observation_window`), and `GenerateCheck`'s hook."""
 
     name = "probe"
+    observation_window = "last_chunk"
     budget: int | None = 32
     last_chunk: int = 20
     refuse_generate: bool = False
@@ -45,10 +49,6 @@ class _Probe(GenerateCheck, Method):
     def check_model_generate(self) -> None:
         if self.refuse_generate:
             raise ValueError("probe refuses model.generate")
-
-    @property
-    def min_last_chunk(self) -> int:
-        return self.last_chunk
 
     def observe(self, layer, query, key, module) -> None:
         if layer.method_state is None:
@@ -196,3 +196,71 @@ def test_hooks_of_one_method_are_on_mixins_and_asked_only_of_the_methods_that_ar
     snapkv.compress_context(
         model, ids, build_method("streamingllm", budget=24, n_sink=4), attention_mask=mask
     )
+
+
+# What a method may define: the hooks, its declarations (class attributes), and the few overrides of
+# the base class's templates that `Method`'s docstring names (the per-step eviction's one slot,
+# found without scores; Expected Attention's statistics of a scheduled step's queries).
+HOOKS = {
+    "validate",
+    "post_init_from_model",
+    "protected",
+    "observe",
+    "score",
+    "decode_score",
+    "layer_budget",
+    "cache_layer",
+    "prune",
+    "compress",
+    "upgrade_params",
+}
+DECLARATIONS = {
+    "name",
+    "checks",
+    "legacy_params",
+    "left_out_at_default",
+    "schedulable",
+    "observation_window",
+    "decode_window_floor",
+    "prompt_state",
+}
+TEMPLATE_OVERRIDES = {
+    "streamingllm": {"victims", "evicts_in_place"},
+    "tova": {"victims"},
+    "expected_attention": {"compress_decode"},
+    "adakv_expected_attention": {"compress_decode"},
+}
+# A wrapper around a scorer takes what the base class derives from a method's declarations from
+# its scorer instead (`snapkv.methods.compose`).
+WRAPPER_DELEGATES = {"min_last_chunk", "protected_tail", "params"}
+
+
+def _overrides(cls: type, stop: type) -> dict[str, type]:
+    """The attributes of `Method` that `cls` or a class between it and `stop` defines (fields aside)."""
+    fields = {f.name for f in dataclasses.fields(cls)}
+    found = {}
+    for klass in cls.__mro__:
+        if klass is stop or klass is Method:
+            break
+        if klass in (OwnAttention, OwnPass, GenerateCheck, KeptOrder):
+            continue
+        for attr in vars(klass):
+            if attr in fields or attr in ("__doc__", "__module__", "__annotations__", "__dict__"):
+                continue
+            if hasattr(Method, attr) and (not attr.startswith("__") or attr == "__post_init__"):
+                found.setdefault(attr, klass)
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(METHODS))
+def test_methods_override_only_the_hooks(name):
+    """Every registered method defines hooks and declarations only; the base class owns the rest."""
+    cls = METHODS[name]
+    allowed = HOOKS | DECLARATIONS | TEMPLATE_OVERRIDES.get(name, set())
+    found = _overrides(cls, ScorerWrapper)
+    assert {attr: k.__name__ for attr, k in found.items() if attr not in allowed} == {}
+
+
+def test_the_scorer_wrapper_overrides_hooks_and_its_delegates_only():
+    found = _overrides(ScorerWrapper, Method)
+    assert set(found) - HOOKS - DECLARATIONS - WRAPPER_DELEGATES == set()

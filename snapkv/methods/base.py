@@ -58,7 +58,7 @@ class DecodeSchedule:
     - `window`: the latest tokens (prompt tokens first, then generated ones) whose queries
       `[batch, heads, window, head_dim]` are kept and passed as `query` to the method's `score()`;
       None: the method's own observation window (`min_last_chunk`: SnapKV's `window`, 1 for
-      window-free methods). SnapKV's scores may take fewer (its `validate_schedule`): the
+      window-free methods). SnapKV's scores may take fewer (`Method.decode_window_floor`): the
       scheduled steps then vote with those queries only, the `window` entries staying protected.
 
     At a scheduled step, after the step's attention: `score(layer, window_queries, layer.keys,
@@ -128,7 +128,9 @@ class OwnPass:
     """What a method with its own pass over the model after the prefill (KVzip's context
     reconstruction) adds to `Method` (a mixin: `class KVzip(OwnPass, Method)`); the hooks run
     `after_prefill` for the methods that are one (`isinstance`), and the entry points that build
-    prompts from text run `post_init_from_tokenizer` through the function of that name."""
+    prompts from text run `post_init_from_tokenizer` through the function of that name. Such a
+    method compresses nothing per layer at the end of prefill (`Method.compress_prefill`): its
+    selection needs every layer's scores from the pass."""
 
     def post_init_from_tokenizer(self, tokenizer, chat_template: bool) -> None:
         """Called by `snapkv.generate` and the shared protocols before a prompt built with
@@ -192,9 +194,71 @@ class OwnAttention:
         return None
 
 
+class KeptOrder:
+    """What a method that may store its kept entries in its original's order adds to `Method` (a
+    mixin: `class SnapKV(KeptOrder, Method)`; SnapKV, SnapKV-D, R-KV), for its `kept_order` field
+    (KEPT_ORDERS): at "topk", `Method.select` returns `topk_order`'s indices instead of ascending
+    positions; at "position" the method selects as every other one."""
+
+    # Whether, at kept_order "topk", a layer that holds exactly its budget (or a scheduled step's
+    # target, without `buffer`) is compressed too: nothing is dropped, the entries take top-k order
+    # (R-KV's code compresses unless `kv_cache_len < budget`). Such a reordering does not mark the
+    # layer compressed nor count as a scheduled compression.
+    reorders_at_budget: ClassVar[bool] = False
+
+    def topk_order(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Indices `[batch, kv_heads, budget]` of the entries to keep given `scores` `[batch,
+        kv_heads, stored]`, in the order the original stores them."""
+        raise NotImplementedError
+
+    def reorders(self) -> bool:
+        """Whether a layer at exactly its budget is reordered (`reorders_at_budget`, at "topk")."""
+        return self.reorders_at_budget and self.kept_order == "topk"
+
+
 @dataclass
 class Method:
-    """A KV-cache compression method. `budget` = entries kept per KV head per layer (None: no limit)."""
+    """A KV-cache compression method. `budget` = entries kept per KV head per layer (None: no limit).
+
+    What a method defines (kvpress style: a dataclass whose fields are its hyper-parameters):
+
+    - declarations (class attributes, no code): `name`, `checks` (each parameter's values),
+      `legacy_params` / `left_out_at_default` (rows and hashes written before a switch existed),
+      `schedulable`, `observation_window` and `decode_window_floor` (what the last prefill chunk and
+      a decode schedule's window must hold), `prompt_state`;
+    - hooks, each with a no-op / uniform default, the only methods a method overrides:
+
+      | hook | default | e.g. |
+      |---|---|---|
+      | `validate()` | nothing | SnapKV's `window < budget` (rules relating several fields) |
+      | `post_init_from_model(model)` | nothing | StreamingLLM's RoPE frequencies |
+      | `protected()` | `(0, 0)` | SnapKV's window, StreamingLLM's sinks and recent tokens |
+      | `observe(layer, query, key, module)` | nothing | H2O's accumulated attention |
+      | `score(layer, query, key, module)` | zeros | every scorer |
+      | `decode_score(layer)` | zeros | per-step eviction's running scores (H2O, TOVA, K-norm) |
+      | `layer_budget(layer)` | `budget` | PyramidKV's pyramid, K-norm's `skip_layers` |
+      | `cache_layer(index, num_layers)` | `CompressibleLayer` | per-head storage (Ada-KV) |
+      | `prune(layer, scores, budget)` | top-k keep | Ada-KV's head budgets, CriticalKV's two stages |
+      | `compress(layer, query, key, module, budget)` | `score` + `prune` | ChunkKV's whole chunks |
+
+      and `upgrade_params(params)` (a class method: rows written by an older version, Ada-KV's old
+      `normalize`);
+    - a mixin for a need of one method or two, whose hooks the base class and the session ask for
+      with `isinstance`: `OwnAttention` (H2O, TOVA), `OwnPass` (KVzip), `GenerateCheck`
+      (StreamingLLM), `KeptOrder` (SnapKV, SnapKV-D, R-KV).
+
+    Everything else is a template the base class owns and methods do not override: parameter
+    checks (`__post_init__`, `check_schedule`), `params()`, protection (`protected_tail`, `shield`,
+    `select`), `compress_prefill`, `compress_decode` and the per-step eviction it runs. Budget
+    policies and selections around any scorer (`snapkv.methods.compose.ScorerWrapper`) delegate the
+    scorer's part of those to it. Three templates are still overridden where the method's step is
+    not the template's (`tests/test_method_hooks.py` lists them): StreamingLLM's `victims` and
+    `evicts_in_place` and TOVA's `victims` (per-step eviction's victim as one slot for every head,
+    from positions alone or one head's scores: the decode hot path; StreamingLLM's compacted
+    positions re-rotate in `prune` yet evict in place with original positions), and Expected
+    Attention's `compress_decode` (its statistics re-fitted to the window's queries before a
+    scheduled step scores, and dropped after it).
+    """
 
     name: ClassVar[str] = ""
 
@@ -210,6 +274,19 @@ class Method:
     # Whether `decode_schedule` may be turned on: methods without scores (full) or with their own
     # decode-time scoring state (H2O's accumulated attention, StreamingLLM's rolling window) say no.
     schedulable: ClassVar[bool] = True
+
+    # The field holding how many of the latest queries `score()` reads (SnapKV's observation
+    # `window`): the last prefill chunk must hold that many (`min_last_chunk`); None: one.
+    observation_window: ClassVar[str | None] = None
+
+    # Whether a scheduled step's `score()` needs all `min_last_chunk` queries, so that
+    # `decode_schedule.window` may not be fewer. False: it votes with the schedule's window, down to
+    # the current token alone (SnapKV; the `window` entries stay protected).
+    decode_window_floor: ClassVar[bool] = True
+
+    # Whether `layer.method_state` holds statistics of the prompt only (Expected Attention's query
+    # fit): dropped once the layer's prefill compression ran.
+    prompt_state: ClassVar[bool] = False
 
     # What each parameter's values may be (see snapkv.methods.checks), checked before `validate()`;
     # merged along the class hierarchy (`param_checks`): a subclass replaces an entry by naming it,
@@ -228,8 +305,9 @@ class Method:
     protect: str = field(default="none", kw_only=True)
 
     def __post_init__(self) -> None:
+        # Each parameter on its own first (the schedule's fields too), then the rules relating them
+        # (`validate()`, which may read the schedule), then what the method refuses in a schedule.
         check_all(self.param_checks(), self, self.name)
-        self.validate()
         schedule = self.decode_schedule
         if schedule is None or isinstance(schedule, EveryStep):
             # EveryStep is the normalised `evict_during_decode` (a copy, `dataclasses.replace`):
@@ -247,14 +325,18 @@ class Method:
             raise ValueError(f"decode_schedule must be a mapping, got decode_schedule={schedule!r}")
         self.decode_schedule = schedule
         schedule.validate()
+        self.validate()
         if schedule.on:
-            self.validate_schedule(schedule)
+            self.check_schedule(schedule)
         # `evict_during_decode`: a field of H2O, TOVA and K-norm (StreamingLLM's class says True).
         if getattr(self, "evict_during_decode", False):
             self.decode_schedule = EveryStep()  # the one decode-time mechanism, on running scores
 
-    def validate_schedule(self, schedule: DecodeSchedule) -> None:
-        """ValueError when this method cannot run `schedule` (it is on)."""
+    def check_schedule(self, schedule: DecodeSchedule) -> None:
+        """ValueError when this method cannot run `schedule` (it is on), from its declarations
+        (`schedulable`, `evict_during_decode`, `cache_layer`, `min_last_chunk` and
+        `decode_window_floor`, `protected()`). Not overridden: a rule of one method that relates the
+        schedule to its parameters is part of its `validate()`, which sees the schedule."""
         if not self.schedulable:
             raise ValueError(
                 f"{self.name} cannot take a decode_schedule (interval={schedule.interval}): it has no "
@@ -270,7 +352,7 @@ class Method:
                 f"{self.name} keeps per-head lengths (per-head storage cannot evict while decoding): "
                 f"decode_schedule (interval={schedule.interval}) is not supported"
             )
-        if schedule.window is not None and schedule.window < self.min_last_chunk:
+        if self.decode_window_floor and schedule.window is not None and schedule.window < self.min_last_chunk:
             raise ValueError(
                 f"decode_schedule.window must be >= the method's observation window "
                 f"{self.min_last_chunk}, got window={schedule.window}"
@@ -293,24 +375,25 @@ class Method:
     @classmethod
     def upgrade_params(cls, params: dict[str, Any]) -> dict[str, Any]:
         """The parameters of a row written by an older version, as today's names and values for
-        what really ran: switches the row does not name get their `legacy_params` value."""
+        what really ran: switches the row does not name get their `legacy_params` value. A hook (a
+        class method) for a migration that is not a missing value (Ada-KV's old `normalize`)."""
         return {**{k: v for k, v in cls.legacy_params.items() if k not in params}, **params}
 
-    # ---- what a method defines (every hook has a no-op / uniform default) ---------------------
+    @property
+    def min_last_chunk(self) -> int:
+        """Tokens the last prefill chunk must hold (the field `observation_window` names: SnapKV's
+        window; 1 without one); chunked prefill merges a shorter last chunk into the one before."""
+        return getattr(self, self.observation_window) if self.observation_window else 1
+
+    # ---- the hooks: what a method defines (each has a no-op / uniform default) ----------------
     def validate(self) -> None:
         """ValueError for a combination of parameters the method cannot run (each parameter on its
-        own is checked by `checks` first)."""
+        own, the decode schedule's fields included, is checked by `checks` first)."""
 
     def post_init_from_model(self, model) -> None:
         """Called once per session, before the first forward (kvpress's hook): a method that needs
         something from the model takes it here (StreamingLLM's compacted positions: the RoPE
         frequencies). ValueError if the method cannot run on this model."""
-
-    @property
-    def min_last_chunk(self) -> int:
-        """Tokens the last prefill chunk must hold (SnapKV-style scores: the observation window);
-        chunked prefill merges a shorter last chunk into the one before."""
-        return 1
 
     def layer_budget(self, layer: CompressibleLayer) -> int | None:
         """Entries kept per KV head in this layer (uniform by default; PyramidKV-style schedules
@@ -342,6 +425,19 @@ class Method:
     def decode_score(self, layer: CompressibleLayer) -> torch.Tensor:
         """Scores of the stored entries for decode-time eviction."""
         return torch.zeros(layer.positions.shape, device=layer.positions.device)
+
+    def prune(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> None:
+        """Keep `budget` entries per KV head given `scores` `[batch, kv_heads, stored]`: the one
+        overridable step of `compress_prefill` and `compress_decode` (Ada-KV splits the layer's
+        budget across heads; StreamingLLM re-rotates the kept keys with compacted positions)."""
+        layer.keep(self.select(scores, budget))
+
+    def compress(
+        self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module, budget: int
+    ) -> None:
+        """Score the stored entries with `query` and keep `budget` per KV head (the step both
+        `compress_prefill` and `compress_decode` take; ChunkKV keeps whole chunks)."""
+        self.prune(layer, self.shield(layer, self.score(layer, query, key, module), budget), budget)
 
     # ---- owned by the base class -------------------------------------------------------------
     def params(self) -> dict[str, Any]:
@@ -423,9 +519,15 @@ class Method:
         layer holds more than target + buffer, scored with `query`, the window's queries `[batch,
         heads, window, head_dim]`, or on per-step eviction (`EveryStep`; `query` unused) with the
         method's running scores (`decode_score`; evicted entries never return). Returns whether it
-        pruned."""
+        pruned (a `KeptOrder` reordering of a layer at exactly its target, without `buffer`, drops
+        nothing: False)."""
         target = self.decode_target(layer)
         if target is None or layer.stored <= target + self.decode_schedule.buffer:
+            # Not the per-step eviction's path (it holds target + 1 here): a layer at its target is
+            # reordered by a method that `reorders()`.
+            if isinstance(self, KeptOrder) and self.reorders() and not self.decode_schedule.buffer:
+                if layer.stored == target:
+                    self.compress(layer, query, layer.keys, module, target)
             return False
         if not self.decode_schedule.per_step:
             self.compress(layer, query, layer.keys, module, target)
@@ -439,17 +541,13 @@ class Method:
         layer.compressed = True
         return True
 
-    def compress(
-        self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module, budget: int
-    ) -> None:
-        """Score the stored entries with `query` and keep `budget` per KV head (the step both
-        `compress_prefill` and `compress_decode` take; ChunkKV keeps whole chunks)."""
-        self.prune(layer, self.shield(layer, self.score(layer, query, key, module), budget), budget)
-
     def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Indices `[batch, kv_heads, budget]` (ascending) of the entries to keep: the protected
         ones (`protected()`, and those `shield` set to +inf), then the top-scored. ValueError when
-        the protected entries alone exceed `budget`."""
+        the protected entries alone exceed `budget`. A `KeptOrder` method at kept_order "topk":
+        its original's storage order instead (`topk_order`)."""
+        if isinstance(self, KeptOrder) and self.kept_order == "topk":
+            return self.topk_order(scores, budget)
         n = scores.shape[-1]
         first, last = self.protected()
         scores = scores.float().clone()
@@ -471,18 +569,21 @@ class Method:
     def compress_prefill(
         self, layer: CompressibleLayer, query: torch.Tensor, key: torch.Tensor, module
     ) -> None:
-        """End of prefill (template): the layer's budget, then `score`, then `prune`."""
+        """End of prefill (template): the layer's budget, then `compress` (`score`, then `prune`).
+        Nothing per layer for a method with its own pass (`OwnPass`: it selects after the pass,
+        from every layer's scores); a `KeptOrder` method that `reorders()` a layer holding exactly
+        its budget; `prompt_state`: the prompt's statistics dropped after."""
+        if isinstance(self, OwnPass):
+            return
         budget = self.layer_budget(layer)
-        if budget is None or layer.stored <= budget:
-            return  # short prompts are left uncompressed (the result row says so)
-        self.compress(layer, query, key, module, budget)
-        layer.compressed = True
-
-    def prune(self, layer: CompressibleLayer, scores: torch.Tensor, budget: int) -> None:
-        """Keep `budget` entries per KV head given `scores` `[batch, kv_heads, stored]`: the one
-        overridable step of `compress_prefill` and `compress_decode` (Ada-KV splits the layer's
-        budget across heads; StreamingLLM re-rotates the kept keys with compacted positions)."""
-        layer.keep(self.select(scores, budget))
+        # Short prompts are left uncompressed (the result row says so).
+        if budget is not None and layer.stored > budget:
+            self.compress(layer, query, key, module, budget)
+            layer.compressed = True
+        elif layer.stored == budget and isinstance(self, KeptOrder) and self.reorders():
+            self.compress(layer, query, key, module, budget)  # nothing dropped: the entries take top-k order
+        if self.prompt_state:
+            layer.method_state = None
 
     @property
     def evicts_in_place(self) -> bool:

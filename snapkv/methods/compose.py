@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from snapkv.methods.base import GenerateCheck, Method, OwnAttention, OwnPass
+from snapkv.methods.base import GenerateCheck, KeptOrder, Method, OwnAttention, OwnPass
 from snapkv.methods.registry import METHODS, build_method
 from snapkv.methods.snapkv import SnapKV
 
@@ -68,7 +68,8 @@ def scorers() -> list[str]:
 @dataclass
 class ScorerWrapper(Method):
     """A method whose scores come from an inner scorer method (module docstring); subclasses own
-    budgets (`layer_budget`, `cache_layer`) and selection (`prune` / `compress`)."""
+    budgets (`layer_budget`, `cache_layer`) and selection (`prune` / `compress`). What the base
+    class owns and a scorer declares (`min_last_chunk`, `protected_tail`) comes from the scorer."""
 
     budget: int | None = 1024
     window: int = 32
@@ -83,12 +84,26 @@ class ScorerWrapper(Method):
     scorer_params: dict[str, Any] = field(default_factory=dict, kw_only=True)
 
     checks = {k: v for k, v in SnapKV.checks.items() if k in ("budget", *SNAPKV_FIELDS)}
+    # The scorer's prompt statistics (Expected Attention's) are not needed after the prefill.
+    prompt_state = True
 
     def validate(self) -> None:
         super().validate()
         # Built here, after the wrapper's own checks: the scorer's checks and rules (SnapKV's
         # window < budget) then run on a value the wrapper already accepts field by field.
         self.scorer_method = self.build_scorer()
+        scorer, schedule = self.scorer_method, self.decode_schedule
+        if schedule.on and (
+            type(scorer).compress_decode is not Method.compress_decode
+            or (isinstance(scorer, KeptOrder) and scorer.reorders_at_budget)
+        ):
+            # Its scheduled steps are not the base class's (Expected Attention's statistics of the
+            # window's queries, SnapKV-D's reordering of a full cache), and only the scorer's own
+            # compress_decode runs them.
+            raise ValueError(
+                f"{self.name} with scorer={self.scorer!r} cannot take a decode_schedule "
+                f"(interval={schedule.interval}): the scorer prepares its own scheduled steps"
+            )
 
     def build_scorer(self) -> Method:
         """The inner scorer, from `scorer`, `scorer_params` and the flat fields (ValueError naming
@@ -155,16 +170,6 @@ class ScorerWrapper(Method):
             upgraded = {k: v for k, v in upgraded.items() if k not in SNAPKV_FIELDS or k in params}
         return upgraded
 
-    def validate_schedule(self, schedule) -> None:
-        if type(self.scorer_method).compress_decode is not Method.compress_decode:
-            # Its scheduled steps need the scorer's own preparation (Expected Attention's statistics
-            # of the window's queries), which runs only in the scorer's compress_decode.
-            raise ValueError(
-                f"{self.name} with scorer={self.scorer!r} cannot take a decode_schedule "
-                f"(interval={schedule.interval}): the scorer prepares its own scheduled steps"
-            )
-        super().validate_schedule(schedule)
-
     # ---- the scorer's part -------------------------------------------------------------------
     def post_init_from_model(self, model) -> None:
         self.scorer_method.post_init_from_model(model)
@@ -189,10 +194,6 @@ class ScorerWrapper(Method):
 
     def score(self, layer, query: torch.Tensor, key: torch.Tensor, module) -> torch.Tensor:
         return self.scorer_method.score(layer, query, key, module)
-
-    def compress_prefill(self, layer, query: torch.Tensor, key: torch.Tensor, module) -> None:
-        super().compress_prefill(layer, query, key, module)
-        layer.method_state = None  # the scorer's prompt statistics (if any) are not needed any more
 
     def protected_entries(self) -> str:
         """How the error messages name the protected entries: `window=32` for the snapkv scorer."""

@@ -89,6 +89,9 @@ class ExpectedAttention(Method):
     # kvpress compresses the context alone: the template's generation prompt is never evicted.
     protect: str = field(default="generation_prompt", kw_only=True)
 
+    # The query statistics (`layer.method_state`) are the prompt's: dropped after its compression.
+    prompt_state = True
+
     # The model's rotary embedding (not a field: taken from the model, `post_init_from_model`).
     _rotary = None
 
@@ -127,13 +130,11 @@ class ExpectedAttention(Method):
             state = stats if state is None else state.merged(stats)
         layer.method_state = state
 
-    def compress_prefill(self, layer, query, key, module) -> None:
-        super().compress_prefill(layer, query, key, module)
-        layer.method_state = None  # the statistics are not needed any more
-
     def compress_decode(self, layer, query: torch.Tensor, module) -> bool:
         # A scheduled step (`decode_schedule`): the query statistics are those of the window's
-        # queries (kvpress' DecodingPress: the buffered hidden states), not the prompt's.
+        # queries (kvpress' DecodingPress: the buffered hidden states), not the prompt's. An
+        # override of the base class's template: the fit precedes the step's scoring and is
+        # dropped after it, whether or not the step prunes.
         w = query.shape[2]
         first = max(self.n_sink - (layer.seen - w), 0)
         if first >= w:

@@ -81,8 +81,8 @@ class KNorm(Method):
         ),
     }
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def validate(self) -> None:
+        super().validate()
         self.skip_layers = list(self.skip_layers)  # one type in params() and result rows
 
     def post_init_from_model(self, model) -> None:

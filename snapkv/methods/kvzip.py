@@ -250,9 +250,6 @@ class KVzip(OwnPass, Method):
             return CompressibleLayer(index=index, num_layers=num_layers)
         return HeadwiseLayer(index=index, num_layers=num_layers, layout=self.layout)
 
-    def compress_prefill(self, layer, query, key, module) -> None:
-        """Nothing per layer: the selection needs every layer's reconstruction scores (`after_prefill`)."""
-
     # ---- the reconstruction pass ----------------------------------------------------------------
     def repeat_inputs(self, ids: torch.Tensor, prefix: int) -> list[tuple[int, int, torch.Tensor]]:
         """(start, end, input ids `[batch, m]`) per chunk of the context `ids[:, prefix:]`: the

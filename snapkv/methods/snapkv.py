@@ -47,7 +47,6 @@ kept_order=topk, decode_schedule={interval: 1, window: 1}` is the decode-time Sn
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -60,6 +59,7 @@ from snapkv.methods.base import (
     GQA_REDUCTIONS,
     KEPT_ORDERS,
     POOLINGS,
+    KeptOrder,
     Method,
     pool,
     reduce_group,
@@ -71,8 +71,11 @@ from snapkv.methods.registry import register
 
 @register
 @dataclass
-class SnapKV(Method):
+class SnapKV(KeptOrder, Method):
     name = "snapkv"
+    observation_window = "window"  # the last prefill chunk holds the window's queries
+    # Scheduled steps vote with the decode schedule's queries, down to the current token alone.
+    decode_window_floor = False
 
     budget: int | None = 1024  # entries kept per KV head per layer, INCLUDING the window
     window: int = 32
@@ -101,20 +104,9 @@ class SnapKV(Method):
         super().validate()
         if self.budget is not None and self.window >= self.budget:
             raise ValueError(f"window must be < budget, got window={self.window}, budget={self.budget}")
-
-    def protected(self) -> tuple[int, int]:
-        return 0, self.window
-
-    @property
-    def min_last_chunk(self) -> int:
-        return self.window  # the observation window's queries come from the last prefill chunk
-
-    def validate_schedule(self, schedule) -> None:
-        # Scheduled steps may vote with fewer queries than the prompt's window (down to one): the
-        # base class's floor on decode_schedule.window (the observation window) does not hold here.
-        super().validate_schedule(dataclasses.replace(schedule, window=None))
+        schedule = self.decode_schedule
         votes = min(schedule.window or self.window, self.window)
-        if self.kept_order == "topk" and votes > schedule.interval:
+        if schedule.on and self.kept_order == "topk" and votes > schedule.interval:
             # Top-k order moves older entries into the last slots: only tokens appended since the
             # last compression are known to be the voting queries' own keys (causal inside them).
             raise ValueError(
@@ -142,9 +134,10 @@ class SnapKV(Method):
         # [b, kv, L]: the window's own entries score 0 (they are protected)
         return F.pad(prefix, (0, self.window))
 
-    def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        if self.kept_order == "position":
-            return super().select(scores, budget)
+    def protected(self) -> tuple[int, int]:
+        return 0, self.window
+
+    def topk_order(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         # kvpress' layout: the protected slots at the highest prefix score of the batch, one top-k
         # over all slots, gathered in that order (a prefix entry tied at the top precedes them).
         n = scores.shape[-1]

@@ -47,7 +47,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from snapkv.methods.base import KEPT_ORDERS, DecodeSchedule, Method, grouped, pool, soft_cap
+from snapkv.methods.base import KEPT_ORDERS, DecodeSchedule, KeptOrder, Method, grouped, pool, soft_cap
 from snapkv.methods.checks import integer, one_of
 from snapkv.methods.registry import register
 
@@ -75,8 +75,12 @@ def window_importance(
 
 @register
 @dataclass
-class SnapKVD(Method):
+class SnapKVD(KeptOrder, Method):
     name = "snapkv_d"
+    observation_window = "window"  # the latest queries that vote, from the last prefill chunk too
+    # kept_order=topk: the original compresses a cache of exactly `budget` entries (or a scheduled
+    # step's target) too, nothing dropped, the entries taking top-k order.
+    reorders_at_budget = True
 
     budget: int | None = 1024  # entries kept per KV head per layer, window included
     window: int = 8  # latest queries that vote (R-KV's window_size)
@@ -103,10 +107,6 @@ class SnapKVD(Method):
     def protected(self) -> tuple[int, int]:
         return 0, self.window
 
-    @property
-    def min_last_chunk(self) -> int:
-        return self.window
-
     def importance(self, layer, query, key, module) -> torch.Tensor:
         if query.shape[2] < self.window:
             raise ValueError(
@@ -118,29 +118,9 @@ class SnapKVD(Method):
         # [b, kv, L]: the window's own entries score 0 (they are protected)
         return F.pad(self.importance(layer, query, key, module), (0, self.window))
 
-    def select(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
-        if self.kept_order == "position":
-            return super().select(scores, budget)
+    def topk_order(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         # The original's layout: the prefix's top-k by descending score, then the window's slots.
         n, w = scores.shape[-1], self.window
         top = scores[..., : n - w].float().sort(dim=-1, descending=True, stable=True).indices
         window = torch.arange(n - w, n, device=scores.device).expand(*scores.shape[:-1], w)
         return torch.cat([top[..., : budget - w], window], dim=-1)
-
-    def compress_prefill(self, layer, query, key, module) -> None:
-        if self.kept_order == "topk" and layer.stored == self.layer_budget(layer):
-            # The original compresses a prompt of exactly `budget` entries too: nothing is dropped,
-            # the entries take top-k order.
-            self.compress(layer, query, key, module, layer.stored)
-            return
-        super().compress_prefill(layer, query, key, module)
-
-    def compress_decode(self, layer, query, module) -> bool:
-        if (
-            self.kept_order == "topk"
-            and not self.decode_schedule.buffer
-            and layer.stored == self.decode_target(layer)
-        ):
-            self.compress(layer, query, layer.keys, module, layer.stored)  # a reordering, as above
-            return False
-        return super().compress_decode(layer, query, module)

@@ -95,9 +95,12 @@ class TOVA(OwnAttention, Method):
 
     def victims(self, layer) -> torch.Tensor | int:
         # One kept set per layer: every KV head holds the same positions and scores, so with one
-        # row the victim is one slot, the base class's rule applied to head 0.
+        # row the victim is one slot, the base class's rule (the protected span included) applied
+        # to head 0.
         if layer.positions.shape[0] != 1:
             return super().victims(layer)
         return int(
-            victim_by_position(layer.scores[0, 0], layer.positions[0, 0], layer.seen, self.protected())
+            victim_by_position(
+                layer.scores[0, 0], layer.positions[0, 0], layer.seen, self.protected(), layer.protected_span
+            )
         )

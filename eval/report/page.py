@@ -10,7 +10,10 @@ the full cache, its paired difference from the full cache and from SnapKV at its
 unit bootstrap's 95% interval, and Holm's adjustment over the table's comparisons (one family per
 table). The reading says "above zero" / "below zero" only where Holm's p is below `ALPHA`, "no
 difference detected (p = …, n = …)" otherwise, and "same within ±m" only where a TOST at margin
-`MARGIN` shows it (`eval.stats.verdict`). What the rows cannot say (how a folder's rows were run,
+`MARGIN` shows it (`eval.stats.verdict`). Two sections follow once their folders exist (nothing
+before): eviction against quantization at equal bytes (results/equal_bytes/, the tables of
+`eval.report.equal_bytes`) and where eviction pays in a serving engine (results/serving/, the CSVs
+of `scripts/bench_serving.py`: `serving_section`). What the rows cannot say (how a folder's rows were run,
 what changed in the code since) is each folder's `NOTES` entry, printed in its README.md beside
 the provenance counted from the rows (dtype, CPU kernels, code versions, uncommitted trees,
 duplicated samples).

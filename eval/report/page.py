@@ -10,7 +10,10 @@ the full cache, its paired difference from the full cache and from SnapKV at its
 unit bootstrap's 95% interval, and Holm's adjustment over the table's comparisons (one family per
 table). The reading says "above zero" / "below zero" only where Holm's p is below `ALPHA`, "no
 difference detected (p = …, n = …)" otherwise, and "same within ±m" only where a TOST at margin
-`MARGIN` shows it (`eval.stats.verdict`). What the rows cannot say (how a folder's rows were run,
+`MARGIN` shows it (`eval.stats.verdict`). Two sections follow once their folders exist (nothing
+before): eviction against quantization at equal bytes (results/equal_bytes/, the tables of
+`eval.report.equal_bytes`) and where eviction pays in a serving engine (results/serving/, the CSVs
+of `scripts/bench_serving.py`: `serving_section`). What the rows cannot say (how a folder's rows were run,
 what changed in the code since) is each folder's `NOTES` entry, printed in its README.md beside
 the provenance counted from the rows (dtype, CPU kernels, code versions, uncommitted trees,
 duplicated samples).
@@ -29,10 +32,11 @@ import pandas as pd
 
 import eval.report.paired as paired
 from eval.labels import format_value
+from eval.report import equal_bytes as eb
 from eval.report.build import code_versions, prepare
-from eval.stats import ALPHA, Comparison, compare, holm, tost, verdict
+from eval.stats import ALPHA, MIN_N, Comparison, Equivalence, Spread, compare, holm, spread, tost, verdict
 from eval.store import ResultStore, shared_samples
-from eval.tables import column_order, md_table
+from eval.tables import column_order, md_table, slug
 from eval.tasks import task_report
 
 MARGIN = 10.0  # points (x100): the TOST margin of a "same as" statement
@@ -547,6 +551,8 @@ def page(root: Path, leaderboard_block: str, begin: str, end: str) -> str:
     parts += [how_to_read(root), "", "```bash", "python scripts/make_figures.py   # rebuilds this page, every "
               "report.md and figure from the committed rows (never runs a model)", "```", ""]  # fmt: skip
     parts += [section_markdown(s, root) for s in SECTIONS]
+    # sections of folders written by their own scripts: nothing until the folder exists
+    parts += [text for text in (equal_bytes_section(root), serving_section(root)) if text]
     parts += [
         "## Speed, memory and the observation window",
         "",
@@ -556,6 +562,330 @@ def page(root: Path, leaderboard_block: str, begin: str, end: str) -> str:
         "",
     ]
     return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------- equal bytes
+EQUAL_BYTES_COMMAND = (
+    "python scripts/equal_bytes.py run   # every config of conf/experiment/equal_bytes.yaml, into "
+    "results/equal_bytes (`list` prints them)"
+)
+
+
+def _line_of(label: str, row: pd.Series, same: Equivalence | None = None) -> Line:
+    """A `Line` whose comparison with the full cache is one row of an `eval.report.equal_bytes` table
+    (`p_holm`: the Holm p a statement rests on), so `_group` words it as every other table's."""
+    c = Comparison(int(row["n_shared"]), float(row["diff"]), float(row["lo"]), float(row["hi"]),
+                   float(row["p"]), str(row["test"]), int(row["n_units"]), float(row["p_exact"]))  # fmt: skip
+    return Line(label, "", c.n, math.nan, math.nan, vs_full=c, holm_full=float(row["p_holm"]), same_full=same)
+
+
+def _n_units(c: Comparison) -> str:
+    return f"{c.n}" if c.n == c.n_units else f"{c.n} ({c.n_units} units)"
+
+
+def _cost_tost(rows: pd.DataFrame, config: str, full: str) -> Equivalence | None:
+    """TOST at `MARGIN` of `config` minus the full cache on the samples both ran, over the units the
+    report's comparison resamples (`eval.report.paired.units`); None below two units."""
+    a, b, _ = shared_samples(rows[rows["config"] == config], rows[rows["config"] == full])
+    unit = paired.units(b).to_numpy()
+    if len(set(unit)) < 2:
+        return None
+    return tost(100 * (a["score"].to_numpy(float) - b["score"].to_numpy(float)), MARGIN, unit)
+
+
+def _equal_bytes_model(a: eb.Analysis, rows: pd.DataFrame, prepared: pd.DataFrame) -> list[str]:
+    """One model's table and reading: per target fraction and kind, the configuration near the
+    fraction that loses least against the full cache (`a.costs`, whose Holm p is over all of them)."""
+    name, at_all = eb.FOLDER, " and ".join(eb.fraction_text(f) for f in a.fractions)
+    full = eb._full_config(rows)
+    table_rows, lines, missing = [], [], []
+    for target in a.fractions:
+        at = eb.fraction_text(target)
+        for kind in eb.KINDS[1:]:
+            near = a.costs[(a.costs["target"] == target) & (a.costs["kind"] == kind)]
+            if near.empty:
+                missing.append(f"{kind} at {at}")
+                continue
+            best = near.sort_values(["diff", "fraction"], ascending=[False, True], kind="stable").iloc[0]
+            same = _cost_tost(rows, best["config"], full) if full is not None else None
+            line = _line_of(f"{kind} at {at} {best['config']}", best, same)
+            lines.append(line)
+            config = best["config"] + (f" (best of {len(near)})" if len(near) > 1 else "")
+            table_rows.append([at, kind, config, f"{best['fraction']:.3f}", f"{best['score']:.1f}",
+                               f"{best['full_score']:.1f}", _diff(line.vs_full), _n_units(line.vs_full),
+                               _p(line.holm_full)])  # fmt: skip
+    figure = f"equal_bytes_{slug(a.model)}.png"  # eval.report.equal_bytes.render's name
+    out = [
+        f"{a.model}, {_provenance(prepared)} ([how they ran]({name}/README.md), "
+        f"figure: [{figure}]({name}/{figure})):",
+        "",
+    ]
+    if not table_rows:
+        out += [f"No configuration within ±{a.tolerance:.0%} of {at_all} of the full cache's bytes with the "
+                "full cache beside it.", ""]  # fmt: skip
+    else:
+        headers = ["bytes", "kind", "config", "bytes / full", "score x100", "full x100",
+                   "minus full [95% CI]", "n", "Holm p"]  # fmt: skip
+        out += [md_table(headers, table_rows, text_columns=3), ""]
+    family = int(a.costs["p_holm"].notna().sum())
+    said_full = _group(lines, "full")
+    if said_full:
+        out.append(
+            f"- Minus the full cache (Holm over the model's {family} configurations near a target, "
+            f"[equal_bytes_costs.csv]({name}/equal_bytes_costs.csv)): " + "; ".join(said_full) + "."
+        )
+    if missing and table_rows:
+        out.append(f"- No configuration within ±{a.tolerance:.0%} of the target: {', '.join(missing)}.")
+    if not a.pairs.empty:
+        pairs = [_line_of(f"{r['config']} minus {r['minus']}", r) for _, r in a.pairs.iterrows()]
+        said_pairs = _group(pairs, "full")
+        out.append(
+            f"- Equal-bytes pairs, configurations of different kinds within ±{a.tolerance:.0%} of each "
+            f"other's bytes, the first minus the second (Holm over the model's {len(pairs)} pairs): "
+            + ("; ".join(said_pairs) if said_pairs else f"none with {MIN_N} units or more")
+            + "."
+        )
+    return [*out, ""]
+
+
+def equal_bytes_section(root: Path) -> str:
+    """The section "Eviction or quantization at equal bytes?" from results/equal_bytes/ through
+    `eval.report.equal_bytes` (its tables, its statistics): per model, at each of its `FRACTIONS` of
+    the full cache's bytes, the configuration of each kind (quantized / combined / eviction) that
+    loses least, its difference from the full cache with interval, n and Holm p, and the equal-bytes
+    pairs; '' while the folder does not exist (the page is unchanged until the run)."""
+    folder = root / eb.FOLDER
+    if not folder.is_dir():
+        return ""
+    name, at_all = eb.FOLDER, " and ".join(eb.fraction_text(f) for f in eb.FRACTIONS)
+    out = [
+        "## Eviction or quantization at equal bytes?",
+        "",
+        f"```bash\n{EQUAL_BYTES_COMMAND}\n```",
+        "",
+        "Each configuration stores fewer KV bytes than the full cache by quantizing it (`kv_quant`: every "
+        "entry kept, fewer bits), by evicting (a method at a budget) or both; its bytes are what it stored "
+        "(`kv_bytes`: values, scales, zero points, the residual), its fraction Σ kv_bytes / Σ kv_bytes_full. "
+        f"At {at_all} of the full cache's bytes (±{eb.TOLERANCE:.0%}), the configuration of each kind that "
+        "loses least, minus the full cache on the samples both ran. Every configuration and pair: "
+        f"[{name}/]({name}/{eb.MARKDOWN}).",
+        "",
+    ]
+    prepared = load(folder)
+    items = eb.analyses(ResultStore.load_dir(folder)) if not prepared.empty else []
+    if not items:
+        return "\n".join([*out, "No rows yet.", ""])
+    rows = eb.label_rows(prepared)
+    rows = rows[rows["ok"] & rows["score"].notna()]
+    for a in items:
+        out += _equal_bytes_model(a, rows[rows["model"] == a.model], prepared[prepared["model"] == a.model])
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------- serving
+SERVING = "serving"  # results/serving/<model>/{points,requests,search}.csv (eval.bench.serving)
+SERVING_COMMAND = (
+    "python scripts/bench_serving.py --model-path MODEL.gguf --search --rounds 3 "
+    "--out results/serving/MODEL   # one folder per model"
+)
+PAY_ROUNDS = 3  # rounds below which a ratio's IQR is not read: one or two values are no spread
+
+
+@dataclass
+class Paying:
+    """Where one eviction config starts to pay under one arrival process: `pays`, the smallest
+    concurrency whose throughput ratio to the full cache (`eval.bench.serving.ratios`) has its whole
+    IQR over rounds above 1 (None: at none); `at`, where the ratio and the answers are read (`pays`,
+    else the largest concurrency with a ratio); `line`, exact match minus the full cache there."""
+
+    arrival: str
+    config: str
+    pays: int | None
+    at: int | None
+    top: int | None  # the largest concurrency with a ratio
+    ratio: Spread | None
+    line: Line | None = None
+    full_exact: float = math.nan
+
+
+def _csv_records(path: Path) -> list[dict]:
+    """A benchmark CSV's rows, empty cells as None (as the benchmark wrote them)."""
+    df = pd.read_csv(path)
+    return df.astype(object).where(df.notna(), None).to_dict("records")
+
+
+def serving_runs(folder: Path) -> list[Path]:
+    """The benchmark folders under `folder`: itself and its subfolders, those holding a points.csv."""
+    if not folder.is_dir():
+        return []
+    candidates = [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
+    return [d for d in candidates if (d / "points.csv").is_file()]
+
+
+def _exact_vs_full(requests: pd.DataFrame, arrival: str, c: int, config: str) -> tuple:
+    """(`compare` of `config`'s exact match minus the full cache's on the same requests at (arrival,
+    c), paired per round and sample, a sample's rounds one unit; the TOST at `MARGIN`; the full
+    cache's exact match x100), (None, None, nan) without a pair. A request that did not finish
+    scores 0, as the benchmark's points count it (`eval.bench.serving.summarize`)."""
+    here = requests[(requests["arrival"] == arrival) & (requests["concurrency"] == c)]
+    score = pd.to_numeric(here["exact"], errors="coerce").where(here["status"] == "finished", 0.0)
+    here = here.assign(_score=score)
+    mine, full = here[here["config"] == config], here[here["config"] == "full"]
+    both = mine.merge(full, on=["round", "sample_id"], suffixes=("", "_full"))
+    both = both[both["_score"].notna() & both["_score_full"].notna()]
+    if both.empty:
+        return None, None, math.nan
+    unit = both["sample_id"].astype(str).to_numpy()
+    x, y = both["_score"].to_numpy(float), both["_score_full"].to_numpy(float)
+    same = tost(100 * (x - y), MARGIN, unit) if len(set(unit)) >= 2 else None
+    return compare(x, y, unit), same, 100 * float(y.mean())
+
+
+def serving_table(points: list[dict], requests: pd.DataFrame) -> list[Paying]:
+    """Per (arrival, eviction config) of one benchmark run: where it starts to pay and what its answers
+    cost there (`Paying`), Holm over the run's comparisons."""
+    from eval.bench.serving import ratios  # lazy: the benchmark's module loads torch (eval.machine)
+
+    rat = ratios(points)
+    keys = sorted({(p["arrival"], p["config"]) for p in points if p["config"] != "full"})
+    out = []
+    for arrival, config in keys:
+        spreads = {c: spread(v.values()) for (a, c, cfg), v in rat.items() if (a, cfg) == (arrival, config)}
+        spreads = {c: s for c, s in sorted(spreads.items()) if s is not None}
+        # the whole IQR above 1 (strictly), over enough rounds for an IQR
+        paying = [c for c, s in spreads.items() if s.n >= PAY_ROUNDS and s.q1 > 1.0]
+        pays = paying[0] if paying else None
+        top = max(spreads) if spreads else None
+        at = pays if pays is not None else top
+        row = Paying(arrival, config, pays, at, top, spreads.get(at) if at is not None else None)
+        if at is not None and not requests.empty:
+            c, same, row.full_exact = _exact_vs_full(requests, arrival, at, config)
+            if c is not None:
+                row.line = Line(
+                    f"{arrival} {config} at {at}", "", c.n, math.nan, math.nan, vs_full=c, same_full=same
+                )
+        out.append(row)
+    tested = [r.line for r in out if r.line is not None]
+    adjusted = holm([ln.vs_full.p_read for ln in tested]) if tested else []
+    for ln, p in zip(tested, adjusted):
+        ln.holm_full = float(p)
+    return out
+
+
+def search_limits(search: pd.DataFrame) -> dict[str, int]:
+    """{config: the largest concurrency the search ran without preemption (0: none)} of a search.csv."""
+    ok = search["ok"].astype(str).str.lower() == "true"
+    return {
+        str(cfg): int(g.loc[ok[g.index], "concurrency"].max()) if ok[g.index].any() else 0
+        for cfg, g in search.groupby("config", sort=False)
+    }
+
+
+def _spread_text(s: Spread | None) -> str:
+    if s is None:
+        return ""
+    return f"{s.median:.2f} [{s.q1:.2f}, {s.q3:.2f}] ({s.n})"
+
+
+def _serving_run(run: Path, root: Path) -> list[str]:
+    """One benchmark folder's table and reading lines."""
+    points = _csv_records(run / "points.csv")
+    requests = pd.read_csv(run / "requests.csv") if (run / "requests.csv").is_file() else pd.DataFrame()
+    rel = run.relative_to(root).as_posix()
+    models = sorted({str(p["model"]) for p in points if p.get("model")})
+    pools = sorted({int(p["pool_blocks"]) for p in points if p.get("pool_blocks") is not None})
+    rounds = len({p["round"] for p in points})
+    files = ["points.csv", "requests.csv", "search.csv"] + sorted(
+        p.name for p in run.glob("throughput_*.png")
+    )
+    links = ", ".join(f"[{f}]({rel}/{f})" for f in files if (run / f).is_file())
+    out = [
+        f"{rel}: {', '.join(models) or 'model ?'}, {'/'.join(map(str, pools)) or '?'} KV blocks, "
+        f"{rounds} round{'s' if rounds != 1 else ''} ({links}):",
+        "",
+    ]
+    table = serving_table(points, requests)
+    if not table:
+        return [*out, "No eviction configuration beside the full cache.", ""]
+    rows = []
+    for r in table:
+        if r.pays is not None:
+            pays = str(r.pays)
+        elif r.top is None:
+            pays = "no ratio"
+        elif r.ratio is not None and r.ratio.n < PAY_ROUNDS:
+            pays = f"not read ({r.ratio.n} round{'s' if r.ratio.n != 1 else ''})"
+        else:
+            pays = f"not up to {r.top}"
+        c = r.line.vs_full if r.line is not None else None
+        rows.append([r.arrival, r.config, pays, "" if r.at is None else r.at, _spread_text(r.ratio),
+                     "" if c is None else f"{r.full_exact + c.diff:.1f} ({r.full_exact:.1f})", _diff(c),
+                     "" if c is None else _n_units(c), _p(r.line.holm_full) if c is not None else ""])  # fmt: skip
+    headers = ["arrival", "config", "pays from", "at", "ratio to full: median [IQR] (rounds)",
+               "exact x100 (full)", "minus full [95% CI]", "n", "Holm p"]  # fmt: skip
+    out += [md_table(headers, rows, text_columns=2), ""]
+    for arrival in sorted({r.arrival for r in table}):
+        mine = [r for r in table if r.arrival == arrival]
+        groups: dict[int | None, list[str]] = {}
+        for r in mine:
+            groups.setdefault(r.pays, []).append(r.config)
+        said = [
+            f"{'at none run' if c is None else f'from {c}'}: {', '.join(configs)}"
+            for c, configs in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+        ]
+        out.append(
+            f"- {arrival.capitalize()} arrivals, the concurrency from which eviction pays (the throughput "
+            f"ratio's whole IQR over ≥ {PAY_ROUNDS} rounds above 1): " + "; ".join(said) + "."
+        )
+    tested = [r.line for r in table if r.line is not None]
+    said_full = _group(tested, "full")
+    if said_full:
+        out.append(
+            f"- Exact match minus the full cache's on the same requests there (a request's rounds one unit; "
+            f"Holm over the table's {sum(not math.isnan(ln.holm_full) for ln in tested)} comparisons): "
+            + "; ".join(said_full)
+            + "."
+        )
+    if (run / "search.csv").is_file():
+        limits = search_limits(pd.read_csv(run / "search.csv"))
+        order = sorted(limits, key=lambda k: (k != "full", k))
+        out.append(
+            "- Largest concurrency without preemption (closed loop, binary search): "
+            + "; ".join(f"{k} {limits[k]}" for k in order)
+            + "."
+        )
+    return [*out, ""]
+
+
+def serving_section(root: Path) -> str:
+    """The section "Where does eviction pay in a serving engine?" from results/serving/ (the CSVs of
+    `scripts/bench_serving.py`, one folder per model): per eviction config and arrival process, the
+    smallest concurrency from which its throughput beats the full cache's over the rounds' IQR, its
+    exact match there minus the full cache's on the same requests, and the search's largest
+    concurrency without preemption; '' while the folder does not exist (the page is unchanged until
+    the run)."""
+    folder = root / SERVING
+    if not folder.is_dir():
+        return ""
+    out = [
+        "## Where does eviction pay in a serving engine?",
+        "",
+        f"```bash\n{SERVING_COMMAND}\n```",
+        "",
+        "OpenVINO GenAI's continuous batching over a fixed KV pool serves the same needle requests under the "
+        "full cache and each eviction mode at each budget, concurrency 1 up to the pool's limit, the "
+        "configurations interleaved within each round. Eviction pays from the smallest concurrency at which "
+        "its completed tokens/s over the full cache's of the same round has its whole interquartile range "
+        "over the rounds above 1; its exact match there minus the full cache's, on the same requests. "
+        f"How the benchmark runs: [docs/benchmarking.md](../docs/benchmarking.md#serving-at-a-fixed-kv-pool-openvino-genai). Rows: [{SERVING}/]({SERVING}/).",
+        "",
+    ]
+    runs = serving_runs(folder)
+    if not runs:
+        return "\n".join([*out, "No rows yet.", ""])
+    for run in runs:
+        out += _serving_run(run, root)
+    return "\n".join(out)
 
 
 # ---------------------------------------------------------------------------------- folder READMEs

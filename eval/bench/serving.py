@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eval.machine import CpuNoise
+from eval.report.serving import ratios
 from eval.stats import spread
 from snapkv.errors import first_line
 
@@ -581,23 +582,6 @@ def search_concurrency(
         else:
             hi = mid - 1
     return lo, tried
-
-
-def ratios(points: Sequence[dict[str, Any]], column: str = "tokens_per_s") -> dict[tuple[str, int, str], dict[int, float]]:  # fmt: skip
-    """{(arrival, concurrency, config): {round: config's `column` / the full cache's}}: each ratio
-    from two points of the same round (configurations interleaved within a round)."""
-    full = {
-        (p["arrival"], p["concurrency"], p["round"]): p[column]
-        for p in points
-        if p["config"] == "full" and p.get(column)
-    }
-    out: dict[tuple[str, int, str], dict[int, float]] = {}
-    for p in points:
-        den = full.get((p["arrival"], p["concurrency"], p["round"]))
-        if p["config"] == "full" or not den or p.get(column) is None:
-            continue
-        out.setdefault((p["arrival"], p["concurrency"], p["config"]), {})[p["round"]] = p[column] / den
-    return out
 
 
 def summary_lines(points: Sequence[dict[str, Any]], column: str = "tokens_per_s") -> list[str]:

@@ -34,6 +34,7 @@ import eval.report.paired as paired
 from eval.labels import format_value
 from eval.report import equal_bytes as eb
 from eval.report.build import code_versions, prepare
+from eval.report.serving import ratios
 from eval.stats import ALPHA, MIN_N, Comparison, Equivalence, Spread, compare, holm, spread, tost, verdict
 from eval.store import ResultStore, shared_samples
 from eval.tables import column_order, md_table, slug
@@ -694,7 +695,7 @@ PAY_ROUNDS = 3  # rounds below which a ratio's IQR is not read: one or two value
 @dataclass
 class Paying:
     """Where one eviction config starts to pay under one arrival process: `pays`, the smallest
-    concurrency whose throughput ratio to the full cache (`eval.bench.serving.ratios`) has its whole
+    concurrency whose throughput ratio to the full cache (`eval.report.serving.ratios`) has its whole
     IQR over rounds above 1 (None: at none); `at`, where the ratio and the answers are read (`pays`,
     else the largest concurrency with a ratio); `line`, exact match minus the full cache there."""
 
@@ -744,8 +745,6 @@ def _exact_vs_full(requests: pd.DataFrame, arrival: str, c: int, config: str) ->
 def serving_table(points: list[dict], requests: pd.DataFrame) -> list[Paying]:
     """Per (arrival, eviction config) of one benchmark run: where it starts to pay and what its answers
     cost there (`Paying`), Holm over the run's comparisons."""
-    from eval.bench.serving import ratios  # lazy: the benchmark's module loads torch (eval.machine)
-
     rat = ratios(points)
     keys = sorted({(p["arrival"], p["config"]) for p in points if p["config"] != "full"})
     out = []

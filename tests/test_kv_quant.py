@@ -89,18 +89,21 @@ def test_full_cache_equals_transformers_quantized_cache(kind):
     assert res.kv_bytes == sum(stored) == res.kv_bytes_full / 4  # 4-bit codes + fp32 scale, zero per 16
 
 
-def test_rollback_restores_the_quantized_storage():
-    """A question fed after the checkpoint flushes the residual (entries rewritten in place); the
-    rollback returns keys, values and the quantized counts to the mark, and the same question then
-    gives the same logits."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_rollback_restores_the_quantized_storage(packed):
+    """A question fed after the checkpoint flushes the residual (packed: into new packs; else
+    entries rewritten in place); the rollback returns keys, values and the quantized counts to the
+    mark, and the same question then gives the same logits."""
     model, ids = tiny_model("qwen2"), random_ids(50)
     method = build_method("snapkv", budget=30, window=4)
-    cache = compress_context(model, ids, method, kv_quant=KVQuant(bits=2, group_size=4, residual=8))
+    quant = KVQuant(bits=2, group_size=4, residual=8, packed=packed)
+    cache = compress_context(model, ids, method, kv_quant=quant)
     cache.checkpoint()
     layers = [layer for _, layer in cache.compressible_layers()]
     marked = [
         (layer.keys.clone(), layer.values.clone(), layer.quant_keys, layer.quant_values) for layer in layers
     ]
+    stored = sum(layer.stored_bytes() for layer in layers)
     assert all(m[2] == 24 and m[3] == 22 for m in marked)
     question = random_ids(12, seed=5)
     first = answer(model, cache, question, method, max_new_tokens=12, keep_logits=True)
@@ -110,9 +113,10 @@ def test_rollback_restores_the_quantized_storage():
         assert (layer.quant_keys, layer.quant_values) == (qk, qv)
     again = answer(model, cache, question, method, max_new_tokens=12, keep_logits=True)
     assert torch.equal(first.ids, again.ids)
-    # the question's tokens filled the residual: quantizing it rewrote marked entries, so the mark
-    # copied the layer's keys, values and positions first (copy-on-write)
-    assert first.rollback_bytes == again.rollback_bytes == 3 * (2 * 30 * 32 * 4 + 30 * 2 * 8)
+    if packed:  # the flush built new packs and residuals: the mark holds the marked ones, positions
+        assert first.rollback_bytes == again.rollback_bytes == stored + 3 * 30 * 2 * 8
+    else:  # quantizing the residual rewrote marked entries: the mark copied keys, values, positions
+        assert first.rollback_bytes == again.rollback_bytes == 3 * (2 * 30 * 32 * 4 + 30 * 2 * 8)
     for a, b in zip(first.logits, again.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -949,6 +949,17 @@ class CompressedCache(DynamicCache):
             total += sum(t.numel() * t.element_size() for t in kv_tensors(layer))
         return total
 
+    def kv_index_bytes(self) -> int:
+        """Bytes of the kept-index bookkeeping: the `positions` (int64, one per stored entry and KV
+        head) of every compressed layer, which a compressed cache holds beside its entries to keep
+        each key's position (an uncompressed layer's entries are 0..seen-1: counted as none). Not
+        in `kv_bytes`, which counts the K/V storage alone."""
+        total = 0
+        for _, layer in self.compressible_layers():
+            if layer.compressed and isinstance(layer.positions, torch.Tensor):
+                total += layer.positions.numel() * layer.positions.element_size()
+        return total
+
     def kv_bytes_logical(self) -> int:
         """Bytes of the K/V entries really kept, all layers: equal to `kv_bytes` except for per-head
         layouts that allocate padding (`snapkv.headwise`, layout="padded")."""

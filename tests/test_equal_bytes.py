@@ -199,6 +199,22 @@ def test_render_writes_the_figure_tables_and_markdown(folder, tmp_path):
     assert len(pairs) == 4 and list(pairs.columns) == eb.PAIR_COLUMNS
 
 
+def test_bytes_are_the_storage_plus_the_kept_index_bookkeeping(tmp_path):
+    """A row's `kv_index_bytes` (the kept entries' positions) is paid beside its `kv_bytes`: with
+    it, snapkv b=1024 (1040 + 300 bytes) is no longer within 10 % of kivi-4 (1000 + 0); rows without
+    the field count the storage alone."""
+    d = tmp_path / "equal_bytes"
+    snap = [dict(r, kv_index_bytes=300) for r in rows_of("snap1024")]
+    write(d, [*rows_of("full"), *rows_of("kivi4"), *snap])
+    (a,) = eb.analyses(ResultStore.load_dir(d))
+    c = a.configs.set_index("config")
+    assert c.loc["snapkv b=1024 w=32", "kv_bytes"] == 1340 and c.loc["full + kivi-4", "kv_bytes"] == 1000
+    assert c.loc["snapkv b=1024 w=32", "fraction"] == pytest.approx(1340 / FULL)
+    assert a.pairs.empty
+    rows = eb.label_rows(eb.prepare(ResultStore.load_dir(d)))
+    assert set(rows["kv_storage_bytes"]) == {FULL, 1000, 1040}
+
+
 def test_nothing_renders_without_rows(tmp_path):
     assert eb.render(tmp_path / "absent") == []
     empty = tmp_path / "equal_bytes"

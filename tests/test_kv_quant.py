@@ -292,6 +292,8 @@ def test_run_rows_carry_kv_quant_and_its_bytes(tiny_dir, tmp_path):
     assert q["kv_tokens"] == 64
     quantized = kivi_bytes((1, 2, 16), 64, 56, KVQuant(group_size=4, residual=8), 4) + 8 * 32 * 4
     assert q["kv_bytes"] == q["kv_bytes_logical"] == 2 * quantized < plain["kv_bytes"]
+    # beside them, the kept entries' positions (int64 per entry and KV head), either storage
+    assert q["kv_index_bytes"] == plain["kv_index_bytes"] == 2 * 2 * 64 * 8
     # the report names the storage: its rows are not the unquantized config's
     df = prepare(pd.DataFrame(rows[True] + rows[False]))
     assert set(df["label"]) == {"snapkv b=64 w=32 k=7 max kivi4 g=4 r=8", "snapkv b=64 w=32 k=7 max"}

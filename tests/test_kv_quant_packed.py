@@ -200,3 +200,17 @@ def test_the_layer_holds_codes_scales_zero_points_and_the_residual(dtype):
         ref_held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (ref._k, ref._v)}
         assert sum(ref_held.values()) == 2 * 30 * 2 * 16 * es > want
     assert caches[True].kv_bytes() == caches[False].kv_bytes()  # the read-back storage's count
+
+
+def test_kept_index_bookkeeping_is_counted_beside_the_storage():
+    """`kv_index_bytes`: the int64 positions of each compressed layer's kept entries, apart from
+    `kv_bytes`; none for a cache nothing was evicted from."""
+    model, ids = tiny_model("gemma3"), random_ids(50)  # 1 full-attention layer of 6 (sliding: none)
+    quant = QUANTS["kivi4"]
+    snap = compress_context(model, ids, build_method("snapkv", budget=30, window=4), kv_quant=quant)
+    full = compress_context(model, ids, build_method("full"), kv_quant=quant)
+    n = len(snap.compressible_layers())
+    assert n >= 1 and snap.kv_index_bytes() == n * 1 * 2 * 30 * 8
+    assert full.kv_index_bytes() == 0
+    plain = compress_context(model, ids, build_method("snapkv", budget=30, window=4))
+    assert plain.kv_index_bytes() == snap.kv_index_bytes()

@@ -14,6 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eval.bench import measure
+from eval.bench import run as bench
+from eval.bench.report import summary_text
 from snapkv import answer, build_method, compress_context, generate_ids
 from snapkv.cache import CompressibleLayer
 from snapkv.kv_quant import KiviPack, KVQuant, kivi_bytes, pack_codes, unpack_codes
@@ -214,3 +217,27 @@ def test_kept_index_bookkeeping_is_counted_beside_the_storage():
     assert full.kv_index_bytes() == 0
     plain = compress_context(model, ids, build_method("snapkv", budget=30, window=4))
     assert plain.kv_index_bytes() == snap.kv_index_bytes()
+
+
+def test_the_speed_bench_records_memory_beside_the_kv_bytes_of_quantized_storage():
+    """`eval.bench.measure` on a quantized configuration (the storage's fields, as `spec_of` gives
+    them): the row has the measured peak beside the bytes stored (below the plain cache's) and the
+    kept-index bytes, and the summary prints them side by side."""
+    model = tiny_model("llama")
+    cfg = bench.compose(["clock=cpu", "decode_tokens=4"])
+    rows = []
+    for storage, fields in ((None, ()), ("kivi4", tuple(dataclasses.asdict(QUANTS["kivi4"]).items()))):
+        config = bench.Config("snapkv", (("budget", 24), ("window", 4)), 60, 1, storage, fields)
+        spec = bench.spec_of(cfg, config)
+        spec["model"] = {"name": "tiny", "dtype": "float32"}
+        row = measure.measure(model, 128, spec)
+        assert row["status"] == "ok", row["error"]
+        rows.append(dict(row, round=0, order=len(rows), noisy=False))
+    plain, quant = rows
+    assert quant["method"] == "snapkv+kivi4" and quant["peak_mem_bytes"] > 0
+    assert 0 < quant["kv_bytes"] < plain["kv_bytes"] == 3 * 2 * 24 * 2 * 16 * 4
+    assert quant["kv_index_bytes"] == plain["kv_index_bytes"] == 3 * 24 * 2 * 8
+    text = summary_text(rows, cfg)
+    header = next(line for line in text.splitlines() if "peak GiB" in line)
+    assert "KV MiB" in header and "idx MiB" in header
+    assert any(line.strip().startswith("snapkv+kivi4") for line in text.splitlines())

@@ -183,7 +183,15 @@ def test_padded_batch_is_refused():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("kind", "int3"), ("bits", 3), ("group_size", 0), ("residual", -1), ("residual", 6), ("order", "x")],
+    [
+        ("kind", "int3"),
+        ("bits", 3),
+        ("group_size", 0),
+        ("residual", -1),
+        ("residual", 6),
+        ("order", "x"),
+        ("packed", "yes"),
+    ],  # fmt: skip
 )
 def test_bad_values_name_themselves(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
@@ -211,6 +219,12 @@ def test_kv_quant_enters_the_hash_and_the_label():
     hashes = {s.method_hash for s in specs.values()} | {plain.method_hash}
     assert len(hashes) == 4
     assert specs[()].kv_quant == KVQuant(kind="kivi", bits=4, group_size=32, residual=128)
+    # packed storage (the default) is not part of the hash: configs hash as before it existed; the
+    # reference storage of read-back values is a config of its own
+    assert list(specs[()].kv_quant.to_dict()) == ["kind", "bits", "group_size", "residual", "order"]
+    reference = RunSpec.from_config(compose_cfg(["kv_quant=kivi", "+kv_quant.packed=false"]))
+    assert reference.kv_quant.packed is False and reference.kv_quant.to_dict()["packed"] is False
+    assert reference.method_hash not in hashes
     assert runner._label(specs[()]) == "snapkv b=512 w=32 k=7 max kivi4"
     assert runner._label(specs[("kv_quant.residual=64",)]).endswith(" kivi4 r=64")
     assert runner._label(plain) == "snapkv b=512 w=32 k=7 max"

@@ -25,6 +25,7 @@ from eval.spec import RunSpec
 from eval.stats import compare, holm
 from eval.store import ResultStore, config_hash, sha256_hex, target_sha
 from eval.tables import slug
+from snapkv.kv_quant import KVQuant
 
 FULL = 4000  # bytes of the full cache of every synthetic sample
 KIVI4 = {"kind": "kivi", "bits": 4, "group_size": 32, "residual": 128, "order": "key_channel"}
@@ -377,14 +378,15 @@ def test_bench_speed_names_the_known_kv_quant_kinds(capsys):
 
 
 def test_a_worker_hands_the_storage_to_generation_and_records_it(monkeypatch):
-    """eval.bench.measure: the spec's kv_quant reaches generation as its `kv_quant` option (the plain
-    cache passes none), and the row is named by the configuration's label."""
+    """eval.bench.measure: the spec's kv_quant reaches generation as its `kv_quant` option, a
+    `KVQuant` of those fields (the plain cache passes none), and the row is named by the
+    configuration's label."""
     from eval.bench import measure
 
     seen, real = [], measure.generate_ids
 
     def spy(*args, **kw):
-        seen.append(kw.pop("kv_quant", None))
+        seen.append(kw.get("kv_quant"))  # passed on: generation runs on that storage
         return real(*args, **kw)
 
     monkeypatch.setattr(measure, "generate_ids", spy)
@@ -398,4 +400,4 @@ def test_a_worker_hands_the_storage_to_generation_and_records_it(monkeypatch):
         row = measure.measure(model, vocab, {**bench.spec_of(cfg, c), "reference_tokens": {}})
         assert row["status"] == "ok" and row["method"] == c.label
         assert row["kv_quant"] == (json.dumps(quant, sort_keys=True) if c.storage else None)
-    assert seen == [None, quant]
+    assert seen == [None, KVQuant(**quant)]

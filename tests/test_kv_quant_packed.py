@@ -241,3 +241,37 @@ def test_the_speed_bench_records_memory_beside_the_kv_bytes_of_quantized_storage
     header = next(line for line in text.splitlines() if "peak GiB" in line)
     assert "KV MiB" in header and "idx MiB" in header
     assert any(line.strip().startswith("snapkv+kivi4") for line in text.splitlines())
+
+
+@pytest.mark.parametrize("quant_name", ["kivi2", pytest.param("hqq", marks=BACKEND_MARKS["hqq"])])
+def test_packed_rollback_after_decode_time_eviction(quant_name, monkeypatch):
+    """order=dequant_prune_requant, H2O evicting while a question is answered after the checkpoint:
+    each eviction unpacks the layer into new tensors, so the rollback finds the marked packs,
+    residual and positions as they were; both storages answer twice with the same logits."""
+    model, ids = tiny_model("llama"), random_ids(40)
+    question = random_ids(10, seed=3)
+    logits, evictions = {}, []
+    evict = CompressibleLayer.evict_in_place
+    monkeypatch.setattr(
+        CompressibleLayer,
+        "evict_in_place",
+        lambda layer, v: (evictions.append(layer.packed), evict(layer, v)),
+    )
+    for packed in (True, False):
+        quant = dataclasses.replace(QUANTS[quant_name], order="dequant_prune_requant", packed=packed)
+        method = build_method("h2o", budget=20, evict_during_decode=True)
+        cache = compress_context(model, ids, method, kv_quant=quant)
+        cache.checkpoint()
+        layers = [layer for _, layer in cache.compressible_layers()]
+        marked = [(layer.keys, layer.values, layer.positions) for layer in layers]
+        runs = [answer(model, cache, question, method, max_new_tokens=8, keep_logits=True) for _ in range(2)]
+        assert torch.equal(runs[0].ids, runs[1].ids)
+        for a, b in zip(runs[0].logits, runs[1].logits):
+            assert torch.equal(a, b)
+        for layer, (k, v, pos) in zip(layers, marked):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+            assert torch.equal(layer.positions, pos)
+        logits[packed] = runs[0].logits
+    for a, b in zip(logits[True], logits[False]):
+        assert torch.equal(a, b)
+    assert True in evictions and False in evictions  # (the rollback resets decode_evicted)

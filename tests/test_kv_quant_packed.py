@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +19,14 @@ from transformers import AutoModelForCausalLM
 from eval.bench import measure
 from eval.bench import run as bench
 from eval.bench.report import summary_text
+from eval.report import equal_bytes as eb
+from eval.store import ResultStore
 from snapkv import answer, build_method, compress_context, generate_ids
 from snapkv.cache import CompressibleLayer
 from snapkv.kv_quant import KiviPack, KVQuant, kivi_bytes, pack_codes, unpack_codes
 from tests.conftest import random_ids, tiny_config, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def mha_model():
@@ -275,3 +281,15 @@ def test_packed_rollback_after_decode_time_eviction(quant_name, monkeypatch):
     for a, b in zip(logits[True], logits[False]):
         assert torch.equal(a, b)
     assert True in evictions and False in evictions  # (the rollback resets decode_evicted)
+
+
+def test_committed_rows_without_kv_index_bytes_still_load(tmp_path):
+    """Rows written before `kv_index_bytes` was recorded load with it null, and the equal-bytes
+    report counts their storage alone."""
+    committed = ROOT / "results/needle_budget/needle/smollm2-135m-instruct/snapkv-d69f199c.jsonl"
+    folder = tmp_path / "needle" / "smollm2-135m-instruct"
+    folder.mkdir(parents=True)
+    shutil.copy(committed, folder / committed.name)
+    df = ResultStore.load_dir(tmp_path)
+    assert len(df) > 0 and "kv_index_bytes" in df.columns and df["kv_index_bytes"].isna().all()
+    assert (eb.paid_bytes(df) == df["kv_bytes"]).all()

@@ -191,12 +191,16 @@ def kivi_values(values: torch.Tensor, bits: int, group_size: int) -> torch.Tenso
     """KIVI's value quantization read back: `[batch, kv_heads, n, head_dim]` -> the same shape,
     each entry's `group_size` consecutive channels quantized with their own min and scale."""
     b, h, n, d = values.shape
-    if d % group_size:
+    _check_value_groups(d, group_size)
+    return _round_trip(values.reshape(b, h, n, d // group_size, group_size), bits, dim=4).reshape(b, h, n, d)
+
+
+def _check_value_groups(head_dim: int, group_size: int) -> None:
+    if head_dim % group_size:
         raise ValueError(
             f"kivi quantizes values in groups of channels: head_dim must be a multiple of "
-            f"kv_quant.group_size, got head_dim={d}, group_size={group_size}"
+            f"kv_quant.group_size, got head_dim={head_dim}, group_size={group_size}"
         )
-    return _round_trip(values.reshape(b, h, n, d // group_size, group_size), bits, dim=4).reshape(b, h, n, d)
 
 
 def _round_trip(x: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -265,8 +269,7 @@ class KiviPack:
             codes, scale, mn = _quantize(x.reshape(b, h, n // group_size, group_size, d), bits, dim=3)
             scale, mn = scale.squeeze(3), mn.squeeze(3)
         else:
-            if d % group_size:
-                kivi_values(x, bits, group_size)  # its ValueError
+            _check_value_groups(d, group_size)
             codes, scale, mn = _quantize(x.reshape(b, h, n, d // group_size, group_size), bits, dim=4)
             scale, mn = scale.squeeze(4), mn.squeeze(4)
         return cls(pack_codes(codes.reshape(b, h, n, d), bits), scale, mn, keys, bits, d)

@@ -293,3 +293,14 @@ def test_committed_rows_without_kv_index_bytes_still_load(tmp_path):
     df = ResultStore.load_dir(tmp_path)
     assert len(df) > 0 and "kv_index_bytes" in df.columns and df["kv_index_bytes"].isna().all()
     assert (eb.paid_bytes(df) == df["kv_bytes"]).all()
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_value_groups_must_divide_head_dim(packed):
+    """KIVI groups values along channels: head_dim 16 takes no group of 32, in either storage."""
+    model, ids = tiny_model("llama"), random_ids(40)
+    quant = KVQuant(kind="kivi", bits=4, group_size=32, residual=32, packed=packed)
+    with pytest.raises(ValueError, match="head_dim=16, group_size=32"):
+        compress_context(model, ids, build_method("full"), kv_quant=quant).kv_bytes()
+    with pytest.raises(ValueError, match="head_dim=16, group_size=32"):
+        KiviPack.quantize(torch.zeros(1, 2, 4, 16), 4, 32, keys=False)

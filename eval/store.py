@@ -80,6 +80,10 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
         "bytes the stored K/V tensors really allocate after compression (Σ numel·element_size)",
     ),
     "kv_bytes_logical": ("int", "bytes of the entries kept (= kv_bytes except Ada-KV's padded layout)"),
+    "kv_index_bytes": (
+        "int | null",
+        "bytes of the kept-index bookkeeping beside kv_bytes: the int64 positions of each compressed layer's kept entries (0 uncompressed; absent in rows written before it was recorded)",
+    ),
     "compressed": (
         "bool",
         "whether compression ran at the end of prefill (False e.g. when the prompt fits the budget)",
@@ -216,7 +220,7 @@ SAMPLED_ROW_SCHEMA: dict[str, tuple[str, str]] = {
 QUANTIZED_ROW_SCHEMA: dict[str, tuple[str, str]] = {
     "kv_quant": (
         "dict",
-        "how the kept entries were stored: kind, bits, group_size, residual, order (`snapkv.kv_quant.KVQuant`; part of the config hash); `kv_bytes` then counts the quantized layout",
+        "how the kept entries were stored: kind, bits, group_size, residual, order (`snapkv.kv_quant.KVQuant`; part of the config hash; `packed: false` only for the reference storage of values read back); `kv_bytes` then counts the stored quantized layout: packed codes, scales, zero points and the full-precision residual",
     ),
 }
 STATUSES = ("ok", "oom", "error")

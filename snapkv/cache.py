@@ -26,6 +26,7 @@ from snapkv import compat
 from snapkv import kv_quant as kvq
 from snapkv.kv_quant import KVQuant
 
+PACKS = (kvq.KiviPack, kvq.BackendPack)
 # Decode-time slots allocated ahead of the stored entries (`CompressibleLayer._append`).
 APPEND_ROOM = 64
 
@@ -64,12 +65,17 @@ class LayerState:
     # set by `CompressedCache.protect` before the prompt is fed); None: nothing beyond the method's
     # own sinks / window.
     protected_span: tuple[int, int] | None = None
-    # Quantized storage (`CompressibleLayer.kv_quant`): the leading stored keys / values held as
-    # their quantized values (the rest: the full-precision residual), and the bytes of the
-    # quantized part of quanto / hqq (codes, scales, zero points; KIVI's are computed).
+    # Quantized storage (`CompressibleLayer.kv_quant`): how many leading stored keys / values are
+    # quantized (the rest: the full-precision residual), and the bytes of the quantized part of
+    # quanto / hqq (codes, scales, zero points).
     quant_keys: int = 0
     quant_values: int = 0
     quant_bytes: int = 0
+    # Packed storage (`KVQuant.packed`): the leading `quant_keys` keys / `quant_values` values as
+    # codes, scales and zero points (`kvq.KiviPack` / `kvq.BackendPack`; never changed in place);
+    # the layer's own tensors then hold only the full-precision residual after them.
+    kpack: kvq.KiviPack | kvq.BackendPack | None = None
+    vpack: kvq.KiviPack | kvq.BackendPack | None = None
 
     def snapshot(self) -> LayerState:
         """A copy that later changes of this state cannot reach: the lists copied (the hooks append
@@ -84,7 +90,8 @@ class LayerState:
     def tensors(self) -> list[torch.Tensor]:
         """The tensors among the fields (what a mark of this state keeps alive)."""
         values = (getattr(self, f.name) for f in dataclasses.fields(self))
-        return [v for v in values if isinstance(v, torch.Tensor)]
+        packs = [t for p in (self.kpack, self.vpack) if isinstance(p, PACKS) for t in p.tensors()]
+        return [v for v in values if isinstance(v, torch.Tensor)] + packs
 
 
 class LayerMark:
@@ -95,7 +102,9 @@ class LayerMark:
     accumulated scores `[batch, kv_heads, stored]` (only for layers whose method rescores while
     decoding, H2O; else the rollback crops them). `kv`: (keys, values, positions) of the marked
     entries, copied by the first decode-time eviction after the mark (copy-on-write; None while the
-    layer only appended, when a crop restores it).
+    layer only appended, when a crop restores it). `res`: with packed quantized storage, the
+    layer's residual keys, values and its positions at the mark, by reference (packed storage never
+    writes into them: a flush, an append or a pruning builds new tensors), the packs being in `st`.
     """
 
     def __init__(self, layer: CompressibleLayer):
@@ -105,6 +114,7 @@ class LayerMark:
         self.has_scores = layer.scores is not None
         self.scores = layer.scores if layer.decode_eviction else None
         self.kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.res = (layer._k, layer._v, layer.positions) if layer.packed else None
 
     @property
     def seen(self) -> int:
@@ -112,7 +122,7 @@ class LayerMark:
 
     def held(self) -> list[torch.Tensor]:
         """The tensors this mark keeps alive."""
-        tensors = [self.scores, *(self.kv or ())]
+        tensors = [self.scores, *(self.kv or ()), *(self.res or ())]
         return [t for t in tensors if isinstance(t, torch.Tensor)] + self.st.tensors()
 
 
@@ -164,6 +174,7 @@ class CompressibleLayer(DynamicLayer):
     # Whether keys / values are the layer's own (False on a padded batch's row view,
     # `snapkv.padding.row_view`, whose tensors are slices of the batch's): `evict_in_place` only then.
     owns_buffers = True
+    kv_quant: KVQuant | None = None  # (set per layer by CompressedCache)
 
     def __init__(self, index: int = 0, num_layers: int = 1, decode_eviction: bool = True, **kwargs):
         super().__init__()
@@ -192,6 +203,54 @@ class CompressibleLayer(DynamicLayer):
         # CompressedCache; `_backend`: transformers' quanto / hqq layer that quantizes for it.
         self.kv_quant: KVQuant | None = None
         self._backend = None
+
+    # ---- stored entries: `keys` / `values` read what attention reads --------------------------------
+    # `_k` / `_v` are the layer's own tensors. Without packed storage they are `keys` / `values`;
+    # with it (`KVQuant.packed`) they hold the full-precision residual after the packed entries
+    # (`st.kpack` / `st.vpack`), and `keys` / `values` are built when read: the packed entries
+    # dequantized, then the residual (a new tensor per read, dropped after the step's attention, so
+    # the packed bytes are what the cache holds). Assigning `keys` / `values` stores the given
+    # tensor whole (a pruning's kept entries, read back), and the packs are gone.
+    @property
+    def keys(self) -> torch.Tensor | None:
+        pack = None if self.kv_quant is None else self.st.kpack  # (packs only with kv_quant)
+        return self._k if pack is None else torch.cat([pack.dequantize(), self._k], dim=-2)
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._k = value
+        st = self.__dict__.get("st")  # (unset while the base classes initialise)
+        if st is not None and st.kpack is not None:
+            st.kpack, st.quant_keys = None, 0
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        pack = None if self.kv_quant is None else self.st.vpack
+        return self._v if pack is None else torch.cat([pack.dequantize(), self._v], dim=-2)
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._v = value
+        st = self.__dict__.get("st")
+        if st is not None and st.vpack is not None:
+            st.vpack, st.quant_values = None, 0
+
+    @property
+    def packed(self) -> bool:
+        """Whether the quantized entries are stored packed (`KVQuant.packed`)."""
+        return self.kv_quant is not None and self.kv_quant.packed
+
+    def _unpack(self) -> None:
+        """Before an in-place pruning of packed storage: the entries as plain tensors of the layer's
+        own (the values read back, then the residual; new tensors, so that a mark's references stay
+        as they were); they are quantized again after the pruning (`_pruned`)."""
+        keys, values = self.keys, self.values
+        self._k = keys if self.st.kpack is not None else keys.clone()
+        self._v = values if self.st.vpack is not None else values.clone()
+        self.positions = self.positions.clone()
+        self.kpack = self.vpack = None
+        self.quant_keys = self.quant_values = 0
+        self._kv_buf = self._kv_views = None
 
     def remember_queries(self, query: torch.Tensor, window: int) -> None:
         """Keep the latest `window` queries `[batch, heads, <=window, head_dim]` (a copy: a slice
@@ -248,6 +307,12 @@ class CompressibleLayer(DynamicLayer):
         `APPEND_ROOM` slots to spare (one copy of the layer per `APPEND_ROOM` decode steps instead
         of one per step). Positions go into a buffer of their own alongside."""
         n, q = self.stored, key_states.shape[-2]
+        if self.packed:  # the residual grows by a copy (at most `residual` entries + the new ones)
+            self._k = torch.cat([self._k, key_states], dim=-2)
+            self._v = torch.cat([self._v, value_states], dim=-2)
+            new = torch.arange(self.seen - q, self.seen, device=self.positions.device)
+            self.positions = torch.cat([self.positions, new.expand(*self.positions.shape[:2], q)], dim=-1)
+            return self.keys, self.values
         if not self._holds_buffer() or n + q > self._kv_buf[0].shape[-2]:
             bufs = []
             for old in (self.keys, self.values, self.positions):
@@ -280,6 +345,8 @@ class CompressibleLayer(DynamicLayer):
         attention does not depend on their order (every stored entry precedes the query), and
         `positions` says where each one came from."""
         self._refuse_quantized_pruning()
+        if self.packed:
+            self._unpack()
         self._save_marked_entries()
         last = self.stored - 1
         if isinstance(victims, int):  # one slot everywhere: three slice copies, no index tensors
@@ -313,8 +380,8 @@ class CompressibleLayer(DynamicLayer):
         prompt's kept entries when the prefill ends (`state` set to "ready", inside the prefill's
         last forward), then the residual as it fills, before each later forward reads the layer
         (and at `checkpoint()`, `kv_bytes()`); a no-op without `kv_quant`, before the prefill is
-        done, or with nothing due. The quantized entries are rewritten in place with the values
-        their quantized storage reads back."""
+        done, or with nothing due. Packed storage (`KVQuant.packed`) moves them into new packs;
+        with `packed=False` they are rewritten in place with the values read back."""
         cfg = self.kv_quant
         if cfg is None or self.state != "ready" or not self.is_initialized or self.stored == 0:
             return
@@ -338,6 +405,10 @@ class CompressibleLayer(DynamicLayer):
             k_to, v_to = qk + (n - qk) // r * r, max(qv, n - r)
             if k_to == qk and v_to == qv:
                 return
+            if self.packed:
+                self._pack_kivi(cfg, k_to - qk, v_to - qv)
+                self.quant_keys, self.quant_values = k_to, v_to
+                return
             self._save_marked_entries()  # the marked entries are rewritten: copy them first
             if k_to > qk:
                 self.keys[:, :, qk:k_to].copy_(
@@ -356,12 +427,31 @@ class CompressibleLayer(DynamicLayer):
             self._backend = cfg.backend(self.keys)
         self._save_marked_entries()
         backend = self._backend
-        qkeys = backend._quantize(self.keys.contiguous(), axis=backend.axis_key)
-        qvalues = backend._quantize(self.values.contiguous(), axis=backend.axis_value)
-        self.keys.copy_(backend._dequantize(qkeys))
-        self.values.copy_(backend._dequantize(qvalues))
+        keys, values = self.keys, self.values  # (packed: the packed entries read back, the residual)
+        qkeys = backend._quantize(keys.contiguous(), axis=backend.axis_key)
+        qvalues = backend._quantize(values.contiguous(), axis=backend.axis_value)
+        if self.packed:
+            self.kpack = kvq.BackendPack(backend, qkeys, n, keys.dtype)
+            self.vpack = kvq.BackendPack(backend, qvalues, n, values.dtype)
+            self._k, self._v = keys[:, :, n:].clone(), values[:, :, n:].clone()  # empty residuals
+        else:
+            self.keys.copy_(backend._dequantize(qkeys))
+            self.values.copy_(backend._dequantize(qvalues))
         self.quant_keys = self.quant_values = n
         self.quant_bytes = kvq.quantized_nbytes(qkeys) + kvq.quantized_nbytes(qvalues)
+
+    def _pack_kivi(self, cfg: KVQuant, keys: int, values: int) -> None:
+        """Move the oldest `keys` residual keys / `values` residual values into the packs (new
+        packs: a mark keeps the old ones); the residual left is copied, so that the full-precision
+        tensor it was cut from is freed."""
+        if keys:
+            new = kvq.KiviPack.quantize(self._k[:, :, :keys], cfg.bits, cfg.group_size, keys=True)
+            self.kpack = new if self.kpack is None else self.kpack.cat(new)
+            self._k = self._k[:, :, keys:].clone()
+        if values:
+            new = kvq.KiviPack.quantize(self._v[:, :, :values], cfg.bits, cfg.group_size, keys=False)
+            self.vpack = new if self.vpack is None else self.vpack.cat(new)
+            self._v = self._v[:, :, values:].clone()
 
     def before_compress(self) -> None:
         """The end of the prefill, before the method scores it: with `kv_quant` order
@@ -372,8 +462,13 @@ class CompressibleLayer(DynamicLayer):
         cfg = self.kv_quant
         if cfg is None or cfg.order != "dequant_prune_requant" or not self.is_initialized or self.stored == 0:
             return
+        keys, values = self._k, self._v  # the tensors the prefill's attention returned
         with torch.inference_mode():
             self._quantize_due(cfg)
+            if self.packed:  # the method scores the keys attention was given: the values read back
+                for full, pack in ((keys, self.kpack), (values, self.vpack)):
+                    if pack is not None:
+                        full[:, :, : pack.length].copy_(pack.dequantize())
 
     def _refuse_quantized_pruning(self) -> None:
         """ValueError for a pruning of entries already quantized under score_then_quantize
@@ -395,12 +490,16 @@ class CompressibleLayer(DynamicLayer):
     def stored_bytes(self) -> int:
         """Bytes of the stored entries: `keys` + `values` at the cache's dtype, or with `kv_quant`
         their quantized layout (codes, a scale and a zero point per group, the full-precision
-        residual; `quantize_residual` first, so that nothing due is counted at full precision)."""
+        residual; `quantize_residual` first, so that nothing due is counted at full precision):
+        packed, the bytes of the tensors held; with `packed=False`, computed from the layout."""
         cfg = self.kv_quant
-        tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
         if cfg is None or self.dims is None:
+            tensors = [t for t in (self.keys, self.values) if isinstance(t, torch.Tensor)]
             return sum(t.numel() * t.element_size() for t in tensors)
         self.quantize_residual()
+        if self.packed:  # what is stored: the packs' tensors and the residual
+            packs = (p.nbytes for p in (self.kpack, self.vpack) if p is not None)
+            return self._k.nbytes + self._v.nbytes + sum(packs)
         (b, h, d), es = self.dims, self.keys.element_size()
         qk, qv = self.quant_keys, self.quant_values
         residual = (2 * self.stored - qk - qv) * b * h * d * es
@@ -422,7 +521,10 @@ class CompressibleLayer(DynamicLayer):
 
     @property
     def stored(self) -> int:
-        return 0 if self.keys is None or not self.is_initialized else self.keys.shape[-2]
+        if self._k is None or not self.is_initialized:
+            return 0
+        pack = None if self.kv_quant is None else self.st.kpack
+        return self._k.shape[-2] if pack is None else pack.length + self._k.shape[-2]
 
     @property
     def kept_per_head(self) -> float:
@@ -507,7 +609,7 @@ class CompressibleLayer(DynamicLayer):
         """Copy-on-write before the first eviction after a mark: until then the layer only appended,
         so its first `mark.stored` entries are still exactly the marked ones."""
         mark = self._mark
-        if mark is None or mark.owner is not self or mark.kv is not None:
+        if mark is None or mark.owner is not self or mark.kv is not None or mark.res is not None:
             return
         s = mark.stored
         mark.kv = (
@@ -525,7 +627,9 @@ class CompressibleLayer(DynamicLayer):
                 f"layer {self.index} holds {self.seen} tokens, fewer than its mark's {mark.seen}"
             )
         self._kv_buf = self._kv_views = None  # the buffers hold entries written after the mark
-        if mark.kv is not None:  # the layer evicted since the mark: its copy-on-write entries
+        if mark.res is not None:  # packed storage: its residual and positions (the packs are in `st`)
+            self._k, self._v, self.positions = mark.res
+        elif mark.kv is not None:  # the layer evicted since the mark: its copy-on-write entries
             self.keys, self.values, self.positions = mark.kv
         else:
             self._crop_to(mark)
@@ -558,8 +662,19 @@ class CompressibleLayer(DynamicLayer):
         self.st = LayerState()
         self.shared.clear()
 
+    def _rows_of_packs(self, fn) -> bool:
+        """A batch re-indexing `fn` (tensor -> tensor along dim 0) of packed storage: the packs and
+        the residual re-indexed as they are (no quantization again); False when nothing is packed."""
+        if self.kpack is None and self.vpack is None:
+            return False
+        kpack, vpack = (p if p is None else p.rows(fn) for p in (self.kpack, self.vpack))
+        self._k, self._v = fn(self._k), fn(self._v)
+        self.kpack, self.vpack = kpack, vpack
+        return True
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
+        if not self._rows_of_packs(lambda t: t.index_select(0, beam_idx.to(t.device))):
+            super().reorder_cache(beam_idx)
         # the marked rows are not these rows any more
         self._mark = self._kv_buf = self._kv_views = None
         if self.pads is not None:  # padded batches: each beam keeps its row's pads
@@ -573,13 +688,15 @@ class CompressibleLayer(DynamicLayer):
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
         self._mark = self._kv_buf = self._kv_views = None
-        super().batch_repeat_interleave(repeats)
+        if not self._rows_of_packs(lambda t: t.repeat_interleave(repeats, dim=0)):
+            super().batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.pads is not None:
             raise ValueError("batch re-indexing is not supported on a padded batch")
         self._mark = self._kv_buf = self._kv_views = None
-        super().batch_select_indices(indices)
+        if not self._rows_of_packs(lambda t: t[indices, ...]):
+            super().batch_select_indices(indices)
 
 
 # Every bookkeeping field under its own name on the layer (one loop: a new field is exposed too).
@@ -832,6 +949,17 @@ class CompressedCache(DynamicCache):
             total += sum(t.numel() * t.element_size() for t in kv_tensors(layer))
         return total
 
+    def kv_index_bytes(self) -> int:
+        """Bytes of the kept-index bookkeeping: the `positions` (int64, one per stored entry and KV
+        head) of every compressed layer, which a compressed cache holds beside its entries to keep
+        each key's position (an uncompressed layer's entries are 0..seen-1: counted as none). Not
+        in `kv_bytes`, which counts the K/V storage alone."""
+        total = 0
+        for _, layer in self.compressible_layers():
+            if layer.compressed and isinstance(layer.positions, torch.Tensor):
+                total += layer.positions.numel() * layer.positions.element_size()
+        return total
+
     def kv_bytes_logical(self) -> int:
         """Bytes of the K/V entries really kept, all layers: equal to `kv_bytes` except for per-head
         layouts that allocate padding (`snapkv.headwise`, layout="padded")."""
@@ -847,8 +975,9 @@ class CompressedCache(DynamicCache):
         """Bytes the same cache would hold with nothing evicted (each compressible layer at `seen`)."""
         total = 0
         for layer in self.layers:
-            tensors = kv_tensors(layer)
-            if not tensors:
+            # (a compressible layer's own tensor: `keys` would read packed storage back)
+            tensors = [layer._k] if isinstance(layer, CompressibleLayer) else kv_tensors(layer)
+            if not tensors or not isinstance(tensors[0], torch.Tensor):
                 continue
             keys = tensors[0]
             if isinstance(layer, CompressibleLayer) and layer.dims is not None:

@@ -83,7 +83,7 @@ def cache_sizes(cache: CompressedCache) -> dict[str, Any]:
     """The cache's size fields of a `GenerationResult`, read from `cache` now (`compress` reads them
     right after compression; a caller that compresses with `compress_context` reads them the same
     way): `compressed`, `kv_tokens`, `kv_tokens_per_layer`, `kv_bytes_full`, `kv_bytes`,
-    `kv_bytes_logical`."""
+    `kv_bytes_logical`, `kv_index_bytes`."""
     kept = cache.kept_tokens()
     return {
         "compressed": any(layer.compressed for _, layer in cache.compressible_layers()),
@@ -92,6 +92,7 @@ def cache_sizes(cache: CompressedCache) -> dict[str, Any]:
         "kv_bytes_full": cache.kv_bytes_full(),
         "kv_bytes": cache.kv_bytes(),
         "kv_bytes_logical": cache.kv_bytes_logical(),
+        "kv_index_bytes": cache.kv_index_bytes(),
     }
 
 
@@ -103,7 +104,10 @@ class GenerationResult:
     entries kept per compressible layer and KV head, `kv_bytes` the bytes really stored (all layers,
     Σ numel·element_size: allocated), `kv_bytes_logical` the bytes of the entries kept (less than
     `kv_bytes` only with padded per-head storage, Ada-KV layout="padded"), `kv_bytes_full` what the
-    same cache holds with nothing evicted. `compressed`: whether any layer was compressed at the end
+    same cache holds with nothing evicted, `kv_index_bytes` the kept-index bookkeeping beside the
+    stored entries (`CompressedCache.kv_index_bytes`: the compressed layers' positions; None where
+    no compressed cache measured it). With quantized storage (`kv_quant`) `kv_bytes` is the packed
+    codes, scales, zero points and the full-precision residual. `compressed`: whether any layer was compressed at the end
     of prefill (False when the prompt fits the budget).
 
     What decoding did (H2O's original and StreamingLLM evict while decoding, e.g. once a prompt
@@ -149,6 +153,7 @@ class GenerationResult:
     decode_s: list[float] = field(default_factory=list, repr=False)
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
     scoring_s: float = 0.0
+    kv_index_bytes: int | None = None
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "logits"}

@@ -25,6 +25,7 @@ from eval.spec import RunSpec
 from eval.stats import compare, holm
 from eval.store import ResultStore, config_hash, sha256_hex, target_sha
 from eval.tables import slug
+from snapkv.kv_quant import KVQuant
 
 FULL = 4000  # bytes of the full cache of every synthetic sample
 KIVI4 = {"kind": "kivi", "bits": 4, "group_size": 32, "residual": 128, "order": "key_channel"}
@@ -199,6 +200,22 @@ def test_render_writes_the_figure_tables_and_markdown(folder, tmp_path):
     assert len(pairs) == 4 and list(pairs.columns) == eb.PAIR_COLUMNS
 
 
+def test_bytes_are_the_storage_plus_the_kept_index_bookkeeping(tmp_path):
+    """A row's `kv_index_bytes` (the kept entries' positions) is paid beside its `kv_bytes`: with
+    it, snapkv b=1024 (1040 + 300 bytes) is no longer within 10 % of kivi-4 (1000 + 0); rows without
+    the field count the storage alone."""
+    d = tmp_path / "equal_bytes"
+    snap = [dict(r, kv_index_bytes=300) for r in rows_of("snap1024")]
+    write(d, [*rows_of("full"), *rows_of("kivi4"), *snap])
+    (a,) = eb.analyses(ResultStore.load_dir(d))
+    c = a.configs.set_index("config")
+    assert c.loc["snapkv b=1024 w=32", "kv_bytes"] == 1340 and c.loc["full + kivi-4", "kv_bytes"] == 1000
+    assert c.loc["snapkv b=1024 w=32", "fraction"] == pytest.approx(1340 / FULL)
+    assert a.pairs.empty
+    rows = eb.label_rows(eb.prepare(ResultStore.load_dir(d)))
+    assert set(rows["kv_storage_bytes"]) == {FULL, 1000, 1040}
+
+
 def test_nothing_renders_without_rows(tmp_path):
     assert eb.render(tmp_path / "absent") == []
     empty = tmp_path / "equal_bytes"
@@ -361,14 +378,15 @@ def test_bench_speed_names_the_known_kv_quant_kinds(capsys):
 
 
 def test_a_worker_hands_the_storage_to_generation_and_records_it(monkeypatch):
-    """eval.bench.measure: the spec's kv_quant reaches generation as its `kv_quant` option (the plain
-    cache passes none), and the row is named by the configuration's label."""
+    """eval.bench.measure: the spec's kv_quant reaches generation as its `kv_quant` option, a
+    `KVQuant` of those fields (the plain cache passes none), and the row is named by the
+    configuration's label."""
     from eval.bench import measure
 
     seen, real = [], measure.generate_ids
 
     def spy(*args, **kw):
-        seen.append(kw.pop("kv_quant", None))
+        seen.append(kw.get("kv_quant"))  # passed on: generation runs on that storage
         return real(*args, **kw)
 
     monkeypatch.setattr(measure, "generate_ids", spy)
@@ -382,4 +400,4 @@ def test_a_worker_hands_the_storage_to_generation_and_records_it(monkeypatch):
         row = measure.measure(model, vocab, {**bench.spec_of(cfg, c), "reference_tokens": {}})
         assert row["status"] == "ok" and row["method"] == c.label
         assert row["kv_quant"] == (json.dumps(quant, sort_keys=True) if c.storage else None)
-    assert seen == [None, quant]
+    assert seen == [None, KVQuant(**quant)]

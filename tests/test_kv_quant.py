@@ -89,18 +89,21 @@ def test_full_cache_equals_transformers_quantized_cache(kind):
     assert res.kv_bytes == sum(stored) == res.kv_bytes_full / 4  # 4-bit codes + fp32 scale, zero per 16
 
 
-def test_rollback_restores_the_quantized_storage():
-    """A question fed after the checkpoint flushes the residual (entries rewritten in place); the
-    rollback returns keys, values and the quantized counts to the mark, and the same question then
-    gives the same logits."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_rollback_restores_the_quantized_storage(packed):
+    """A question fed after the checkpoint flushes the residual (packed: into new packs; else
+    entries rewritten in place); the rollback returns keys, values and the quantized counts to the
+    mark, and the same question then gives the same logits."""
     model, ids = tiny_model("qwen2"), random_ids(50)
     method = build_method("snapkv", budget=30, window=4)
-    cache = compress_context(model, ids, method, kv_quant=KVQuant(bits=2, group_size=4, residual=8))
+    quant = KVQuant(bits=2, group_size=4, residual=8, packed=packed)
+    cache = compress_context(model, ids, method, kv_quant=quant)
     cache.checkpoint()
     layers = [layer for _, layer in cache.compressible_layers()]
     marked = [
         (layer.keys.clone(), layer.values.clone(), layer.quant_keys, layer.quant_values) for layer in layers
     ]
+    stored = sum(layer.stored_bytes() for layer in layers)
     assert all(m[2] == 24 and m[3] == 22 for m in marked)
     question = random_ids(12, seed=5)
     first = answer(model, cache, question, method, max_new_tokens=12, keep_logits=True)
@@ -110,9 +113,10 @@ def test_rollback_restores_the_quantized_storage():
         assert (layer.quant_keys, layer.quant_values) == (qk, qv)
     again = answer(model, cache, question, method, max_new_tokens=12, keep_logits=True)
     assert torch.equal(first.ids, again.ids)
-    # the question's tokens filled the residual: quantizing it rewrote marked entries, so the mark
-    # copied the layer's keys, values and positions first (copy-on-write)
-    assert first.rollback_bytes == again.rollback_bytes == 3 * (2 * 30 * 32 * 4 + 30 * 2 * 8)
+    if packed:  # the flush built new packs and residuals: the mark holds the marked ones, positions
+        assert first.rollback_bytes == again.rollback_bytes == stored + 3 * 30 * 2 * 8
+    else:  # quantizing the residual rewrote marked entries: the mark copied keys, values, positions
+        assert first.rollback_bytes == again.rollback_bytes == 3 * (2 * 30 * 32 * 4 + 30 * 2 * 8)
     for a, b in zip(first.logits, again.logits):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
@@ -179,7 +183,15 @@ def test_padded_batch_is_refused():
 
 @pytest.mark.parametrize(
     "field, value",
-    [("kind", "int3"), ("bits", 3), ("group_size", 0), ("residual", -1), ("residual", 6), ("order", "x")],
+    [
+        ("kind", "int3"),
+        ("bits", 3),
+        ("group_size", 0),
+        ("residual", -1),
+        ("residual", 6),
+        ("order", "x"),
+        ("packed", "yes"),
+    ],  # fmt: skip
 )
 def test_bad_values_name_themselves(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
@@ -207,6 +219,12 @@ def test_kv_quant_enters_the_hash_and_the_label():
     hashes = {s.method_hash for s in specs.values()} | {plain.method_hash}
     assert len(hashes) == 4
     assert specs[()].kv_quant == KVQuant(kind="kivi", bits=4, group_size=32, residual=128)
+    # packed storage (the default) is not part of the hash: configs hash as before it existed; the
+    # reference storage of read-back values is a config of its own
+    assert list(specs[()].kv_quant.to_dict()) == ["kind", "bits", "group_size", "residual", "order"]
+    reference = RunSpec.from_config(compose_cfg(["kv_quant=kivi", "+kv_quant.packed=false"]))
+    assert reference.kv_quant.packed is False and reference.kv_quant.to_dict()["packed"] is False
+    assert reference.method_hash not in hashes
     assert runner._label(specs[()]) == "snapkv b=512 w=32 k=7 max kivi4"
     assert runner._label(specs[("kv_quant.residual=64",)]).endswith(" kivi4 r=64")
     assert runner._label(plain) == "snapkv b=512 w=32 k=7 max"
@@ -288,6 +306,8 @@ def test_run_rows_carry_kv_quant_and_its_bytes(tiny_dir, tmp_path):
     assert q["kv_tokens"] == 64
     quantized = kivi_bytes((1, 2, 16), 64, 56, KVQuant(group_size=4, residual=8), 4) + 8 * 32 * 4
     assert q["kv_bytes"] == q["kv_bytes_logical"] == 2 * quantized < plain["kv_bytes"]
+    # beside them, the kept entries' positions (int64 per entry and KV head), either storage
+    assert q["kv_index_bytes"] == plain["kv_index_bytes"] == 2 * 2 * 64 * 8
     # the report names the storage: its rows are not the unquantized config's
     df = prepare(pd.DataFrame(rows[True] + rows[False]))
     assert set(df["label"]) == {"snapkv b=64 w=32 k=7 max kivi4 g=4 r=8", "snapkv b=64 w=32 k=7 max"}

@@ -21,6 +21,7 @@ from eval.bench.clock import PhaseProbe, Reference
 from eval.machine import CpuNoise, thread_settings
 from snapkv import build_method, generate_ids
 from snapkv.errors import first_line
+from snapkv.kv_quant import KVQuant
 from snapkv_models.loading import load_model
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,10 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
     length, batch = spec["input_tokens"], spec["batch_size"]
     gen = torch.Generator().manual_seed(spec["seed"] + length)
     ids = torch.randint(100, vocab, (batch, length), generator=gen)
-    # Quantized storage (spec["kv_quant"]: {kind, bits, ...}) reaches the cache through generation's
-    # `kv_quant` option; the plain cache passes nothing, as before the option existed.
-    storage = {"kv_quant": spec["kv_quant"]} if spec.get("kv_quant") else {}
+    # Quantized storage (spec["kv_quant"]: {kind, bits, ...}, the fields of a `KVQuant`) reaches the
+    # cache through generation's `kv_quant` option; the plain cache passes nothing, as before the
+    # option existed.
+    storage = {"kv_quant": KVQuant(**spec["kv_quant"])} if spec.get("kv_quant") else {}
     row: dict[str, Any] = dict(
         method=spec.get("label", spec["method"]),
         budget=method.params().get("budget"),
@@ -88,6 +90,7 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
             tpot_s=tpot_s,
             peak_mem_bytes=res.peak_mem_bytes,
             kv_bytes=res.kv_bytes,
+            kv_index_bytes=res.kv_index_bytes,
             kv_bytes_full=res.kv_bytes_full,
             kv_tokens=res.kv_tokens,
             attn_impl=res.attn_impl,

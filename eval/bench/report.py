@@ -230,6 +230,7 @@ def config_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "ref_decode_cpu_s",
             "peak_mem_bytes",
             "kv_bytes",
+            "kv_index_bytes",
             "other_cores",
         ):
             rec[col] = spread(_float(r.get(col)) for r in ok)
@@ -260,7 +261,8 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         "(±: IQR / median; ref ms: CPU of one prefill / decode reference forward, the machine's speed meanwhile; "
         "other cores: CPU other processes used meanwhile)",
         f"{'method':>13} {'batch':>5} {'length':>7} {'ok':>4} {'prefill s':>14} {'TPOT ms':>14} "
-        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'ref ms':>17} {'peak GiB':>9} {'KV MiB':>8} {'other cores':>11}",
+        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'ref ms':>17} {'peak GiB':>9} {'KV MiB':>8} {'idx MiB':>7} "
+        f"{'other cores':>11}",
     ]
     for rec in config_table(rows):
         lines.append(
@@ -269,7 +271,7 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
             f"{_fmt(rec['prefill_cpu_s']):>14} {_fmt(rec['tpot_cpu_s'], 1e3, 1):>14} "
             f"{_fmt(rec['ref_prefill_cpu_s'], 1e3, 0, False) + ' / ' + _fmt(rec['ref_decode_cpu_s'], 1e3, 0, False):>17} "
             f"{_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
-            f"{_fmt(rec['other_cores'], 1, 2, False):>11}"
+            f"{_fmt(rec['kv_index_bytes'], 2**-20, 2, False):>7} {_fmt(rec['other_cores'], 1, 2, False):>11}"
         )
     max_other = {
         r: max((_float(x.get("other_cores")) or 0.0) for x in rows if int(x["round"]) == r) for r in rounds
@@ -334,9 +336,23 @@ def last_line(rows: Sequence[dict[str, Any]], clock: str = "wall") -> str:
     return f"RATIOS ({clock}) " + " | ".join(parts) + f" | rounds {len(kept)}/{len(rounds)}"
 
 
+def _kv_points(table: list[dict[str, Any]], method: str, batch: int, scale: float) -> list[tuple[int, float]]:
+    """(input tokens, KV bytes x `scale`) of one series: the median `kv_bytes` plus the median
+    `kv_index_bytes` (none where the rows predate it)."""
+    pts = []
+    for t in table:
+        if t["method"] == method and t["batch_size"] == batch and t["kv_bytes"] is not None:
+            index = t["kv_index_bytes"].median if t.get("kv_index_bytes") is not None else 0.0
+            pts.append((t["input_tokens"], (t["kv_bytes"].median + index) * scale))
+    return sorted(pts)
+
+
 def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     """TPOT and peak memory vs input length (medians over the kept rounds), and the longest input
-    each method ran: `<out stem>_{tpot,peak_mem,longest}.png` beside the CSV."""
+    each method ran: `<out stem>_{tpot,peak_mem,longest}.png` beside the CSV. The peak memory
+    figure draws beside each configuration's measured peak (solid) the KV bytes its cache counts
+    (dashed: `kv_bytes` + `kv_index_bytes`, quantized storage as stored), accounting and reality on
+    one axis."""
     # Lazy: matplotlib only when plotting, and pyplot only after the Agg backend is chosen.
     import matplotlib
 
@@ -348,13 +364,17 @@ def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     series = sorted({(t["method"], t["batch_size"]) for t in table})
     first = rows[0]
     for key, ylabel, scale, stem in [("tpot_s", "decode ms / token (TPOT)", 1e3, "tpot"),
-                                     ("peak_mem_bytes", "peak memory (GiB)", 1 / 2**30, "peak_mem")]:  # fmt: skip
+                                     ("peak_mem_bytes", "peak memory; KV bytes dashed (GiB)", 1 / 2**30, "peak_mem")]:  # fmt: skip
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         for method, batch in series:
             pts = sorted((t["input_tokens"], t[key].median * scale) for t in table
                          if t["method"] == method and t["batch_size"] == batch and t[key] is not None)  # fmt: skip
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=f"{method} (batch {batch})")
+                (line,) = ax.plot(*zip(*pts), marker="o", label=f"{method} (batch {batch})")
+            kv = _kv_points(table, method, batch, scale) if stem == "peak_mem" else []
+            if kv:
+                ax.plot(*zip(*kv), marker=".", linestyle="--", color=line.get_color() if pts else None,
+                        label=f"{method} (batch {batch}) KV bytes")  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_xlabel("input tokens")
         ax.set_ylabel(ylabel)

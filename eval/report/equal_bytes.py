@@ -11,9 +11,12 @@ Its kind:
 - `eviction`: a compression method in the model's dtype (fewer entries, every bit);
 - `combined`: a compression method on quantized storage (fewer entries, fewer bits).
 
-Bytes are the rows' `kv_bytes` (what was stored: quantized values, scales and zero points, the
-full-precision residual, index bookkeeping) and `kv_bytes_full` (the full cache at the same dtype):
-a configuration's byte fraction is Σ kv_bytes / Σ kv_bytes_full over its samples.
+Bytes are what a user pays for the cache: the rows' `kv_bytes` (the K/V storage held: packed codes,
+scales and zero points, the full-precision residual; `snapkv.kv_quant`) plus `kv_index_bytes` (the
+kept-index bookkeeping of the compressed layers, their int64 positions; rows written before it
+was recorded count none), in the report's `kv_bytes` column (`paid_bytes`), against
+`kv_bytes_full` (the full cache at the same dtype, no bookkeeping): a configuration's byte fraction
+is Σ kv_bytes / Σ kv_bytes_full over its samples.
 
 What it writes (`render`), per model:
 
@@ -151,10 +154,18 @@ def quant_texts(quants: Sequence[dict | None], bits: bool = True) -> dict[str, s
     return texts
 
 
+def paid_bytes(df: pd.DataFrame) -> pd.Series:
+    """Bytes a row's cache costs: `kv_bytes` (the K/V storage) + `kv_index_bytes` (the kept-index
+    bookkeeping; 0 where a row predates it or measured none)."""
+    index = df["kv_index_bytes"] if "kv_index_bytes" in df.columns else pd.Series(0, index=df.index)
+    return df["kv_bytes"] + pd.to_numeric(index, errors="coerce").fillna(0)
+
+
 def label_rows(df: pd.DataFrame) -> pd.DataFrame:
     """`prepare`d rows with `quant` (dict or None), `kind`, `config` (the method config's label + its
     storage) and `series` (the same without the budget and the bits: one line of the figure). A config label
-    that several config hashes share within one (model, task) gets `#hash8` appended."""
+    that several config hashes share within one (model, task) gets `#hash8` appended. `kv_bytes`
+    becomes the bytes paid (`paid_bytes`; the storage alone stays in `kv_storage_bytes`)."""
     none = pd.Series([None] * len(df), index=df.index, dtype=object)
     quants = df["kv_quant"].map(quant_of).astype(object) if "kv_quant" in df.columns else none
     texts, kinds = quant_texts(list(quants)), quant_texts(list(quants), bits=False)
@@ -169,6 +180,8 @@ def label_rows(df: pd.DataFrame) -> pd.DataFrame:
     ]
     plus = storage.map(lambda s: f" + {s}" if s else "")
     out = df.assign(
+        kv_storage_bytes=df["kv_bytes"],
+        kv_bytes=paid_bytes(df),
         quant=quants.astype(object),
         kind=[kind_of(m, q) for m, q in zip(df["method"], quants)],
         config=[b + s + p for b, s, p in zip(base, suffix, plus)],
@@ -401,9 +414,10 @@ def markdown(items: Sequence[Analysis], figures: dict[str, str] | None = None) -
     parts = [
         "# Eviction against quantization at equal bytes",
         "",
-        "Written by `eval/report/equal_bytes.py` from the rows of this folder. Bytes are the rows' "
-        "`kv_bytes` (what was stored: quantized values, scales and zero points, the full-precision "
-        "residual, index bookkeeping); a byte fraction is Σ kv_bytes / Σ kv_bytes_full (the full cache "
+        "Written by `eval/report/equal_bytes.py` from the rows of this folder. Bytes are what the "
+        "cache costs: the rows' `kv_bytes` (the storage held: packed codes, scales and zero points, the "
+        "full-precision residual) plus `kv_index_bytes` (the kept entries' int64 positions; none in rows "
+        "written before it was recorded); a byte fraction is their Σ / Σ kv_bytes_full (the full cache "
         f"in the model's dtype) over the samples. Differences x100 on the samples both sides ran, with "
         f"the 95% interval of {RESAMPLES} paired bootstrap resamples of whole units (a context's "
         "questions together) within strata (task / dataset, weighed equally); p exact: the exact "

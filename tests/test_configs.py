@@ -322,9 +322,11 @@ def test_experiments(name):
 def test_every_job_of_an_experiments_sweep_is_valid(name):
     params = sweep(name)
     cover = sweep_cover(params)
-    for point in sweep_points(params):
-        if point not in cover:  # composed by test_experiments
-            check_buildable(compose_cfg([f"experiment={name}", *point]))
+    rest = [point for point in sweep_points(params) if point not in cover]  # the cover: test_experiments
+    if not rest:
+        pytest.skip(f"experiment={name} sweeps at most one key: test_experiments composes every job")
+    for point in rest:
+        check_buildable(compose_cfg([f"experiment={name}", *point]))
 
 
 def test_debug_experiment_is_tiny():

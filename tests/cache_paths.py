@@ -1,13 +1,18 @@
 """The distinct cache paths a compressed generation of the catalogue takes, and which cases of the
 catalogue x architecture matrices run in the fast tier.
 
-The fast tier runs every catalogue entry on `FULL_ARCH` and, on every architecture, the entry that
-represents each path (`REPRESENTATIVES`): every method and every (path, architecture) pair stays
-covered. The rest of the cross product is marked `slow` (the e2e tier, `pytest -m slow`) and runs
-there with the same assertions. The per-method matrices of rollback and left-padded rows are split
-the same way. `tests/test_core.py` checks the coverage, and each representative's
-case checks that its run really took the path (`assert_takes_its_paths`), so the split cannot rot
-when a method, a layout or an entry changes. StreamingLLM's compacted positions (not a catalogue entry) and
+The fast tier runs, on `FULL_ARCH`, one entry per mechanism of the catalogue (`mechanism`: a method,
+or a wrapper around another method's scorer) and, on every architecture, the entry that represents
+each path (`REPRESENTATIVES`): every method, every composition and every (path, architecture) pair
+stays covered. The other entries of a method are its switches: they change which entries its scores
+keep, which tests/methods/ checks against the original's code for every switch in the fast tier,
+while the cache plumbing they go through (storage, own attention, own pass, decode-time eviction)
+is the method's own and the path's, run by the kept entries. The rest of the cross product is
+marked `slow` (`pytest -m slow`) and runs there with the same assertions. The per-method matrices
+of rollback and left-padded rows, and the catalogue-wide tests on one architecture, are split the
+same way. `tests/test_core.py` checks the coverage, and each representative's case checks that its
+run really took the path (`assert_takes_its_paths`), so the split cannot rot when a method, a
+layout or an entry changes. StreamingLLM's compacted positions (not a catalogue entry) and
 left-padded rows have matrices of their own (tests/test_rollback.py, tests/test_padding.py).
 """
 
@@ -17,7 +22,7 @@ import contextlib
 from collections.abc import Iterator
 
 import pytest
-from method_catalogue import CATALOGUE, W
+from method_catalogue import CATALOGUE, W, ids
 
 import snapkv.hooks as hooks
 from snapkv.headwise import LAYOUTS
@@ -31,7 +36,7 @@ PATHS = (
     "decode_eviction",  # entries evicted while decoding
     "decode_schedule",  # scheduled compressions while decoding
 )
-FULL_ARCH = "llama"  # every catalogue entry runs on it in the fast tier
+FULL_ARCH = "llama"  # one entry per mechanism runs on it in the fast tier
 REPRESENTATIVES = {
     "uniform": ("snapkv", dict(budget=40, window=W, kernel_size=5)),
     "per_layer": ("pyramidkv", dict(budget=40, window=W, kernel_size=5)),
@@ -49,9 +54,31 @@ UNREACHABLE = {("per_layer", "gemma3")}
 REPRESENTATIVE_INDEX = {path: CATALOGUE.index(entry) for path, entry in REPRESENTATIVES.items()}
 
 
+def mechanism(name: str, params: dict) -> tuple[str, str | None]:
+    """What an entry runs beyond its switches: the method, and the scorer a wrapper (PyramidKV,
+    Ada-KV, CriticalKV, ChunkKV) runs inside it (snapkv.methods.compose)."""
+    return name, params.get("scorer")
+
+
+def variants(entries: list[tuple[str, dict]]) -> set[int]:
+    """Indices of the entries whose mechanism an earlier entry of `entries` already runs."""
+    seen, out = set(), set()
+    for i, (name, params) in enumerate(entries):
+        key = mechanism(name, params)
+        if key in seen:
+            out.add(i)
+        seen.add(key)
+    return out
+
+
+# Catalogue entries that are a further switch setting of a mechanism and no path's representative.
+VARIANT_INDEX = variants(CATALOGUE) - set(REPRESENTATIVE_INDEX.values())
+
+
 def is_fast(arch: str, index: int) -> bool:
-    """Whether the case of `arch` and the entry at `index` (CATALOGUE's order) runs in the fast tier."""
-    return arch == FULL_ARCH or index in REPRESENTATIVE_INDEX.values()
+    """Whether the case of `arch` and the entry at `index` (CATALOGUE's order; an index past its end
+    is an entry of the test's own) runs in the fast tier."""
+    return index in REPRESENTATIVE_INDEX.values() or (arch == FULL_ARCH and index not in VARIANT_INDEX)
 
 
 def tier(arch: str, index: int) -> tuple:
@@ -59,11 +86,21 @@ def tier(arch: str, index: int) -> tuple:
     return () if is_fast(arch, index) else (pytest.mark.slow,)
 
 
-def entry_tier(arch: str, name: str, params: dict) -> tuple:
-    """`tier` for a matrix over entries of its own: the case runs in the fast tier on FULL_ARCH, or
-    where the entry is a path's representative."""
-    fast = arch == FULL_ARCH or (name, params) in REPRESENTATIVES.values()
+def entry_tier(arch: str, name: str, params: dict, entries: list[tuple[str, dict]] = CATALOGUE) -> tuple:
+    """`tier` for a matrix over `entries` of its own: the case runs in the fast tier where the entry
+    is a path's representative, or on FULL_ARCH where it is the first entry of its mechanism."""
+    first = (name, params) in entries and entries.index((name, params)) not in variants(entries)
+    fast = (name, params) in REPRESENTATIVES.values() or (arch == FULL_ARCH and first)
     return () if fast else (pytest.mark.slow,)
+
+
+def catalogue_cases(entries: list[tuple[str, dict]] = CATALOGUE) -> list:
+    """`pytest.param(name, params)` of catalogue `entries` for a test on FULL_ARCH alone, tiered by
+    `entry_tier` (the first entry of each mechanism and the paths' representatives fast)."""
+    return [
+        pytest.param(name, params, id=case, marks=entry_tier(FULL_ARCH, name, params))
+        for (name, params), case in zip(entries, ids(entries))
+    ]
 
 
 def fast_cases(cases: list) -> list[tuple]:

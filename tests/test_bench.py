@@ -226,7 +226,7 @@ def test_ratios_are_per_round_then_median_and_iqr_over_kept_rounds():
     assert ratio_spreads(rows)["prefill h2o/full(L)"].n == 2
 
 
-def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
+def test_agreement_of_runs_is_the_spread_of_their_medians(capsys):
     times = {("full", 512): 1.0, ("full", 8192): 20.0, ("snapkv", 8192): 20.4, ("h2o", 8192): 22.0}
     a = summarise_run("a", _rows(times, 5), "wall")
     # Run b: h2o 8% slower; a machine 3x slower overall changes no ratio (they are per round).
@@ -245,7 +245,13 @@ def test_agreement_of_runs_is_the_spread_of_their_medians(tmp_path, capsys):
     )
     assert (c_all.kept, c_all.rounds) == (5, 5) and len(c_all.per_round["prefill h2o/full(L)"]) == 5
     assert c.kept == 4 and len(c.per_round["prefill h2o/full(L)"]) == 4
-    # the script: one table, exit 0 whether or not they agree; 2 for a missing file
+
+
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
+def test_agreement_script_prints_one_table_and_exits_2_for_a_missing_file(tmp_path):
+    """scripts/bench_agreement.py: one table, exit 0 whether or not the runs agree; 2 for a missing
+    file."""
+    times = {("full", 512): 1.0, ("full", 8192): 20.0, ("snapkv", 8192): 20.4, ("h2o", 8192): 22.0}
     path = tmp_path / "run1.csv"
     rows = _rows(times, 3)
     with path.open("w", newline="") as f:

@@ -106,6 +106,7 @@ def test_missing_kvpress_skips_with_one_line(monkeypatch, capsys):
     assert "\n" not in err and err.startswith("skipped: kvpress is not importable")
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_script_exits_2_without_kvpress():
     code = (
         "import sys, runpy; sys.modules['kvpress'] = None; sys.argv = ['bench_kvpress.py']; "

@@ -35,6 +35,7 @@ def test_version_inside_the_range_passes(version):
     compat.check_transformers_version(version)
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_import_with_an_unsupported_transformers_names_the_range(tmp_path):
     """A stand-in `transformers` 5.1.0 package first on the path: `import snapkv` must stop at the
     version check, before anything reaches into transformers' internals."""

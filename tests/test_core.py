@@ -13,7 +13,9 @@ from cache_paths import (
     REPRESENTATIVE_INDEX,
     REPRESENTATIVES,
     assert_takes_its_paths,
+    catalogue_cases,
     fast_cases,
+    mechanism,
     recording_caches,
     tier,
 )
@@ -53,7 +55,9 @@ from snapkv.rope import rerotate
 
 PROMPT = 96
 NEW = 8
-EVERY_METHOD = pytest.mark.parametrize("name,params", CATALOGUE, ids=ids(CATALOGUE))
+# Every catalogue entry on Llama: in the fast tier the first entry of each mechanism and the cache
+# paths' representatives, the other switch settings in the slow tier (tests/cache_paths.py).
+EVERY_METHOD = pytest.mark.parametrize("name,params", catalogue_cases())
 # `model.generate` inside `snapkv.apply` is fed token ids with no question or template to protect:
 # entries whose `protect` would keep the own loop's question ids run everything else.
 UNPROTECTED = [(name, params) for name, params in CATALOGUE if "protect" not in params]
@@ -116,8 +120,9 @@ NOT_EVICTING = catalogue(budget=PROMPT + NEW) + [
     ("snapkv", dict(budget=PROMPT, window=8)),  # the boundary: budget == prompt length
     ("snapkv", dict(budget=4096, window=32)),
 ]
-# The catalogue x architecture matrices: the fast tier runs every entry on FULL_ARCH and each cache
-# path's representative on every architecture (tests/cache_paths.py); the e2e tier the rest.
+# The catalogue x architecture matrices: the fast tier runs the first entry of each mechanism on
+# FULL_ARCH (and the two boundary budgets past the catalogue) and each cache path's representative on
+# every architecture (tests/cache_paths.py); the slow tier the rest.
 NOT_EVICTING_CASES = [
     pytest.param(arch, name, params, id=f"{arch}-{case}", marks=tier(arch, i))
     for arch in ARCHS
@@ -132,24 +137,31 @@ MASKED_CASES = [
 
 
 def test_fast_matrices_cover_every_method_and_every_cache_path_on_every_architecture():
-    """The fast tier's share of the catalogue x architecture matrices runs every catalogue entry on
-    FULL_ARCH and, on every architecture, each cache path's representative (whose case checks that
-    it takes the path there), so that a new method, layout or changed entry cannot fall out of it."""
+    """The fast tier's share of the catalogue x architecture matrices runs every mechanism of the
+    catalogue (every method, every wrapper around another scorer) on FULL_ARCH and, on every
+    architecture, each cache path's representative (whose case checks that it takes the path there),
+    so that a new method, composition, layout or changed entry cannot fall out of it."""
     assert set(REPRESENTATIVE_INDEX) == set(PATHS)
     assert [name for name, _ in NOT_EVICTING[: len(CATALOGUE)]] == [name for name, _ in CATALOGUE]
     masked, budgets = fast_cases(MASKED_CASES), fast_cases(NOT_EVICTING_CASES)
     assert {name for arch, name, _ in masked if arch == FULL_ARCH} == set(METHODS)
-    for name, params in CATALOGUE:
-        assert (FULL_ARCH, name, params) in masked, (name, params)
-    for name, params in NOT_EVICTING:
+    mechanisms = {mechanism(name, params) for name, params in CATALOGUE}
+    assert {mechanism(n, p) for arch, n, p in masked if arch == FULL_ARCH} == mechanisms
+    assert {mechanism(n, p) for arch, n, p in budgets if arch == FULL_ARCH} == mechanisms
+    for name, params in NOT_EVICTING[len(CATALOGUE) :]:  # the boundary budgets
         assert (FULL_ARCH, name, params) in budgets, (name, params)
+    # The catalogue-wide tests on FULL_ARCH alone: every mechanism and every representative.
+    every = [(p.values[0], p.values[1]) for p in catalogue_cases() if not p.marks]
+    assert {mechanism(*entry) for entry in every} == mechanisms
+    assert all(entry in every for entry in REPRESENTATIVES.values())
     for arch in ARCHS:  # each representative's own case checks that it takes its path
         for path, i in REPRESENTATIVE_INDEX.items():
             assert (arch, *CATALOGUE[i]) in masked and (arch, *NOT_EVICTING[i]) in budgets, (path, arch)
     # Both query modes of each fast case.
     assert len(masked) == 2 * len({(a, n, repr(p)) for a, n, p in masked})
-    # The rollback and padded-row matrices: every entry on FULL_ARCH, every path's representative on
-    # every architecture (the padded rows run no decode schedule; the rollback also compacts).
+    # The rollback and padded-row matrices: every mechanism of their entries on FULL_ARCH, every
+    # path's representative on every architecture (the padded rows run no decode schedule; the
+    # rollback also compacts).
     from test_padding import METHODS as PADDED_ENTRIES
     from test_padding import PADDED_ROW_CASES
     from test_rollback import ENTRIES as ROLLBACK_ENTRIES
@@ -160,7 +172,7 @@ def test_fast_matrices_cover_every_method_and_every_cache_path_on_every_architec
         (PADDED_ROW_CASES, PADDED_ENTRIES, {"decode_schedule"}),
     ):
         fast = fast_cases(cases)
-        assert all((FULL_ARCH, *entry) in fast for entry in entries)
+        assert {mechanism(n, p) for a, n, p in fast if a == FULL_ARCH} == {mechanism(*e) for e in entries}
         for arch in {p.values[0] for p in cases}:
             for path, entry in REPRESENTATIVES.items():
                 assert path in without or (arch, *entry) in fast, (path, arch)
@@ -372,7 +384,7 @@ def test_a_left_padded_prompt_decodes_each_row_as_alone(name, params, query_awar
             torch.testing.assert_close(x[r], y[0], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name,params", UNPROTECTED, ids=ids(UNPROTECTED))
+@pytest.mark.parametrize("name,params", catalogue_cases(UNPROTECTED))
 def test_model_generate_resumed_on_compressed_cache_matches_own_loop(name, params):
     model = tiny_model("llama")
     ids = random_ids(PROMPT)

@@ -9,9 +9,8 @@ import pandas as pd
 import pytest
 import torch
 import torch.nn.functional as F
+from cache_paths import catalogue_cases
 from conftest import random_ids, tiny_model
-from method_catalogue import CATALOGUE
-from method_catalogue import ids as catalogue_ids
 from reference import masked_reference_logits, record_visible
 
 import eval.runner as runner
@@ -56,7 +55,10 @@ def test_teacher_force_gives_every_position_of_a_forward_over_the_kept_entries(m
         assert torch.equal(got, again)
 
 
-@pytest.mark.parametrize("name,params", CATALOGUE, ids=catalogue_ids(CATALOGUE))
+# In the fast tier the first entry of each mechanism and the cache paths' representatives (teacher
+# forcing feeds the continuation through the same forwards whichever entries a method's switches
+# keep), the other switch settings in the slow tier (tests/cache_paths.py).
+@pytest.mark.parametrize("name,params", catalogue_cases())
 def test_teacher_forcing_equals_the_masked_full_cache_at_every_position(name, params):
     """Every method: each continuation position's logits equal a full-cache forward whose attention
     sees only the entries the compressed run's forward saw (`tests/reference.py`)."""

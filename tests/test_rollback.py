@@ -100,8 +100,10 @@ def feed(m, cache, method, tokens: torch.Tensor) -> None:
         m(input_ids=tokens, position_ids=pos, use_cache=True, logits_to_keep=1, **{cache_kwarg(m): cache})
 
 
-# Every entry on Llama; on Gemma 3 each cache path's representative and the compacted positions
-# (refused there) in the fast tier, the other entries in the slow tier (tests/cache_paths.py).
+# In the fast tier: on Llama the first entry of each mechanism (a rollback restores the cache a method
+# writes, whatever its switches chose), on both architectures each cache path's representative and
+# the compacted positions (refused on Gemma 3); the other entries in the slow tier
+# (tests/cache_paths.py).
 ROLLBACK_CASES = [
     pytest.param(
         arch,

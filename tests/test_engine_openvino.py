@@ -206,7 +206,6 @@ def prompt_ids(n: int, seed: int = 1) -> list[int]:
     return torch.randint(len(SPECIAL), len(tiny_tokenizer()), (n,), generator=g).tolist()
 
 
-@pytest.mark.slow  # a fresh interpreter (subprocess) building an OpenVINO pipeline: the e2e tier
 @needs_engine
 @in_child_process
 def test_full_cache_greedy_tokens_match_transformers(tiny):
@@ -227,7 +226,6 @@ def test_full_cache_greedy_tokens_match_transformers(tiny):
         assert out.fields["engine_kv_blocks_end"] == -(-(n + 23) // 32)  # nothing evicted
 
 
-@pytest.mark.slow  # a fresh interpreter (subprocess) building an OpenVINO pipeline: the e2e tier
 @needs_engine
 @in_child_process
 def test_budget_changes_what_the_engine_keeps_and_outputs(tiny):
@@ -245,7 +243,7 @@ def test_budget_changes_what_the_engine_keeps_and_outputs(tiny):
     assert outs[96].ids != full.ids and outs[96].ids != outs[192].ids
 
 
-@pytest.mark.slow  # a fresh interpreter (subprocess) building an OpenVINO pipeline: the e2e tier
+@pytest.mark.slow  # a Hydra run through the engine in a fresh interpreter: the e2e tier (the two parity tests above stay fast)
 @needs_engine
 @in_child_process
 def test_a_run_through_the_harness_writes_engine_rows(tiny, tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -170,12 +171,11 @@ def _scheduled_steps(model, ids, method, new_tokens: int):
             lambda: scheduled(self, layer, query, module),
         )
 
+    # patch.object puts the spies on the class and, on exit, removes them again (the templates are
+    # the base class's: restoring them as the class's own attributes would read as overrides).
     cls = type(method)
-    cls.compress_prefill, cls.compress_decode = spy_prefill, spy_decode
-    try:
+    with patch.object(cls, "compress_prefill", spy_prefill), patch.object(cls, "compress_decode", spy_decode):
         generate_ids(model, ids, None, method, max_new_tokens=new_tokens)
-    finally:
-        cls.compress_prefill, cls.compress_decode = prefill, scheduled
     return steps
 
 

@@ -49,20 +49,26 @@ def _git(*args: str) -> bytes | None:
     return out.stdout if out.returncode == 0 else None
 
 
+# Pathspecs left out of the code state: the committed results tree, which runs write into.
+NOT_CODE = (":(exclude)results",)
+
+
 @cache
 def git_state() -> dict[str, str | bool | None]:
     """`{"git_sha", "git_dirty", "git_diff_sha"}` of the harness checkout (all None outside git).
 
-    git_dirty: tracked files differ from HEAD, or untracked files that git does not ignore exist.
+    git_dirty: tracked files differ from HEAD, or untracked files that git does not ignore exist,
+    outside `results/` (rows and reports are what runs write, not code: a run from a clean checkout
+    stays clean while its own rows accumulate there).
     git_diff_sha: 12 hex digits of the sha256 of `git diff HEAD --binary` plus each untracked file's
-    path and content, so two rows with the same sha and diff hash ran the same code; None when clean.
-    Computed once per process.
+    path and content (outside `results/`), so two rows with the same sha and diff hash ran the same
+    code; None when clean. Computed once per process.
     """
     sha = (_git("rev-parse", "HEAD") or b"").decode().strip()
     if not re.fullmatch(r"[0-9a-f]{40}", sha):
         return {"git_sha": None, "git_dirty": None, "git_diff_sha": None}
-    diff = _git("diff", "HEAD", "--binary")
-    untracked = _git("ls-files", "--others", "--exclude-standard", "-z")
+    diff = _git("diff", "HEAD", "--binary", "--", ".", *NOT_CODE)
+    untracked = _git("ls-files", "--others", "--exclude-standard", "-z", "--", ".", *NOT_CODE)
     if diff is None or untracked is None:
         return {"git_sha": sha, "git_dirty": None, "git_diff_sha": None}
     h = hashlib.sha256(diff)

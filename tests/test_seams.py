@@ -150,6 +150,19 @@ def test_rows_record_a_dirty_checkout_and_its_diff(monkeypatch, tmp_path):
     (repo / "a.py").write_text("x = 1\n")
     (repo / "new.py").write_text("y = 1\n")  # an untracked file counts as a change
     assert state()["git_dirty"] is True
+    (repo / "new.py").unlink()
+    # What runs write under results/ (new rows, a changed committed report) is not code.
+    (repo / "results").mkdir()
+    (repo / "results" / "README.md").write_text("page\n")
+    _git(repo, "add", "results/README.md")
+    _git(repo, "-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "page")
+    (repo / "results" / "run").mkdir()
+    (repo / "results" / "run" / "full-0123abcd.jsonl").write_text("{}\n")
+    (repo / "results" / "README.md").write_text("page, regenerated\n")
+    after = state()
+    assert after["git_dirty"] is False and after["git_diff_sha"] is None
+    (repo / "a.py").write_text("x = 4\n")  # code beside them still counts
+    assert state()["git_dirty"] is True
     provenance.git_state.cache_clear()
 
 

@@ -1084,7 +1084,17 @@ Rows from before the `gqa_order` switch (`pool_first`) beside the later `reduce_
 34 of the 54 prompts ran (pooling none not run) and no full-cache row.
 """,
         "fidelity_catalogue": """
-Rows are added per method as they run; the page and report read whatever rows are here.
+Rows are added per method as they run; the page and report read whatever rows are here. The rows
+marked dirty at adc36ee ran from a clean checkout of that commit whose only untracked files were
+rows of the same runs under results/ (which the code state counted then and leaves out now:
+`eval.provenance.git_state`).
+""",
+        "leaderboard_ruler": """
+The RULER cells of the leaderboard (`python scripts/leaderboard.py run cells=ruler_niah_256,ruler_niah_1024`),
+one config per method, single-threaded. The rows marked dirty at adc36ee ran from a clean checkout
+of that commit whose only untracked files were these runs' own rows under results/ (which the code
+state counted then and leaves out now: `eval.provenance.git_state`). Timings come from a shared
+machine: each row's `other_cores` and `load_1m` say how busy it was.
 """,
     }
 )

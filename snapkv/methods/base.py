@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -194,7 +195,7 @@ class OwnAttention:
         return None
 
 
-class KeptOrder:
+class KeptOrder(ABC):
     """What a method that may store its kept entries in its original's order adds to `Method` (a
     mixin: `class SnapKV(KeptOrder, Method)`; SnapKV, SnapKV-D, R-KV), for its `kept_order` field
     (KEPT_ORDERS): at "topk", `Method.select` returns `topk_order`'s indices instead of ascending
@@ -206,10 +207,11 @@ class KeptOrder:
     # layer compressed nor count as a scheduled compression.
     reorders_at_budget: ClassVar[bool] = False
 
+    @abstractmethod
     def topk_order(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
         """Indices `[batch, kv_heads, budget]` of the entries to keep given `scores` `[batch,
-        kv_heads, stored]`, in the order the original stores them."""
-        raise NotImplementedError
+        kv_heads, stored]`, in the order the original stores them (a class that takes the mixin
+        without it cannot be instantiated)."""
 
     def reorders(self) -> bool:
         """Whether a layer at exactly its budget is reordered (`reorders_at_budget`, at "topk")."""

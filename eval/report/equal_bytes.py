@@ -222,7 +222,7 @@ class Analysis:
     tolerance: float
 
 
-def _full_config(rows: pd.DataFrame) -> str | None:
+def full_config(rows: pd.DataFrame) -> str | None:
     """The full cache's config (the one with most rows where several are), None without one."""
     full = rows[rows["kind"] == "full"]
     return str(full["config"].value_counts().index[0]) if len(full) else None
@@ -244,7 +244,7 @@ def analyse(
         key=lambda c: (KINDS.index(rows.loc[rows["config"] == c, "kind"].iloc[0]), -rows.loc[rows["config"] == c, "kv_bytes"].mean(), c),
     )  # fmt: skip
     by = {c: rows[rows["config"] == c] for c in order}
-    full = _full_config(rows)
+    full = full_config(rows)
 
     records = []
     for c in order:

@@ -598,7 +598,7 @@ def _equal_bytes_model(a: eb.Analysis, rows: pd.DataFrame, prepared: pd.DataFram
     """One model's table and reading: per target fraction and kind, the configuration near the
     fraction that loses least against the full cache (`a.costs`, whose Holm p is over all of them)."""
     name, at_all = eb.FOLDER, " and ".join(eb.fraction_text(f) for f in a.fractions)
-    full = eb._full_config(rows)
+    full = eb.full_config(rows)
     table_rows, lines, missing = [], [], []
     for target in a.fractions:
         at = eb.fraction_text(target)

@@ -207,6 +207,24 @@ def test_a_job_waiting_for_nodes_is_waited_for_and_logged_once(monkeypatch, capl
     ]
 
 
+def test_nodes_described_in_words_are_the_same_wait_logged_once(monkeypatch, caplog):
+    """SLURM shows ReqNodeNotAvail at submission and a sentence from its first scheduling pass on:
+    one wait, one line, whichever wording the first poll sees."""
+    sentence = "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions"
+    answers = iter(["ReqNodeNotAvail, UnavailableNodes:vm"] + [sentence] * 100)
+    monkeypatch.setattr(logging.getLogger(slurm.__name__), "disabled", False)
+    monkeypatch.setattr(slurm, "queued", lambda ids: {"41_2": slurm.Queued("PENDING", next(answers))})
+    clock = Clock()
+    with caplog.at_level(logging.WARNING, logger=slurm.__name__):
+        assert slurm.wait_all([FakeJob(done_after=60)], clock=clock, sleep=clock.sleep) == {}
+    assert len(caplog.records) == 1 and "is pending: ReqNodeNotAvail" in caplog.records[0].getMessage()
+    caplog.clear()
+    assert slurm.stuck_pending({"41_2": slurm.Queued("PENDING", sentence)}, noted := set()) == {}
+    assert noted == {"ReqNodeNotAvail"} and [r.getMessage() for r in caplog.records] == [
+        f"job 41_2 is pending: ReqNodeNotAvail ({sentence}); the sweep waits for it (scancel to stop)"
+    ]
+
+
 def test_giving_up_cancels_the_arrays_and_exits_2_with_one_line(monkeypatch, capsys):
     calls: list = []
     monkeypatch.setattr(slurm.subprocess, "run", fake_run(calls))

@@ -88,6 +88,14 @@ NOTED_REASONS = (
     "JobHeld",
     "Reservation",
 )
+# squeue's %r shows a job's state description in place of its reason code once the scheduler has
+# written one: a job held by drained nodes reads `ReqNodeNotAvail, UnavailableNodes:vm` at submission
+# and this sentence from the first scheduling pass on (SLURM 22.05; the code underneath is Resources).
+DESCRIBED_REASONS = {
+    "Nodes required for job are DOWN, DRAINED or reserved for jobs in higher priority partitions": (
+        "ReqNodeNotAvail"
+    ),
+}
 
 
 class JobForgotten(RuntimeError):
@@ -129,8 +137,9 @@ def queued(job_ids: Sequence[str]) -> dict[str, Queued] | None:
 
 
 def reason_code(reason: str) -> str:
-    """The code of a pending reason (`ReqNodeNotAvail, UnavailableNodes:n1` -> `ReqNodeNotAvail`)."""
-    return reason.split(",")[0].strip()
+    """The code of a pending reason (`ReqNodeNotAvail, UnavailableNodes:n1` -> `ReqNodeNotAvail`; a
+    sentence of DESCRIBED_REASONS -> the code it stands for)."""
+    return DESCRIBED_REASONS.get(reason.strip()) or reason.split(",")[0].strip()
 
 
 def is_unsatisfiable(reason: str) -> bool:
@@ -236,18 +245,18 @@ def wait_all(
 
 def stuck_pending(listed: dict[str, Queued], noted: set[str]) -> dict[str, Queued]:
     """The pending jobs whose reason waiting cannot clear; a reason of NOTED_REASONS is logged once
-    (`noted`: the reasons logged so far)."""
+    per code (`noted`: the codes logged so far), however SLURM words it from poll to poll."""
     stuck = {}
     for job_id, job in listed.items():
         if job.state != "PENDING":
             continue
+        code = reason_code(job.reason)
         if is_unsatisfiable(job.reason):
             stuck[job_id] = job
-        elif reason_code(job.reason).startswith(NOTED_REASONS) and job.reason not in noted:
-            noted.add(job.reason)
-            logger.warning(
-                "job %s is pending: %s; the sweep waits for it (scancel to stop)", job_id, job.reason
-            )
+        elif code.startswith(NOTED_REASONS) and code not in noted:
+            noted.add(code)
+            said = job.reason if job.reason.startswith(code) else f"{code} ({job.reason})"
+            logger.warning("job %s is pending: %s; the sweep waits for it (scancel to stop)", job_id, said)
     return stuck
 
 

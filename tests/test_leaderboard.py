@@ -154,7 +154,7 @@ def _script():
     [
         ([], "command must be one of run, status, got None"),
         (["plot"], "got 'plot'"),
-        (["run", "cells=nope"], "unknown cell 'nope'; known: ruler_niah_256"),
+        (["run", "cells=nope"], "unknown cell 'nope'; known: ruler_niah_1024"),
         (["status", "methods=snapkv,nope"], "unknown method 'nope'"),
         (["run", "budget=3"], "got 'budget=3'"),
     ],

@@ -1090,7 +1090,7 @@ rows of the same runs under results/ (which the code state counted then and leav
 `eval.provenance.git_state`).
 """,
         "leaderboard_ruler": """
-The RULER cells of the leaderboard (`python scripts/leaderboard.py run cells=ruler_niah_256,ruler_niah_1024`),
+The RULER cell of the leaderboard (`python scripts/leaderboard.py run cells=ruler_niah_1024`),
 one config per method, single-threaded. The rows marked dirty at adc36ee ran from a clean checkout
 of that commit whose only untracked files were these runs' own rows under results/ (which the code
 state counted then and leaves out now: `eval.provenance.git_state`). Timings come from a shared

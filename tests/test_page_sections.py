@@ -1,9 +1,10 @@
-"""The results page's sections on folders written by their own scripts (eval/report/page.py): eviction
-against quantization at equal bytes (results/equal_bytes/, rows read through
-eval/report/equal_bytes.py) and where eviction pays in a serving engine (results/serving/, the CSVs
-of scripts/bench_serving.py). Each renders nothing while its folder is absent; its numbers come from
-the rows (change one score, the table changes); its words follow Holm's p and the TOST; a
-throughput ratio whose IQR straddles 1 is not called paying."""
+"""The results page's sections on folders written by their own scripts: eviction against
+quantization at equal bytes (results/equal_bytes/, eval/report/equal_bytes.py) and where eviction
+pays in a serving engine (results/serving/, the CSVs of scripts/bench_serving.py read by
+eval/report/serving.py); the page (eval/report/page.py) places them after its own sections. Each
+renders nothing while its folder is absent; its numbers come from the rows (change one score, the
+table changes); its words follow Holm's p and the TOST; a throughput ratio whose IQR straddles 1 is
+not called paying."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from test_report import MODEL, base_row, write
 
 from eval.bench.serving import POINT_COLUMNS, REQUEST_COLUMNS, SEARCH_COLUMNS, write_csv
 from eval.report import equal_bytes as eb
-from eval.report import page
+from eval.report import page, serving, wording
 from eval.store import ResultStore, config_hash
 from eval.tables import slug
 
@@ -74,14 +75,14 @@ def table_row(text: str, first: str) -> list[str]:
 
 def test_sections_render_nothing_while_their_folders_are_absent(tmp_path):
     (tmp_path / "other").mkdir()
-    assert page.equal_bytes_section(tmp_path) == "" and page.serving_section(tmp_path) == ""
+    assert eb.section(tmp_path) == "" and serving.section(tmp_path) == ""
     text = page.page(tmp_path, "", "<!-- b -->", "<!-- e -->")
     assert "equal bytes" not in text and "serving engine" not in text
 
 
 def test_equal_bytes_table_is_the_best_of_each_kind_at_each_fraction_from_the_report(tmp_path):
     equal_bytes_folder(tmp_path)
-    text = page.equal_bytes_section(tmp_path)
+    text = eb.section(tmp_path)
     (a,) = eb.analyses(ResultStore.load_dir(tmp_path / eb.FOLDER))
     rows = [r.split("|")[1:4] for r in text.splitlines() if r.startswith("| 1/")]
     cells = [[c.strip() for c in r] for r in rows]
@@ -95,7 +96,7 @@ def test_equal_bytes_table_is_the_best_of_each_kind_at_each_fraction_from_the_re
     cost = a.costs.set_index("config").loc["full + kivi-2"]
     (line,) = [ln for ln in text.splitlines() if "| 1/8 | quantized |" in ln]
     assert (
-        f"| {cost['diff']:+.1f} [{cost['lo']:+.1f}, {cost['hi']:+.1f}] | {N} | {page._p(cost['p_holm'])} |"
+        f"| {cost['diff']:+.1f} [{cost['lo']:+.1f}, {cost['hi']:+.1f}] | {N} | {wording.p_text(cost['p_holm'])} |"
         in line
     )
     assert cost["diff"] == -50.0
@@ -108,10 +109,10 @@ def test_equal_bytes_table_is_the_best_of_each_kind_at_each_fraction_from_the_re
 
 def test_equal_bytes_reading_follows_holm_and_the_tost(tmp_path):
     equal_bytes_folder(tmp_path)
-    text = page.equal_bytes_section(tmp_path)
+    text = eb.section(tmp_path)
     # every answer kept at a quarter of the bytes: "same" only through the TOST
     assert (
-        f"same within ±{page.MARGIN:g} by a TOST: quantized at 1/4 full + kivi-4 +0.0 (TOST p = <0.001"
+        f"same within ±{wording.MARGIN:g} by a TOST: quantized at 1/4 full + kivi-4 +0.0 (TOST p = <0.001"
         in text
     )
     # half the answers lost at 1/8: below zero with Holm's p
@@ -125,16 +126,16 @@ def test_equal_bytes_reading_follows_holm_and_the_tost(tmp_path):
 
 
 def test_equal_bytes_table_follows_one_changed_score(tmp_path):
-    before = page.equal_bytes_section(equal_bytes_folder(tmp_path / "a").parent)
+    before = eb.section(equal_bytes_folder(tmp_path / "a").parent)
     page.clear_cache()
-    after = page.equal_bytes_section(equal_bytes_folder(tmp_path / "b", kivi2_wrong=11).parent)
+    after = eb.section(equal_bytes_folder(tmp_path / "b", kivi2_wrong=11).parent)
     assert table_row(before, "1/8 | quantized")[6].startswith("-50.0")
     assert table_row(after, "1/8 | quantized")[6].startswith("-55.0")
 
 
 def test_equal_bytes_section_says_no_rows_for_an_empty_folder(tmp_path):
     (tmp_path / eb.FOLDER).mkdir()
-    text = page.equal_bytes_section(tmp_path)
+    text = eb.section(tmp_path)
     assert text.startswith("## Eviction or quantization at equal bytes?") and "No rows yet." in text
 
 
@@ -157,7 +158,7 @@ def serving_folder(
     """results/serving/tiny: closed-loop points at concurrency 1, 2, 4 over `rounds` rounds; the full
     cache answers every request, snapkv@256 none, sum@256 all (`flip`: (round, sample) of sum@256
     answered wrong at concurrency 4)."""
-    run = root / page.SERVING / "tiny"
+    run = root / serving.FOLDER / "tiny"
     run.mkdir(parents=True)
     points, requests = [], []
     for r in range(rounds):
@@ -185,7 +186,7 @@ def serving_folder(
 
 def test_serving_pays_from_the_first_concurrency_whose_whole_iqr_is_above_one(tmp_path):
     serving_folder(tmp_path)
-    text = page.serving_section(tmp_path)
+    text = serving.section(tmp_path)
     snap_row = table_row(text, "closed | snapkv@256")
     assert snap_row[2:5] == ["2", "2", "1.20 [1.15, 1.25] (3)"]
     # sum@256's median ratio at 2 is 1.1 but its IQR reaches below 1: it never pays
@@ -196,27 +197,27 @@ def test_serving_pays_from_the_first_concurrency_whose_whole_iqr_is_above_one(tm
 
 def test_serving_accuracy_there_is_paired_on_the_same_requests_with_holm(tmp_path):
     serving_folder(tmp_path)
-    text = page.serving_section(tmp_path)
+    text = serving.section(tmp_path)
     snap_row = table_row(text, "closed | snapkv@256")
     # every request lost: -100 over 24 pairs of 8 requests (a request's rounds one unit)
     assert snap_row[5:8] == ["0.0 (100.0)", "-100.0 [-100.0, -100.0]", "24 (8 units)"]
     assert (
         "below zero: closed snapkv@256 at 2 -100.0 (p = 0.016, n = 8)" in text
     )  # exact sign flip x Holm (2)
-    assert f"same within ±{page.MARGIN:g} by a TOST: closed sum@256 at 4 +0.0" in text
+    assert f"same within ±{wording.MARGIN:g} by a TOST: closed sum@256 at 4 +0.0" in text
     assert "Holm over the table's 2 comparisons" in text
 
 
 def test_serving_table_follows_one_changed_answer(tmp_path):
-    before = page.serving_section(serving_folder(tmp_path / "a").parents[1])
-    after = page.serving_section(serving_folder(tmp_path / "b", flip=(1, 3)).parents[1])
+    before = serving.section(serving_folder(tmp_path / "a").parents[1])
+    after = serving.section(serving_folder(tmp_path / "b", flip=(1, 3)).parents[1])
     assert table_row(before, "closed | sum@256")[6].startswith("+0.0")
     assert table_row(after, "closed | sum@256")[6].startswith("-4.2")  # 1 of 24 pairs
 
 
 def test_serving_reads_no_iqr_from_one_round_and_the_search_limits(tmp_path):
     serving_folder(tmp_path, rounds=1)
-    text = page.serving_section(tmp_path)
+    text = serving.section(tmp_path)
     assert table_row(text, "closed | snapkv@256")[2] == "not read (1 round)"
     assert (
         "Largest concurrency without preemption (closed loop, binary search): full 2; snapkv@256 4; sum@256 1."

@@ -58,7 +58,8 @@ from eval.labels import BUDGET_KEYS, method_label
 from eval.report import leaderboard
 from eval.report.build import prepare
 from eval.report.paired import units
-from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, compare, holm, units_of
+from eval.report.wording import MARGIN, Line, diff_text, grouped, n_units_text, p_text, provenance
+from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, Comparison, Equivalence, compare, holm, tost, units_of
 from eval.store import ResultStore, shared_samples
 from eval.tables import cell, md_table, slug
 
@@ -466,6 +467,121 @@ def markdown(items: Sequence[Analysis], figures: dict[str, str] | None = None) -
 
 
 # ------------------------------------------------------------------------------------------- render
+# ------------------------------------------------------------------------- the results page section
+COMMAND = (
+    "python scripts/equal_bytes.py run   # every config of conf/experiment/equal_bytes.yaml, into "
+    "results/equal_bytes (`list` prints them)"
+)
+
+
+def _line_of(label: str, row: pd.Series, same: Equivalence | None = None) -> Line:
+    """A `Line` whose comparison with the full cache is one row of a table of `analyse`
+    (`p_holm`: the Holm p a statement rests on), so `grouped` words it as every other table's."""
+    c = Comparison(int(row["n_shared"]), float(row["diff"]), float(row["lo"]), float(row["hi"]),
+                   float(row["p"]), str(row["test"]), int(row["n_units"]), float(row["p_exact"]))  # fmt: skip
+    return Line(label, "", c.n, math.nan, math.nan, vs_full=c, holm_full=float(row["p_holm"]), same_full=same)
+
+
+def _cost_tost(rows: pd.DataFrame, config: str, full: str) -> Equivalence | None:
+    """TOST at `MARGIN` of `config` minus the full cache on the samples both ran, over the units the
+    report's comparison resamples (`eval.report.paired.units`); None below two units."""
+    a, b, _ = shared_samples(rows[rows["config"] == config], rows[rows["config"] == full])
+    unit = units(b).to_numpy()
+    if len(set(unit)) < 2:
+        return None
+    return tost(100 * (a["score"].to_numpy(float) - b["score"].to_numpy(float)), MARGIN, unit)
+
+
+def _model_section(a: Analysis, rows: pd.DataFrame, prepared: pd.DataFrame) -> list[str]:
+    """One model's table and reading: per target fraction and kind, the configuration near the
+    fraction that loses least against the full cache (`a.costs`, whose Holm p is over all of them)."""
+    name, at_all = FOLDER, " and ".join(fraction_text(f) for f in a.fractions)
+    full = full_config(rows)
+    table_rows, lines, missing = [], [], []
+    for target in a.fractions:
+        at = fraction_text(target)
+        for kind in KINDS[1:]:
+            near = a.costs[(a.costs["target"] == target) & (a.costs["kind"] == kind)]
+            if near.empty:
+                missing.append(f"{kind} at {at}")
+                continue
+            best = near.sort_values(["diff", "fraction"], ascending=[False, True], kind="stable").iloc[0]
+            same = _cost_tost(rows, best["config"], full) if full is not None else None
+            line = _line_of(f"{kind} at {at} {best['config']}", best, same)
+            lines.append(line)
+            config = best["config"] + (f" (best of {len(near)})" if len(near) > 1 else "")
+            table_rows.append([at, kind, config, f"{best['fraction']:.3f}", f"{best['score']:.1f}",
+                               f"{best['full_score']:.1f}", diff_text(line.vs_full), n_units_text(line.vs_full),
+                               p_text(line.holm_full)])  # fmt: skip
+    figure = f"equal_bytes_{slug(a.model)}.png"  # eval.report.equal_bytes.render's name
+    out = [
+        f"{a.model}, {provenance(prepared)} ([how they ran]({name}/README.md), "
+        f"figure: [{figure}]({name}/{figure})):",
+        "",
+    ]
+    if not table_rows:
+        out += [f"No configuration within ±{a.tolerance:.0%} of {at_all} of the full cache's bytes with the "
+                "full cache beside it.", ""]  # fmt: skip
+    else:
+        headers = ["bytes", "kind", "config", "bytes / full", "score x100", "full x100",
+                   "minus full [95% CI]", "n", "Holm p"]  # fmt: skip
+        out += [md_table(headers, table_rows, text_columns=3), ""]
+    family = int(a.costs["p_holm"].notna().sum())
+    said_full = grouped(lines, "full")
+    if said_full:
+        out.append(
+            f"- Minus the full cache (Holm over the model's {family} configurations near a target, "
+            f"[equal_bytes_costs.csv]({name}/equal_bytes_costs.csv)): " + "; ".join(said_full) + "."
+        )
+    if missing and table_rows:
+        out.append(f"- No configuration within ±{a.tolerance:.0%} of the target: {', '.join(missing)}.")
+    if not a.pairs.empty:
+        pairs = [_line_of(f"{r['config']} minus {r['minus']}", r) for _, r in a.pairs.iterrows()]
+        said_pairs = grouped(pairs, "full")
+        out.append(
+            f"- Equal-bytes pairs, configurations of different kinds within ±{a.tolerance:.0%} of each "
+            f"other's bytes, the first minus the second (Holm over the model's {len(pairs)} pairs): "
+            + ("; ".join(said_pairs) if said_pairs else f"none with {MIN_N} units or more")
+            + "."
+        )
+    return [*out, ""]
+
+
+def section(root: Path) -> str:
+    """The section "Eviction or quantization at equal bytes?" from results/equal_bytes/ through
+    this module (its tables, its statistics): per model, at each of its `FRACTIONS` of
+    the full cache's bytes, the configuration of each kind (quantized / combined / eviction) that
+    loses least, its difference from the full cache with interval, n and Holm p, and the equal-bytes
+    pairs; '' while the folder does not exist (the page is unchanged until the run)."""
+    folder = root / FOLDER
+    if not folder.is_dir():
+        return ""
+    name, at_all = FOLDER, " and ".join(fraction_text(f) for f in FRACTIONS)
+    out = [
+        "## Eviction or quantization at equal bytes?",
+        "",
+        f"```bash\n{COMMAND}\n```",
+        "",
+        "Each configuration stores fewer KV bytes than the full cache by quantizing it (`kv_quant`: every "
+        "entry kept, fewer bits), by evicting (a method at a budget) or both; its bytes are what it stored "
+        "(`kv_bytes`: values, scales, zero points, the residual), its fraction Σ kv_bytes / Σ kv_bytes_full. "
+        f"At {at_all} of the full cache's bytes (±{TOLERANCE:.0%}), the configuration of each kind that "
+        "loses least, minus the full cache on the samples both ran. Every configuration and pair: "
+        f"[{name}/]({name}/{MARKDOWN}).",
+        "",
+    ]
+    raw = ResultStore.load_dir(folder)
+    prepared = prepare(raw) if not raw.empty else raw
+    items = analyses(raw) if not prepared.empty else []
+    if not items:
+        return "\n".join([*out, "No rows yet.", ""])
+    rows = label_rows(prepared)
+    rows = rows[rows["ok"] & rows["score"].notna()]
+    for a in items:
+        out += _model_section(a, rows[rows["model"] == a.model], prepared[prepared["model"] == a.model])
+    return "\n".join(out)
+
+
 def render(
     results_dir: str | Path,
     out: str | Path | None = None,

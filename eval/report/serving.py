@@ -1,12 +1,21 @@
-"""Throughput ratios of a serving benchmark's points (the CSVs of `scripts/bench_serving.py`): each
-eviction config against the full cache at the same arrival process, concurrency and round. A leaf
-shared by the benchmark (its summary and figures) and the results page, which reads the CSVs
-without loading the benchmark."""
+"""A serving benchmark read from its CSVs (`scripts/bench_serving.py`), without loading the benchmark:
+the throughput ratios of each eviction config against the full cache at the same arrival process,
+concurrency and round (`ratios`, which the benchmark's own summary and figures use too), and the
+results page's section "Where does eviction pay in a serving engine?" (`section`)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import pandas as pd
+
+from eval.report.wording import MARGIN, Line, diff_text, grouped, n_units_text, p_text
+from eval.stats import Spread, compare, holm, spread, tost
+from eval.tables import md_table
 
 
 def ratios(points: Sequence[dict[str, Any]], column: str = "tokens_per_s") -> dict[tuple[str, int, str], dict[int, float]]:  # fmt: skip
@@ -24,3 +33,207 @@ def ratios(points: Sequence[dict[str, Any]], column: str = "tokens_per_s") -> di
             continue
         out.setdefault((p["arrival"], p["concurrency"], p["config"]), {})[p["round"]] = p[column] / den
     return out
+
+
+# ------------------------------------------------------------------------- the results page section
+FOLDER = "serving"  # results/serving/<model>/{points,requests,search}.csv (eval.bench.serving)
+COMMAND = (
+    "python scripts/bench_serving.py --model-path MODEL.gguf --search --rounds 3 "
+    "--out results/serving/MODEL   # one folder per model"
+)
+PAY_ROUNDS = 3  # rounds below which a ratio's IQR is not read: one or two values are no spread
+
+
+@dataclass
+class Paying:
+    """Where one eviction config starts to pay under one arrival process: `pays`, the smallest
+    concurrency whose throughput ratio to the full cache (`ratios`) has its whole
+    IQR over rounds above 1 (None: at none); `at`, where the ratio and the answers are read (`pays`,
+    else the largest concurrency with a ratio); `line`, exact match minus the full cache there."""
+
+    arrival: str
+    config: str
+    pays: int | None
+    at: int | None
+    top: int | None  # the largest concurrency with a ratio
+    ratio: Spread | None
+    line: Line | None = None
+    full_exact: float = math.nan
+
+
+def _csv_records(path: Path) -> list[dict]:
+    """A benchmark CSV's rows, empty cells as None (as the benchmark wrote them)."""
+    df = pd.read_csv(path)
+    return df.astype(object).where(df.notna(), None).to_dict("records")
+
+
+def serving_runs(folder: Path) -> list[Path]:
+    """The benchmark folders under `folder`: itself and its subfolders, those holding a points.csv."""
+    if not folder.is_dir():
+        return []
+    candidates = [folder, *sorted(p for p in folder.iterdir() if p.is_dir())]
+    return [d for d in candidates if (d / "points.csv").is_file()]
+
+
+def _exact_vs_full(requests: pd.DataFrame, arrival: str, c: int, config: str) -> tuple:
+    """(`compare` of `config`'s exact match minus the full cache's on the same requests at (arrival,
+    c), paired per round and sample, a sample's rounds one unit; the TOST at `MARGIN`; the full
+    cache's exact match x100), (None, None, nan) without a pair. A request that did not finish
+    scores 0, as the benchmark's points count it (`eval.bench.serving.summarize`)."""
+    here = requests[(requests["arrival"] == arrival) & (requests["concurrency"] == c)]
+    score = pd.to_numeric(here["exact"], errors="coerce").where(here["status"] == "finished", 0.0)
+    here = here.assign(_score=score)
+    mine, full = here[here["config"] == config], here[here["config"] == "full"]
+    both = mine.merge(full, on=["round", "sample_id"], suffixes=("", "_full"))
+    both = both[both["_score"].notna() & both["_score_full"].notna()]
+    if both.empty:
+        return None, None, math.nan
+    unit = both["sample_id"].astype(str).to_numpy()
+    x, y = both["_score"].to_numpy(float), both["_score_full"].to_numpy(float)
+    same = tost(100 * (x - y), MARGIN, unit) if len(set(unit)) >= 2 else None
+    return compare(x, y, unit), same, 100 * float(y.mean())
+
+
+def serving_table(points: list[dict], requests: pd.DataFrame) -> list[Paying]:
+    """Per (arrival, eviction config) of one benchmark run: where it starts to pay and what its answers
+    cost there (`Paying`), Holm over the run's comparisons."""
+    rat = ratios(points)
+    keys = sorted({(p["arrival"], p["config"]) for p in points if p["config"] != "full"})
+    out = []
+    for arrival, config in keys:
+        spreads = {c: spread(v.values()) for (a, c, cfg), v in rat.items() if (a, cfg) == (arrival, config)}
+        spreads = {c: s for c, s in sorted(spreads.items()) if s is not None}
+        # the whole IQR above 1 (strictly), over enough rounds for an IQR
+        paying = [c for c, s in spreads.items() if s.n >= PAY_ROUNDS and s.q1 > 1.0]
+        pays = paying[0] if paying else None
+        top = max(spreads) if spreads else None
+        at = pays if pays is not None else top
+        row = Paying(arrival, config, pays, at, top, spreads.get(at) if at is not None else None)
+        if at is not None and not requests.empty:
+            c, same, row.full_exact = _exact_vs_full(requests, arrival, at, config)
+            if c is not None:
+                row.line = Line(
+                    f"{arrival} {config} at {at}", "", c.n, math.nan, math.nan, vs_full=c, same_full=same
+                )
+        out.append(row)
+    tested = [r.line for r in out if r.line is not None]
+    adjusted = holm([ln.vs_full.p_read for ln in tested]) if tested else []
+    for ln, p in zip(tested, adjusted):
+        ln.holm_full = float(p)
+    return out
+
+
+def search_limits(search: pd.DataFrame) -> dict[str, int]:
+    """{config: the largest concurrency the search ran without preemption (0: none)} of a search.csv."""
+    ok = search["ok"].astype(str).str.lower() == "true"
+    return {
+        str(cfg): int(g.loc[ok[g.index], "concurrency"].max()) if ok[g.index].any() else 0
+        for cfg, g in search.groupby("config", sort=False)
+    }
+
+
+def _spread_text(s: Spread | None) -> str:
+    if s is None:
+        return ""
+    return f"{s.median:.2f} [{s.q1:.2f}, {s.q3:.2f}] ({s.n})"
+
+
+def _serving_run(run: Path, root: Path) -> list[str]:
+    """One benchmark folder's table and reading lines."""
+    points = _csv_records(run / "points.csv")
+    requests = pd.read_csv(run / "requests.csv") if (run / "requests.csv").is_file() else pd.DataFrame()
+    rel = run.relative_to(root).as_posix()
+    models = sorted({str(p["model"]) for p in points if p.get("model")})
+    pools = sorted({int(p["pool_blocks"]) for p in points if p.get("pool_blocks") is not None})
+    rounds = len({p["round"] for p in points})
+    files = ["points.csv", "requests.csv", "search.csv"] + sorted(
+        p.name for p in run.glob("throughput_*.png")
+    )
+    links = ", ".join(f"[{f}]({rel}/{f})" for f in files if (run / f).is_file())
+    out = [
+        f"{rel}: {', '.join(models) or 'model ?'}, {'/'.join(map(str, pools)) or '?'} KV blocks, "
+        f"{rounds} round{'s' if rounds != 1 else ''} ({links}):",
+        "",
+    ]
+    table = serving_table(points, requests)
+    if not table:
+        return [*out, "No eviction configuration beside the full cache.", ""]
+    rows = []
+    for r in table:
+        if r.pays is not None:
+            pays = str(r.pays)
+        elif r.top is None:
+            pays = "no ratio"
+        elif r.ratio is not None and r.ratio.n < PAY_ROUNDS:
+            pays = f"not read ({r.ratio.n} round{'s' if r.ratio.n != 1 else ''})"
+        else:
+            pays = f"not up to {r.top}"
+        c = r.line.vs_full if r.line is not None else None
+        rows.append([r.arrival, r.config, pays, "" if r.at is None else r.at, _spread_text(r.ratio),
+                     "" if c is None else f"{r.full_exact + c.diff:.1f} ({r.full_exact:.1f})", diff_text(c),
+                     "" if c is None else n_units_text(c), p_text(r.line.holm_full) if c is not None else ""])  # fmt: skip
+    headers = ["arrival", "config", "pays from", "at", "ratio to full: median [IQR] (rounds)",
+               "exact x100 (full)", "minus full [95% CI]", "n", "Holm p"]  # fmt: skip
+    out += [md_table(headers, rows, text_columns=2), ""]
+    for arrival in sorted({r.arrival for r in table}):
+        mine = [r for r in table if r.arrival == arrival]
+        groups: dict[int | None, list[str]] = {}
+        for r in mine:
+            groups.setdefault(r.pays, []).append(r.config)
+        said = [
+            f"{'at none run' if c is None else f'from {c}'}: {', '.join(configs)}"
+            for c, configs in sorted(groups.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+        ]
+        out.append(
+            f"- {arrival.capitalize()} arrivals, the concurrency from which eviction pays (the throughput "
+            f"ratio's whole IQR over ≥ {PAY_ROUNDS} rounds above 1): " + "; ".join(said) + "."
+        )
+    tested = [r.line for r in table if r.line is not None]
+    said_full = grouped(tested, "full")
+    if said_full:
+        out.append(
+            f"- Exact match minus the full cache's on the same requests there (a request's rounds one unit; "
+            f"Holm over the table's {sum(not math.isnan(ln.holm_full) for ln in tested)} comparisons): "
+            + "; ".join(said_full)
+            + "."
+        )
+    if (run / "search.csv").is_file():
+        limits = search_limits(pd.read_csv(run / "search.csv"))
+        order = sorted(limits, key=lambda k: (k != "full", k))
+        out.append(
+            "- Largest concurrency without preemption (closed loop, binary search): "
+            + "; ".join(f"{k} {limits[k]}" for k in order)
+            + "."
+        )
+    return [*out, ""]
+
+
+def section(root: Path) -> str:
+    """The section "Where does eviction pay in a serving engine?" from results/serving/ (the CSVs of
+    `scripts/bench_serving.py`, one folder per model): per eviction config and arrival process, the
+    smallest concurrency from which its throughput beats the full cache's over the rounds' IQR, its
+    exact match there minus the full cache's on the same requests, and the search's largest
+    concurrency without preemption; '' while the folder does not exist (the page is unchanged until
+    the run)."""
+    folder = root / FOLDER
+    if not folder.is_dir():
+        return ""
+    out = [
+        "## Where does eviction pay in a serving engine?",
+        "",
+        f"```bash\n{COMMAND}\n```",
+        "",
+        "OpenVINO GenAI's continuous batching over a fixed KV pool serves the same needle requests under the "
+        "full cache and each eviction mode at each budget, concurrency 1 up to the pool's limit, the "
+        "configurations interleaved within each round. Eviction pays from the smallest concurrency at which "
+        "its completed tokens/s over the full cache's of the same round has its whole interquartile range "
+        "over the rounds above 1; its exact match there minus the full cache's, on the same requests. "
+        f"How the benchmark runs: [docs/benchmarking.md](../docs/benchmarking.md#serving-at-a-fixed-kv-pool-openvino-genai). Rows: [{FOLDER}/]({FOLDER}/).",
+        "",
+    ]
+    runs = serving_runs(folder)
+    if not runs:
+        return "\n".join([*out, "No rows yet.", ""])
+    for run in runs:
+        out += _serving_run(run, root)
+    return "\n".join(out)

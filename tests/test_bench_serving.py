@@ -21,6 +21,7 @@ from conftest import CHATML, byte_level_bpe, in_child_process
 
 from eval.bench import serving
 from eval.bench.serving import Config, Request
+from eval.engines.openvino import KV_BLOCK_SIZE
 from eval.tasks import haystack as hs
 from eval.tasks.needle.task import NEEDLES
 
@@ -566,3 +567,9 @@ def test_real_smoke_run_on_a_tiny_gguf(tmp_path):
     usage = {p["config"]: float(p["max_cache_usage"]) for p in points if p["concurrency"] == "2"}
     assert usage["snapkv@128"] < usage["full"]
     assert (out / "throughput_closed.png").exists()
+
+
+def test_the_bench_checks_sizes_against_the_engines_cpu_block():
+    """The CLI checks the pool and budgets against the KV block before torch or the engine loads, so
+    it holds its own copy of the CPU plugin's block size: the two agree."""
+    assert serving.BLOCK_SIZE == KV_BLOCK_SIZE["CPU"]

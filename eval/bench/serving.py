@@ -72,8 +72,9 @@ MODES: dict[str, tuple[str, int | None] | None] = {
     "snapkv": ("norm_sum", None),  # None: the --snapkv-window value
 }
 ARRIVALS = ("closed", "poisson")
-# The CPU plugin's KV block (tokens): 8 blocks hold a 256-token prefill chunk. Only the default
-# concurrency sweep's estimate of the pool's limit uses it.
+# The CPU plugin's KV block (tokens; `eval.engines.openvino.KV_BLOCK_SIZE["CPU"]`, which a test holds
+# this equal to): here so the CLI checks sizes before importing the engine package (and torch). 8
+# blocks hold a 256-token prefill chunk.
 BLOCK_SIZE = 32
 INSTALL = "pip install .[openvino]"
 EMBEDDED_MODEL = "smollm2-135m-instruct"

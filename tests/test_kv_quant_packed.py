@@ -7,6 +7,7 @@ codes, scales, zero points and the residual."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import importlib.util
 import shutil
@@ -304,3 +305,29 @@ def test_value_groups_must_divide_head_dim(packed):
         compress_context(model, ids, build_method("full"), kv_quant=quant).kv_bytes()
     with pytest.raises(ValueError, match="head_dim=16, group_size=32"):
         KiviPack.quantize(torch.zeros(1, 2, 4, 16), 4, 32, keys=False)
+
+
+@pytest.mark.parametrize("method", ["full", "snapkv"])
+def test_a_decode_step_dequantizes_each_pack_once(method, monkeypatch):
+    """Reading `keys` / `values` of packed storage builds a new tensor: a decode step reads each
+    layer's key pack and value pack once (what the layer's `update` returns), never a second time."""
+    model, steps = tiny_model("llama"), collections.Counter()
+    step = {"layer0": 0}
+    dequantize, update = KiviPack.dequantize, CompressibleLayer.update
+
+    def counted_dequantize(pack):
+        steps[step["layer0"]] += 1
+        return dequantize(pack)
+
+    def counted_update(layer, *args, **kwargs):
+        step["layer0"] += layer.index == 0
+        return update(layer, *args, **kwargs)
+
+    monkeypatch.setattr(KiviPack, "dequantize", counted_dequantize)
+    monkeypatch.setattr(CompressibleLayer, "update", counted_update)
+    kwargs = {"budget": 64} if method == "snapkv" else {}
+    generate_ids(model, random_ids(200), method=build_method(method, **kwargs), max_new_tokens=12,
+                 kv_quant=QUANTS["kivi4"])  # fmt: skip
+    layers = model.config.num_hidden_layers
+    decode = {s: n for s, n in steps.items() if s > 1}  # step 1: the prefill, nothing packed yet
+    assert len(decode) == 11 and set(decode.values()) == {2 * layers}, steps

@@ -637,7 +637,11 @@ the run while benchmarks had the machine.
         "protocols_fp32": """
 Qwen2.5-Coder in float32 (any CPU), the first two depth sets of contexts, every method: the
 catalogue ran on a CPU without AMX tiles, where bfloat16 is several times slower, so the six
-methods of results/protocols ran again here in float32 beside it.
+methods of results/protocols ran again here in float32 beside it. The rows at 5997bfc (the
+leaderboard's needle cell, query_aware, for expected_attention, adakv_expected_attention, knorm,
+kvzip, snapkv_d and rkv) ran on a CPU without avx512_fp16; the full cache and SnapKV, re-run on that
+CPU at that commit on the first two contexts (`task.depths=[0,25]`, 8 questions each), gave the
+predictions of their rows here for every question (float32 answers agreed across the two kinds).
 """,
         "ruler": """
 bf16, on a CPU with AMX tiles (one torch thread). The 4K rows of vt, cwe and fwe come from RULER

@@ -372,10 +372,6 @@ def _interval(r: pd.Series) -> str:
     return f"n<{MIN_N}" if r["n_units"] < MIN_N else f"[{r['lo']:+.1f}, {r['hi']:+.1f}]"
 
 
-def _p(p: float) -> str:
-    return "—" if isinstance(p, float) and math.isnan(p) else ("<0.001" if p < 0.001 else f"{p:.3f}")
-
-
 def _n(r: pd.Series) -> str:
     n, u = int(r["n_shared"]), int(r["n_units"])
     return f"n={n}" if n == u else f"n={n}, {u} units"
@@ -440,8 +436,8 @@ def markdown(items: Sequence[Analysis], figures: dict[str, str] | None = None) -
                       "minus the full cache:", ""]  # fmt: skip
             parts += [f"- {s}" for s in sentences(a.costs)] + [""]
             rows = [[fraction_text(r["target"]), r["config"], r["kind"], f"{r['fraction']:.3f}", cell(r["score"], 1),
-                     cell(r["full_score"], 1), f"{r['diff']:+.1f} ({_n(r)})", _interval(r), _p(r["p"]),
-                     _p(r["p_exact"]), _p(r["p_holm"])] for _, r in a.costs.iterrows()]  # fmt: skip
+                     cell(r["full_score"], 1), f"{r['diff']:+.1f} ({_n(r)})", _interval(r), p_text(r["p"]),
+                     p_text(r["p_exact"]), p_text(r["p_holm"])] for _, r in a.costs.iterrows()]  # fmt: skip
             parts += [md_table(["target", "config", "kind", "bytes / full", "score", "full", "difference x100 (n)",
                                 "95% interval", "p", "p exact", "p Holm"], rows, text_columns=3), ""]  # fmt: skip
         parts += ["### Equal-bytes pairs", ""]
@@ -451,7 +447,7 @@ def markdown(items: Sequence[Analysis], figures: dict[str, str] | None = None) -
             parts += [f"Configurations of different kinds whose mean bytes on the shared samples lie within "
                       f"±{a.tolerance:.0%} of each other, the first minus the second:", ""]  # fmt: skip
             rows = [[r["config"], r["minus"], f"{r['kv_bytes'] / 2**20:.2f} / {r['minus_kv_bytes'] / 2**20:.2f}",
-                     f"{r['diff']:+.1f} ({_n(r)})", _interval(r), _p(r["p"]), _p(r["p_exact"]), _p(r["p_holm"]),
+                     f"{r['diff']:+.1f} ({_n(r)})", _interval(r), p_text(r["p"]), p_text(r["p_exact"]), p_text(r["p_holm"]),
                      r["test"]] for _, r in a.pairs.iterrows()]  # fmt: skip
             parts += [md_table(["config", "minus", "KV MiB (config / minus)", "difference x100 (n)", "95% interval",
                                 "p", "p exact", "p Holm", "test"], rows, text_columns=2), ""]  # fmt: skip

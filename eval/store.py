@@ -141,6 +141,10 @@ ROW_SCHEMA: dict[str, tuple[str, str]] = {
         "int",
         "peak memory during the sample: the CUDA allocator peak on GPU, the process RSS peak (sampled) on CPU",
     ),
+    "decode_peak_mem_bytes": (
+        "int | null",
+        "peak memory while decoding, from the end of compression on (same probe as peak_mem_bytes; on CPU an upper bound, RSS keeps what the allocator holds); absent where a protocol or task does not measure it and in rows written before it was recorded",
+    ),
     "attn_impl": ("str", "attention implementation (`sdpa`, `eager`, `flash_attention_2`)"),
     "dtype": ("str", "model dtype (`bfloat16`, ...)"),
     "device": ("str", "device the sample ran on (`cuda:0`, `cpu`, ...)"),

@@ -41,11 +41,17 @@ def cache_kwarg(model) -> str:
 
 class PeakMemory:
     """Peak memory over a block: the CUDA allocator peak on GPU, else the process RSS peak (sampled
-    every `interval` s in a thread; the OS's own ru_maxrss cannot be reset within a process)."""
+    every `interval` s in a thread; the OS's own ru_maxrss cannot be reset within a process).
+
+    `phase()` starts a later phase inside the block (e.g. decoding after the prompt's prefill):
+    `peak` stays the whole block's, `phase_peak` is the peak from that call on (None without one).
+    A decode phase's peak is what the kept cache costs while generating, which the prefill's
+    activations hide in `peak`."""
 
     def __init__(self, device: torch.device, interval: float = 0.005):
         self.device, self.interval = device, interval
         self.peak = 0
+        self.phase_peak: int | None = None
 
     def __enter__(self) -> PeakMemory:
         if self.device.type == "cuda":
@@ -61,16 +67,37 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._see(self._proc.memory_info().rss)
+
+    def _see(self, rss: int) -> None:
+        self.peak = max(self.peak, rss)
+        if self.phase_peak is not None:
+            self.phase_peak = max(self.phase_peak, rss)
+
+    def phase(self) -> None:
+        """Start the later phase: its peak starts at the memory in use now."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            # the allocator has one resettable peak: fold the block's so far into `peak` first
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.phase_peak = torch.cuda.memory_allocated(self.device)
+        else:
+            rss = self._proc.memory_info().rss
+            self._see(rss)
+            self.phase_peak = rss
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
+            now = torch.cuda.max_memory_allocated(self.device)
+            self.peak = max(self.peak, now)
+            if self.phase_peak is not None:
+                self.phase_peak = max(self.phase_peak, now)
         else:
             self._stop.set()
             self._thread.join()
-            self.peak = max(self.peak, self._proc.memory_info().rss)
+            self._see(self._proc.memory_info().rss)
 
 
 def step(

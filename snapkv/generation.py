@@ -123,6 +123,11 @@ class GenerationResult:
     callbacks excluded), the cost of a long generation's extra tokens included.
     `scoring_s`: seconds of the method's own pass after the prompt forward (KVzip's context
     reconstruction, `OwnPass.after_prefill`), part of `prefill_s` and `ttft_s`; ~0 for the others.
+
+    Memory (`snapkv.forward.PeakMemory`: the CUDA allocator's peak, or the process RSS on CPU):
+    `peak_mem_bytes` over the whole generation, usually the prefill's activations;
+    `decode_peak_mem_bytes` from the end of compression on, where the kept cache is what changes
+    (on CPU an upper bound: RSS counts freed memory the allocator keeps; None where not measured).
     """
 
     text: str
@@ -154,6 +159,7 @@ class GenerationResult:
     logits: list[torch.Tensor] | None = field(default=None, repr=False)
     scoring_s: float = 0.0
     kv_index_bytes: int | None = None
+    decode_peak_mem_bytes: int | None = None
 
     def to_dict(self, with_steps: bool = False) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self).items() if k != "logits"}
@@ -167,15 +173,24 @@ class GenerationResult:
         return {k: v for k, v in self.to_dict().items() if k not in ("text", "output_ids")}
 
     @classmethod
-    def of(cls, model, prompt: Compressed, decoded: Decoded, peak_mem_bytes: int) -> GenerationResult:
+    def of(
+        cls,
+        model,
+        prompt: Compressed,
+        decoded: Decoded,
+        peak_mem_bytes: int,
+        decode_peak_mem_bytes: int | None = None,
+    ) -> GenerationResult:
         """The result of one sample: `decoded` from `prompt` on `model`, under a memory peak of
-        `peak_mem_bytes` (text left empty: the id entry points return ids)."""
+        `peak_mem_bytes`, `decode_peak_mem_bytes` while decoding (text left empty: the id entry
+        points return ids)."""
         return cls(
             text="",
             output_ids=decoded.ids[0].tolist(),
             **prompt.measurements(),
             **decoded.measurements(),
             peak_mem_bytes=peak_mem_bytes,
+            decode_peak_mem_bytes=decode_peak_mem_bytes,
             attn_impl=model.config._attn_implementation,
             device=str(model.device),
             decode_s=decoded.steps,
@@ -549,8 +564,10 @@ def _generate(
     cache = _new_cache(model, method, cfg.kv_quant)
     with hooks.session(model, method, cache) as s, PeakMemory(model.device) as mem:
         prompt = compress(model, context_ids, question_ids=question_ids, session=s, config=cfg)
+        mem.phase()
         decoded = decode(model, prompt, seeds=seeds, session=s, config=cfg)
-    return [(d.ids, GenerationResult.of(model, prompt, d, int(mem.peak))) for d in decoded]
+    during = int(mem.phase_peak) if mem.phase_peak is not None else None
+    return [(d.ids, GenerationResult.of(model, prompt, d, int(mem.peak), during)) for d in decoded]
 
 
 def _new_cache(model, method: Method, kv_quant: KVQuant | None) -> CompressedCache:

@@ -28,6 +28,7 @@ import csv
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -187,10 +188,24 @@ def test_peak_memory_probe_sees_an_allocation(device):
         assert mem.peak - idle.peak >= 0.9 * size  # process RSS, sampled: most of the pages seen
 
 
+def test_a_peak_memory_phase_sees_only_what_follows_it(device):
+    size = 256 * 2**20
+    with PeakMemory(device) as mem:
+        x = torch.ones(size // 4, dtype=torch.float32, device=device)
+        time.sleep(0.05)  # the CPU probe samples RSS every 5 ms
+        del x
+        mem.phase()
+        y = torch.ones(size // 64, dtype=torch.float32, device=device)
+        time.sleep(0.05)
+        del y
+    assert mem.phase_peak is not None and mem.peak - mem.phase_peak >= 0.9 * size
+
+
 def test_generation_peak_memory_is_at_least_the_kv_cache(device):
     model = model_on(device)
     _, res = generate_ids(model, random_ids(PROMPT).to(device), None, build_method("full"), max_new_tokens=2)
     assert res.kv_bytes > 0 and res.peak_mem_bytes >= res.kv_bytes
+    assert res.kv_bytes <= res.decode_peak_mem_bytes <= res.peak_mem_bytes  # decoding holds the cache
     assert not snapkv.hooks_installed()
 
 

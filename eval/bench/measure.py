@@ -89,6 +89,7 @@ def measure(model, vocab: int, spec: dict[str, Any]) -> dict[str, Any]:
             ttft_s=ttft_s,
             tpot_s=tpot_s,
             peak_mem_bytes=res.peak_mem_bytes,
+            decode_peak_mem_bytes=res.decode_peak_mem_bytes,
             kv_bytes=res.kv_bytes,
             kv_index_bytes=res.kv_index_bytes,
             kv_bytes_full=res.kv_bytes_full,

@@ -229,6 +229,7 @@ def config_table(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
             "ref_prefill_cpu_s",
             "ref_decode_cpu_s",
             "peak_mem_bytes",
+            "decode_peak_mem_bytes",
             "kv_bytes",
             "kv_index_bytes",
             "other_cores",
@@ -261,7 +262,8 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
         "(±: IQR / median; ref ms: CPU of one prefill / decode reference forward, the machine's speed meanwhile; "
         "other cores: CPU other processes used meanwhile)",
         f"{'method':>13} {'batch':>5} {'length':>7} {'ok':>4} {'prefill s':>14} {'TPOT ms':>14} "
-        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'ref ms':>17} {'peak GiB':>9} {'KV MiB':>8} {'idx MiB':>7} "
+        f"{'prefill cpu s':>14} {'TPOT cpu ms':>14} {'ref ms':>17} {'peak GiB':>9} {'decode GiB':>10} {'KV MiB':>8} "
+        f"{'idx MiB':>7} "
         f"{'other cores':>11}",
     ]
     for rec in config_table(rows):
@@ -270,7 +272,8 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
             f"{_fmt(rec['prefill_s']):>14} {_fmt(rec['tpot_s'], 1e3, 1):>14} "
             f"{_fmt(rec['prefill_cpu_s']):>14} {_fmt(rec['tpot_cpu_s'], 1e3, 1):>14} "
             f"{_fmt(rec['ref_prefill_cpu_s'], 1e3, 0, False) + ' / ' + _fmt(rec['ref_decode_cpu_s'], 1e3, 0, False):>17} "
-            f"{_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
+            f"{_fmt(rec['peak_mem_bytes'], 2**-30, 2, False):>9} {_fmt(rec['decode_peak_mem_bytes'], 2**-30, 2, False):>10} "
+            f"{_fmt(rec['kv_bytes'], 2**-20, 1, False):>8} "
             f"{_fmt(rec['kv_index_bytes'], 2**-20, 2, False):>7} {_fmt(rec['other_cores'], 1, 2, False):>11}"
         )
     max_other = {
@@ -350,9 +353,9 @@ def _kv_points(table: list[dict[str, Any]], method: str, batch: int, scale: floa
 def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     """TPOT and peak memory vs input length (medians over the kept rounds), and the longest input
     each method ran: `<out stem>_{tpot,peak_mem,longest}.png` beside the CSV. The peak memory
-    figure draws beside each configuration's measured peak (solid) the KV bytes its cache counts
-    (dashed: `kv_bytes` + `kv_index_bytes`, quantized storage as stored), accounting and reality on
-    one axis."""
+    figure draws beside each configuration's measured peak (solid) its peak while decoding (dotted:
+    `decode_peak_mem_bytes`, where the rows have it) and the KV bytes its cache counts (dashed:
+    `kv_bytes` + `kv_index_bytes`, quantized storage as stored), accounting and reality on one axis."""
     # Lazy: matplotlib only when plotting, and pyplot only after the Agg backend is chosen.
     import matplotlib
 
@@ -364,13 +367,19 @@ def plot(rows: Sequence[dict[str, Any]], out: Path) -> list[Path]:
     series = sorted({(t["method"], t["batch_size"]) for t in table})
     first = rows[0]
     for key, ylabel, scale, stem in [("tpot_s", "decode ms / token (TPOT)", 1e3, "tpot"),
-                                     ("peak_mem_bytes", "peak memory; KV bytes dashed (GiB)", 1 / 2**30, "peak_mem")]:  # fmt: skip
+                                     ("peak_mem_bytes", "peak memory; decoding dotted; KV bytes dashed (GiB)", 1 / 2**30, "peak_mem")]:  # fmt: skip
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
         for method, batch in series:
             pts = sorted((t["input_tokens"], t[key].median * scale) for t in table
                          if t["method"] == method and t["batch_size"] == batch and t[key] is not None)  # fmt: skip
             if pts:
                 (line,) = ax.plot(*zip(*pts), marker="o", label=f"{method} (batch {batch})")
+            during = sorted((t["input_tokens"], t["decode_peak_mem_bytes"].median * scale) for t in table
+                            if stem == "peak_mem" and t["method"] == method and t["batch_size"] == batch
+                            and t.get("decode_peak_mem_bytes") is not None)  # fmt: skip
+            if during:
+                ax.plot(*zip(*during), marker="x", linestyle=":", color=line.get_color() if pts else None,
+                        label=f"{method} (batch {batch}) decoding")  # fmt: skip
             kv = _kv_points(table, method, batch, scale) if stem == "peak_mem" else []
             if kv:
                 ax.plot(*zip(*kv), marker=".", linestyle="--", color=line.get_color() if pts else None,

@@ -52,7 +52,7 @@ COLUMNS = ["round", "order", "method", "budget", "batch_size", "input_tokens", "
            "decode_other_cores", "load_start", "load_end",
            "torch_threads", "cpu_count", *(k.lower() for k in THREAD_ENV),
            "model", "dtype", "device", "attn_impl", "method_params", "tpot_mean_cpu_s", "tpot_mean_ref",
-           "kv_quant", "kv_index_bytes"]  # fmt: skip
+           "kv_quant", "kv_index_bytes", "decode_peak_mem_bytes"]  # fmt: skip
 CLOCKS = ("ref", "cpu", "wall")
 # Top-level shortcuts for the model config's keys (`dtype=bfloat16` -> `model.dtype=bfloat16`).
 MODEL_ALIASES = ("dtype", "device", "attn_implementation")

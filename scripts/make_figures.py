@@ -286,7 +286,9 @@ def main(argv: list[str]) -> int:
         written += digits(root, out)
     committed = root.resolve() == (ROOT / "results").resolve()
     written += gallery(root, ROOT / "README.md" if committed else None)
-    written += equal_bytes_report.render(root / equal_bytes_report.FOLDER)
+    written += equal_bytes_report.render(
+        root / equal_bytes_report.FOLDER, plan=equal_bytes_report.load_plan()
+    )
     written += latency(root, out)
     written += observation(root, out)
     docs = (

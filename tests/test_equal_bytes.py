@@ -271,6 +271,51 @@ def test_the_grid_composes(storage):
         assert r.budget is None or spec.method.params()["budget"] == r.budget
 
 
+def test_a_config_the_reuse_folder_holds_is_read_from_there_when_its_rows_count_index_bytes(tmp_path):
+    plan = [
+        r
+        for r in eb.load_plan()
+        if r.task == "ruler_niah_4k" and r.storage is None and r.budget in (None, 1024)
+    ]
+    snap, h2o, full = (next(r for r in plan if r.method == m) for m in ("snapkv", "h2o", "full"))
+    assert snap.reuse == "leaderboard_ruler"
+    named = eb.keys([snap, h2o, full])
+    reuse, own = tmp_path / snap.reuse, tmp_path / eb.FOLDER
+
+    def rows(run, index_bytes):
+        model, task, method_hash = named[run]
+        out = []
+        for i, b in enumerate(index_bytes):
+            r = base_row(
+                f"s-{i}", task, "niah_single_2", run.method, {}, 1.0, kv_bytes=1000, kv_bytes_full=FULL
+            )
+            r.update(model=model, method_hash=method_hash, **({} if b is None else {"kv_index_bytes": b}))
+            out.append(r)
+        return out
+
+    write(reuse, rows(snap, [80, 80, 80]) + rows(h2o, [80, None, 80]))  # h2o: one row predates the field
+    write(own, rows(full, [0, 0, 0]))
+    taken = eb.reused([snap, h2o, full], own)
+    assert list(taken) == [snap] and len(taken[snap]) == 3
+    loaded = eb.load_rows(own, [snap, h2o, full])
+    assert sorted(loaded["method"]) == ["full"] * 3 + ["snapkv"] * 3
+    (a,) = eb.analyses(loaded)
+    assert dict(zip(a.configs["method"], a.configs["rows_from"])) == {"full": "", "snapkv": "leaderboard_ruler"}
+    assert "| leaderboard_ruler/ |" in eb.markdown([a])
+    assert len(eb.load_rows(own)) == 3  # no plan: the folder alone
+    write(own, rows(snap, [80, 80, 80]))  # the grid's own rows of a config win
+    assert eb.reused([snap, h2o, full], own) == {}
+    assert eb.reused([snap], tmp_path / "elsewhere" / eb.FOLDER) == {}  # no reuse folder beside it
+
+
+def test_the_grid_reuses_the_leaderboards_ruler_cell_and_the_script_runs_it_there(capsys):
+    s = script()
+    assert s.main(["list", "only=ruler_niah_4k/snapkv@1024"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.endswith("method=snapkv budget=1024 results_dir=results/leaderboard_ruler")
+    assert line.count("results_dir=") == 1
+
+
 def script():
     spec = importlib.util.spec_from_file_location("equal_bytes_script", ROOT / "scripts" / "equal_bytes.py")
     module = importlib.util.module_from_spec(spec)

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from eval import protocols
@@ -59,6 +60,7 @@ from eval.report import leaderboard
 from eval.report.build import prepare
 from eval.report.paired import units
 from eval.report.wording import MARGIN, Line, diff_text, grouped, n_units_text, p_text, provenance
+from eval.spec import RunSpec
 from eval.stats import FEW_UNITS, MIN_N, RESAMPLES, Comparison, Equivalence, compare, holm, tost, units_of
 from eval.store import ResultStore, shared_samples
 from eval.tables import cell, md_table, slug
@@ -73,7 +75,7 @@ MARKDOWN = "equal_bytes.md"
 QUANT_FIELDS = ("kind", "bits", "group_size", "residual", "order")
 
 CONFIG_COLUMNS = ["model", "config", "kind", "series", "method", "budget", "kv_quant", "n", "n_units", "score",
-                  "kv_bytes", "kv_bytes_full", "fraction", "vs_full"]  # fmt: skip
+                  "kv_bytes", "kv_bytes_full", "fraction", "vs_full", "rows_from"]  # fmt: skip
 PAIR_COLUMNS = ["model", "config", "kind", "minus", "minus_kind", "n_shared", "n_units", "kv_bytes",
                 "minus_kv_bytes", "bytes_ratio", "diff", "lo", "hi", "p", "p_exact", "p_holm", "test"]  # fmt: skip
 COST_COLUMNS = ["model", "target", "config", "kind", "fraction", "n_shared", "n_units", "score", "full_score",
@@ -90,6 +92,7 @@ class Run:
     budget: int | None
     storage: str | None
     overrides: tuple[str, ...]
+    reuse: str | None = None  # a results folder beside the grid's whose rows of this config count
 
     @property
     def name(self) -> str:
@@ -104,6 +107,10 @@ def load_plan(path: Path = GRID) -> list[Run]:
     tasks, storage = node.get("tasks") or {}, node.get("storage") or {}
     if not tasks or not node.get("runs"):
         raise ValueError(f"{path} must list equal_bytes.tasks and equal_bytes.runs")
+    reuse = node.get("reuse") or {}
+    stray = [t for t in reuse if t not in tasks]
+    if stray:
+        raise ValueError(f"reuse names unknown task {stray[0]!r} in {path}; known: {', '.join(tasks)}")
     plan = []
     for task, task_overrides in tasks.items():
         for entry in node["runs"]:
@@ -122,8 +129,61 @@ def load_plan(path: Path = GRID) -> list[Run]:
                         overrides = [*node.get("common", []), *task_overrides, f"method={method}"]
                         overrides += [] if budget is None else [f"budget={budget}"]
                         overrides += [] if store is None else storage[store]
-                        plan.append(Run(task, method, budget, store, tuple(overrides)))
+                        plan.append(Run(task, method, budget, store, tuple(overrides), reuse.get(task)))
     return plan
+
+
+def keys(runs: Sequence[Run], conf_dir: Path = ROOT / "conf") -> dict[Run, tuple[str, str, str]]:
+    """{run: (model key, task name, method hash)}: what names a run's rows, composed as `run.py`
+    composes its overrides."""
+    with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
+        specs = {r: RunSpec.from_config(compose("config", overrides=list(r.overrides))) for r in runs}
+    return {r: (s.model.key, s.task.name, s.method_hash) for r, s in specs.items()}
+
+
+def records_index_bytes(rows: pd.DataFrame) -> bool:
+    """Whether every row records `kv_index_bytes`: only then do its bytes count what the grid's own
+    rows count (rows written before the field existed count none)."""
+    return len(rows) > 0 and "kv_index_bytes" in rows.columns and bool(rows["kv_index_bytes"].notna().all())
+
+
+def reused(plan: Sequence[Run], folder: Path) -> dict[Run, pd.DataFrame]:
+    """{run: rows} of the grid's configs that a task's `reuse` folder (beside `folder`, the grid's
+    results folder) already holds: the same config (model, task, hash), every row recording
+    `kv_index_bytes`. The leaderboard's RULER cell is one of the grid's configs, so it is read, not
+    run again. A config that `folder` itself holds rows of is not reused (its own rows count)."""
+    root = folder.parent
+    runs = [r for r in plan if r.reuse and (root / r.reuse).is_dir()]
+    if not runs:
+        return {}
+    named = keys(runs)
+    own = ResultStore.load_dir(folder) if folder.is_dir() else pd.DataFrame()
+    held = set() if own.empty else set(zip(own["model"], own["task"], own["method_hash"].astype(str)))
+    out, folders = {}, {}
+    for r in runs:
+        if named[r] in held:
+            continue
+        if r.reuse not in folders:
+            folders[r.reuse] = ResultStore.load_dir(root / r.reuse)
+        rows = folders[r.reuse]
+        if rows.empty:
+            continue
+        model, task, method_hash = named[r]
+        mine = rows[
+            rows["model"].eq(model) & rows["task"].eq(task) & rows["method_hash"].astype(str).eq(method_hash)
+        ]
+        if records_index_bytes(mine):
+            out[r] = mine
+    return out
+
+
+def load_rows(folder: Path, plan: Sequence[Run] = ()) -> pd.DataFrame:
+    """The rows the equal-bytes report reads: `folder`'s, plus those of the plan's configs that
+    `reused` takes from a task's `reuse` folder beside it, named in `rows_from` (no plan: the folder
+    alone)."""
+    own = ResultStore.load_dir(folder) if folder.is_dir() else pd.DataFrame()
+    taken = [rows.assign(rows_from=r.reuse) for r, rows in reused(plan, folder).items()]
+    return pd.concat([own, *taken], ignore_index=True) if taken else own
 
 
 # ----------------------------------------------------------------------------------- configurations
@@ -263,7 +323,8 @@ def analyse(
             [model, c, first["kind"], first["series"], first["method"], first["budget"],
              None if quant is None else {k: quant.get(k) for k in quant}, len(mine), n_units, score,
              mine["kv_bytes"].mean(), mine["kv_bytes_full"].mean(),
-             mine["kv_bytes"].sum() / mine["kv_bytes_full"].sum(), vs_full]
+             mine["kv_bytes"].sum() / mine["kv_bytes_full"].sum(), vs_full,
+             first["rows_from"] if "rows_from" in mine.columns and isinstance(first["rows_from"], str) else ""]
         )  # fmt: skip
     configs = pd.DataFrame(records, columns=CONFIG_COLUMNS)
 
@@ -411,7 +472,9 @@ def markdown(items: Sequence[Analysis], figures: dict[str, str] | None = None) -
     parts = [
         "# Eviction against quantization at equal bytes",
         "",
-        "Written by `eval/report/equal_bytes.py` from the rows of this folder. Bytes are what the "
+        "Written by `eval/report/equal_bytes.py` from the rows of this folder, and of the grid's configs "
+        "that another folder already holds (`equal_bytes.reuse` in conf/experiment/equal_bytes.yaml; "
+        "the configurations table names where each config's rows are). Bytes are what the "
         "cache costs: the rows' `kv_bytes` (the storage held: packed codes, scales and zero points, the "
         "full-precision residual) plus `kv_index_bytes` (the kept entries' int64 positions; none in rows "
         "written before it was recorded); a byte fraction is their Σ / Σ kv_bytes_full (the full cache "
@@ -453,10 +516,13 @@ def markdown(items: Sequence[Analysis], figures: dict[str, str] | None = None) -
                                 "p", "p exact", "p Holm", "test"], rows, text_columns=2), ""]  # fmt: skip
         parts += ["### Configurations", ""]
         rows = [[r["config"], r["kind"], f"{r['fraction']:.3f}", cell(r["kv_bytes"] / 2**20, 2), cell(r["score"], 1),
-                 f"{int(r['n'])}" + ("" if r["vs_full"] or r["kind"] == "full" else " (own samples)")]
+                 f"{int(r['n'])}" + ("" if r["vs_full"] or r["kind"] == "full" else " (own samples)"),
+                 f"{r['rows_from']}/" if r["rows_from"] else "this folder"]
                 for _, r in a.configs.iterrows()]  # fmt: skip
         parts += [
-            md_table(["config", "kind", "bytes / full", "KV MiB", "score x100", "n"], rows, text_columns=2),
+            md_table(
+                ["config", "kind", "bytes / full", "KV MiB", "score x100", "n", "rows"], rows, text_columns=2
+            ),
             "",
         ]
     return "\n".join(parts)
@@ -566,7 +632,7 @@ def section(root: Path) -> str:
         f"[{name}/]({name}/{MARKDOWN}).",
         "",
     ]
-    raw = ResultStore.load_dir(folder)
+    raw = load_rows(folder, load_plan())
     prepared = prepare(raw) if not raw.empty else raw
     items = analyses(raw) if not prepared.empty else []
     if not items:
@@ -583,13 +649,15 @@ def render(
     out: str | Path | None = None,
     tolerance: float = TOLERANCE,
     fractions: Sequence[float] = FRACTIONS,
+    plan: Sequence[Run] = (),
 ) -> list[Path]:
-    """Write the figure(s), equal_bytes.md and the CSVs of `results_dir` into `out` (default: the
-    folder itself); [] and nothing written where the folder is missing or holds no ok, scored rows."""
+    """Write the figure(s), equal_bytes.md and the CSVs of `results_dir` (with the rows `plan`'s
+    configs reuse from beside it, `load_rows`) into `out` (default: the folder itself); [] and
+    nothing written where the folder is missing or holds no ok, scored rows."""
     results_dir = Path(results_dir)
     if not results_dir.is_dir():
         return []
-    items = analyses(ResultStore.load_dir(results_dir), tolerance, fractions)
+    items = analyses(load_rows(results_dir, plan), tolerance, fractions)
     if not items:
         return []
     out = Path(out) if out is not None else results_dir
@@ -617,12 +685,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results_dir", type=Path)
     ap.add_argument("--out", type=Path, default=None, help="output dir (default: RESULTS_DIR)")
     ap.add_argument("--tolerance", type=float, default=TOLERANCE, help="relative bytes tolerance of a match")
+    ap.add_argument("--grid", type=Path, default=None,
+                    help="a grid file (conf/experiment/equal_bytes.yaml) whose reused configs' rows beside RESULTS_DIR count")  # fmt: skip
     args = ap.parse_args(argv)
     if not args.results_dir.is_dir():
         print(f"error: results dir not found: {args.results_dir}", file=sys.stderr)
         return 2
     try:
-        written = render(args.results_dir, args.out, args.tolerance)
+        plan = load_plan(args.grid) if args.grid is not None else ()
+        written = render(args.results_dir, args.out, args.tolerance, plan=plan)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from test_report import base_row, write
 
 from eval.bench import run as bench
-from eval.bench.report import decode_step_ratios
+from eval.bench.report import decode_step_ratios, method_ratio_lines
 from eval.report import equal_bytes as eb
 from eval.report import leaderboard as lb
 from eval.spec import RunSpec
@@ -300,7 +300,10 @@ def test_a_config_the_reuse_folder_holds_is_read_from_there_when_its_rows_count_
     loaded = eb.load_rows(own, [snap, h2o, full])
     assert sorted(loaded["method"]) == ["full"] * 3 + ["snapkv"] * 3
     (a,) = eb.analyses(loaded)
-    assert dict(zip(a.configs["method"], a.configs["rows_from"])) == {"full": "", "snapkv": "leaderboard_ruler"}
+    assert dict(zip(a.configs["method"], a.configs["rows_from"])) == {
+        "full": "",
+        "snapkv": "leaderboard_ruler",
+    }
     assert "| leaderboard_ruler/ |" in eb.markdown([a])
     assert len(eb.load_rows(own)) == 3  # no plan: the folder alone
     write(own, rows(snap, [80, 80, 80]))  # the grid's own rows of a config win
@@ -396,6 +399,14 @@ def test_bench_speed_passes_quantized_storage_through_to_each_configuration(tmp_
     assert set(ratios) == {"full+kivi4", "snapkv", "snapkv+kivi4"} and ratios[
         "snapkv"
     ].median == pytest.approx(1.0)
+    header, *lines = method_ratio_lines(rows, "ref")
+    assert "decode step / full's at 8192, / full's at 512; prefill / full's at 8192" in header
+    assert [line.split() for line in lines] == [
+        [m, "step", f"{same:.3f}", f"[{same:.3f},", f"{same:.3f}]", "step", f"{short:.3f}", f"[{short:.3f},",
+         f"{short:.3f}]", "prefill", "1.000", "[1.000,", "1.000]"]
+        for m, same, short in (("full+kivi4", 0.25, 0.5), ("snapkv", 0.5, 1.0), ("snapkv+kivi4", 0.125, 0.25))
+    ]  # fmt: skip
+    assert method_ratio_lines([r for r in rows if r["method"] != "full" or r["input_tokens"] != 8192]) == []
     with out.open(newline="") as f:
         stored = {r["method"]: r["kv_quant"] for r in csv.DictReader(f)}
     assert json.loads(stored["snapkv+kivi4"])["bits"] == 4 and stored["snapkv"] == ""

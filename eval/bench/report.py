@@ -323,8 +323,32 @@ def summary_text(rows: Sequence[dict[str, Any]], cfg: Any) -> str:
             "per-round spread on this machine, and the rounds a run needs for two runs' medians to agree "
             "within 10% (~95%): " + "; ".join(needed)
         )
+    lines += method_ratio_lines(rows, cfg.clock)
     lines.append(last_line(rows, cfg.clock))
     return "\n".join(lines)
+
+
+def method_ratio_lines(rows: Sequence[dict[str, Any]], clock: str = "ref") -> list[str]:
+    """Every method run at the longest input (quantized storages `method+name` included), per kept
+    round then median [Q1, Q3]: its decode step over the full cache's at the same input (what the
+    method and its storage cost a step beside the plain cache it replaces, e.g. dequantization)
+    and at the shortest input (beside a plain cache of about the kept size), and its prefill over
+    the full cache's at the same input. [] where the full cache did not run at the longest input."""
+    tpot = CLOCK_COLUMNS[clock]["tpot_s"]
+    same, short = _over_full(rows, tpot, "same", False), _over_full(rows, tpot, "shortest", False)
+    prefill = prefill_ratios(rows, clock)
+    if all(v is None for v in same.values()):
+        return []
+    lengths, _ = _cells(_ok(rows))
+    out = [
+        f"per method at {lengths[-1]} tokens ({clock} times; median [Q1, Q3] of per-round ratios): decode step / "
+        f"full's at {lengths[-1]}, / full's at {lengths[0]}; prefill / full's at {lengths[-1]}"
+    ]
+    for m in same:
+        out.append(
+            f"  {m:>16}  step {_ratio(same[m])}  step {_ratio(short.get(m))}  prefill {_ratio(prefill.get(m))}"
+        )
+    return out
 
 
 def last_line(rows: Sequence[dict[str, Any]], clock: str = "wall") -> str:

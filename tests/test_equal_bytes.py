@@ -163,6 +163,21 @@ def test_rows_without_kv_quant_are_the_plain_cache(tmp_path):
     assert list(a.costs["config"]) == [label("snap512")]
 
 
+def test_a_cost_counts_configurations_within_the_window_of_a_target(folder):
+    """Quantized storage lands where its bits, scales and residual put it: the costs table takes a
+    configuration whose realised fraction lies within `WINDOW` (25 %) of a target, not only 10 %."""
+    rows = labelled(folder)
+    near = eb.analyse(rows, window=0.25).costs
+    assert "streamingllm b=1024" not in set(near["config"])  # 1300 / 4000 = 0.325: 30 % above 1/4
+    wide = eb.analyse(rows, window=0.35).costs
+    (stream,) = wide[wide["config"] == "streamingllm b=1024"].itertuples()
+    assert stream.target == 0.25 and stream.fraction == pytest.approx(0.325)
+    strict = eb.analyse(rows, window=0.0).costs
+    assert set(strict["config"]) == {"full + kivi-4", "snapkv b=512 w=32"}  # exactly 1/4 and 1/8
+    with pytest.raises(ValueError, match=r"window must be >= 0, got window=-1"):
+        eb.analyse(rows, window=-1)
+
+
 def test_bad_tolerance_is_refused(folder):
     with pytest.raises(ValueError, match=r"tolerance must be >= 0, got tolerance=-0.1"):
         eb.analyse(labelled(folder), tolerance=-0.1)

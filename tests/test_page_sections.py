@@ -102,7 +102,7 @@ def test_equal_bytes_table_is_the_best_of_each_kind_at_each_fraction_from_the_re
     assert cost["diff"] == -50.0
     # Holm over every configuration near a target, the costs table's family (5 of them)
     assert f"Holm over the model's {len(a.costs)} configurations near a target" in text and len(a.costs) == 5
-    assert "No configuration within ±10% of the target: combined at 1/4, combined at 1/8." in text
+    assert "No configuration within ±25% of the target: combined at 1/4, combined at 1/8." in text
     assert f"[{eb.FOLDER}/]({eb.FOLDER}/{eb.MARKDOWN})" in text
     assert f"({eb.FOLDER}/equal_bytes_{slug(MODEL)}.png)" in text
 

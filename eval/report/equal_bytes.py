@@ -70,7 +70,8 @@ GRID = ROOT / "conf" / "experiment" / "equal_bytes.yaml"
 TOLERANCE = 0.10
 # How near a target fraction a configuration's realised bytes must lie to answer "what does 1/4 cost":
 # wider than the pairs' tolerance because quantized storage lands where its bits, scales and residual
-# put it (KIVI-4 in float32 ~0.20, KIVI-2 ~0.14), not on a target; each row shows its own fraction.
+# put it, not on a target (KIVI-4 of a float32 cache, groups of 32: 1/8 in codes + 1/16 in scales and
+# zero points + the residual); each row shows its own fraction.
 WINDOW = 0.25
 FRACTIONS = (1 / 4, 1 / 8)
 KINDS = ("full", "quantized", "combined", "eviction")

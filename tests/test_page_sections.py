@@ -107,6 +107,13 @@ def test_equal_bytes_table_is_the_best_of_each_kind_at_each_fraction_from_the_re
     assert f"({eb.FOLDER}/equal_bytes_{slug(MODEL)}.png)" in text
 
 
+def test_equal_bytes_section_links_the_speed_run_where_there_is_one(tmp_path):
+    equal_bytes_folder(tmp_path)
+    assert eb.SPEED not in eb.section(tmp_path)
+    (tmp_path / eb.SPEED).mkdir(parents=True)
+    assert f"[{eb.SPEED}/]({eb.SPEED}/README.md)" in eb.section(tmp_path)
+
+
 def test_equal_bytes_reading_follows_holm_and_the_tost(tmp_path):
     equal_bytes_folder(tmp_path)
     text = eb.section(tmp_path)

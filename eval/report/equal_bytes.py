@@ -76,6 +76,7 @@ WINDOW = 0.25
 FRACTIONS = (1 / 4, 1 / 8)
 KINDS = ("full", "quantized", "combined", "eviction")
 FOLDER = "equal_bytes"  # the results folder scripts/make_figures.py renders
+SPEED = "bench/kv_quant_8k"  # the speed bench's run on quantized storage, linked from the page
 MARKDOWN = "equal_bytes.md"
 QUANT_FIELDS = ("kind", "bits", "group_size", "residual", "order")
 
@@ -648,6 +649,12 @@ def section(root: Path) -> str:
         f"[{name}/]({name}/{MARKDOWN}).",
         "",
     ]
+    if (root / SPEED).is_dir():
+        out += [
+            f"What quantized storage costs a decode step and a prefill at 8K, with and without eviction: "
+            f"[{SPEED}/]({SPEED}/README.md).",
+            "",
+        ]
     raw = load_rows(folder, load_plan())
     prepared = prepare(raw) if not raw.empty else raw
     items = analyses(raw) if not prepared.empty else []

@@ -5,7 +5,7 @@
 
 `run` launches `run.py` once per config of the grid, single-threaded (OMP_NUM_THREADS=1); `run.py`
 resumes a config that has rows already, so a rerun continues where the last one stopped. A config
-that a task's `reuse` folder holds (the same config's rows, each recording kv_index_bytes:
+that a task's `reuse` folder holds (the same config's rows, counting the bytes the grid counts:
 `equal_bytes.reused`) runs there instead, where `run.py` finds its rows and runs what is missing. `only`
 keeps the configs whose name (`<task>/<method>[@budget][+storage]`) contains it. A config that fails
 is reported and the next one runs; the exit code is then 1. The figures and tables are rendered by

@@ -323,6 +323,10 @@ def test_a_config_the_reuse_folder_holds_is_read_from_there_when_its_rows_count_
     assert len(eb.load_rows(own)) == 3  # no plan: the folder alone
     write(own, rows(snap, [80, 80, 80]))  # the grid's own rows of a config win
     assert eb.reused([snap, h2o, full], own) == {}
+    # the plain full cache keeps no index: its rows count what the grid counts without the field
+    elsewhere = tmp_path / "b"
+    write(elsewhere / snap.reuse, rows(full, [None, None, None]))
+    assert list(eb.reused([full], elsewhere / eb.FOLDER)) == [full]
     assert eb.reused([snap], tmp_path / "elsewhere" / eb.FOLDER) == {}  # no reuse folder beside it
 
 

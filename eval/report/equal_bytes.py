@@ -147,16 +147,22 @@ def keys(runs: Sequence[Run], conf_dir: Path = ROOT / "conf") -> dict[Run, tuple
     return {r: (s.model.key, s.task.name, s.method_hash) for r, s in specs.items()}
 
 
-def records_index_bytes(rows: pd.DataFrame) -> bool:
-    """Whether every row records `kv_index_bytes`: only then do its bytes count what the grid's own
-    rows count (rows written before the field existed count none)."""
-    return len(rows) > 0 and "kv_index_bytes" in rows.columns and bool(rows["kv_index_bytes"].notna().all())
+def counts_what_the_grid_counts(rows: pd.DataFrame) -> bool:
+    """Whether a config's rows count the bytes the grid's own rows count: every row records
+    `kv_index_bytes` (rows written before the field existed count none), or the config is the plain
+    full cache, which keeps no index (its rows' none is exact)."""
+    if len(rows) == 0:
+        return False
+    if "kv_index_bytes" in rows.columns and bool(rows["kv_index_bytes"].notna().all()):
+        return True
+    quants = rows["kv_quant"].map(quant_of) if "kv_quant" in rows.columns else pd.Series([None] * len(rows))
+    return bool(rows["method"].eq("full").all() and quants.isna().all())
 
 
 def reused(plan: Sequence[Run], folder: Path) -> dict[Run, pd.DataFrame]:
     """{run: rows} of the grid's configs that a task's `reuse` folder (beside `folder`, the grid's
-    results folder) already holds: the same config (model, task, hash), every row recording
-    `kv_index_bytes`. The leaderboard's RULER cell is one of the grid's configs, so it is read, not
+    results folder) already holds: the same config (model, task, hash) whose rows
+    `counts_what_the_grid_counts`. The leaderboard's RULER cell is one of the grid's configs, so it is read, not
     run again. A config that `folder` itself holds rows of is not reused (its own rows count)."""
     root = folder.parent
     runs = [r for r in plan if r.reuse and (root / r.reuse).is_dir()]
@@ -178,7 +184,7 @@ def reused(plan: Sequence[Run], folder: Path) -> dict[Run, pd.DataFrame]:
         mine = rows[
             rows["model"].eq(model) & rows["task"].eq(task) & rows["method_hash"].astype(str).eq(method_hash)
         ]
-        if records_index_bytes(mine):
+        if counts_what_the_grid_counts(mine):
             out[r] = mine
     return out
 

@@ -60,6 +60,7 @@ class PeakMemory:
         else:
             self._proc = psutil.Process()
             self._stop = threading.Event()
+            self._lock = threading.Lock()  # a sample read before `phase()` never counts into its peak
             self.peak = self._proc.memory_info().rss
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
@@ -67,12 +68,14 @@ class PeakMemory:
 
     def _sample(self) -> None:
         while not self._stop.wait(self.interval):
-            self._see(self._proc.memory_info().rss)
+            self._see()
 
-    def _see(self, rss: int) -> None:
-        self.peak = max(self.peak, rss)
-        if self.phase_peak is not None:
-            self.phase_peak = max(self.phase_peak, rss)
+    def _see(self) -> None:
+        with self._lock:
+            rss = self._proc.memory_info().rss
+            self.peak = max(self.peak, rss)
+            if self.phase_peak is not None:
+                self.phase_peak = max(self.phase_peak, rss)
 
     def phase(self) -> None:
         """Start the later phase: its peak starts at the memory in use now."""
@@ -83,9 +86,9 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.phase_peak = torch.cuda.memory_allocated(self.device)
         else:
-            rss = self._proc.memory_info().rss
-            self._see(rss)
-            self.phase_peak = rss
+            with self._lock:
+                rss = self._proc.memory_info().rss
+                self.peak, self.phase_peak = max(self.peak, rss), rss
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
@@ -97,7 +100,7 @@ class PeakMemory:
         else:
             self._stop.set()
             self._thread.join()
-            self._see(self._proc.memory_info().rss)
+            self._see()
 
 
 def step(

@@ -681,7 +681,17 @@ The RULER cell of the leaderboard (`python scripts/leaderboard.py run cells=rule
 one config per method, single-threaded. The rows marked dirty at adc36ee ran from a clean checkout
 of that commit whose only untracked files were these runs' own rows under results/ (which the code
 state counted then and leaves out now: `eval.provenance.git_state`). Timings come from a shared
-machine: each row's `other_cores` and `load_1m` say how busy it was.
+machine: each row's `other_cores` and `load_1m` say how busy it was. The equal-bytes grid's RULER
+configs at 1024 are this cell's configs: its report reads them from here (results/equal_bytes).
+""",
+        "equal_bytes": """
+The grid of conf/experiment/equal_bytes.yaml (`python scripts/equal_bytes.py run`), one config after
+another, single-threaded, in two lanes from a clean checkout. The RULER task's full cache and the
+methods at 1024 whose rows count the bytes this folder counts are the leaderboard's (results/
+leaderboard_ruler), read from there: the configurations table of equal_bytes.md names each
+config's folder; adakv, adakv_expected_attention, chunkkv and criticalkv at 1024 ran again here
+because some of their leaderboard rows predate `kv_index_bytes`. The needle task holds one context
+per depth (2 per config), so its configs' comparisons rest on RULER's 8 prompts beside them.
 """,
     }
 )

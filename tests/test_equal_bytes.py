@@ -4,6 +4,7 @@ eval.stats on the shared samples, the costs of 1/4 and 1/8 of the full cache's b
 with the full cache drawn, and nothing rendered where there are no rows."""
 
 import csv
+import dataclasses
 import importlib.util
 import json
 import math
@@ -195,13 +196,13 @@ def test_the_figure_draws_the_full_cache(analysis):
     labels = {ln.get_label() for ln in ax.get_lines()}
     (quantized,) = [ln for ln in ax.get_lines() if ln.get_label() == "full + kivi (quantized)"]
     assert list(quantized.get_xdata()) == pytest.approx([540 / 2**20, 1000 / 2**20])  # 2 then 4 bits
-    (quantized,) = [ln for ln in ax.get_lines() if ln.get_label() == "full + kivi (quantized)"]
-    assert list(quantized.get_xdata()) == pytest.approx([540 / 2**20, 1000 / 2**20])  # 2 then 4 bits
-    assert {
-        "full + kivi (quantized)",
-        "snapkv w=32 (eviction)",
-        "snapkv w=32 + kivi (combined)",
-    } <= labels
+    # a line is named by its method (+ storage) while that names it alone
+    assert {"full + kivi (quantized)", "snapkv (eviction)", "snapkv + kivi (combined)"} <= labels
+    c = analysis.configs
+    other = c[c["config"] == "snapkv b=1024 w=32"].assign(series="snapkv w=8", config="snapkv b=1024 w=8")
+    two = dataclasses.replace(analysis, configs=pd.concat([analysis.configs, other], ignore_index=True))
+    labels = {ln.get_label() for ln in eb.figure(two).axes[0].get_lines()}
+    assert {"snapkv w=32 (eviction)", "snapkv w=8 (eviction)", "snapkv w=32 + kivi (combined)"} <= labels
 
 
 def test_render_writes_the_figure_tables_and_markdown(folder, tmp_path):

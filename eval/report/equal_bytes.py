@@ -424,14 +424,20 @@ def figure(a: Analysis):
 
     fig = Figure(figsize=(10, 5.5))
     ax = fig.add_subplot()
-    palette = [f"C{i}" for i in range(10)] + ["#8c564b", "#17becf", "#bcbd22", "#7f7f7f", "#393b79", "#637939",
-                                              "#8c6d31", "#843c39", "#7b4173", "#3182bd"]  # fmt: skip
+    # tab10, then ten darker colours none of tab10's: no two of twenty series share a colour
+    palette = [f"C{i}" for i in range(10)] + ["#393b79", "#637939", "#8c6d31", "#843c39", "#7b4173", "#e6550d",
+                                              "#31a354", "#756bb1", "#636363", "#3182bd"]  # fmt: skip
     c = a.configs
-    for i, (series, g) in enumerate(c[c["kind"] != "full"].groupby("series", sort=False)):
+    lines = list(c[c["kind"] != "full"].groupby("series", sort=False))
+    # a line is named by its method (+ storage) where that names it alone, else by its whole label
+    short = {series: str(g["method"].iloc[0]) + (series[series.rfind(" + ") :] if " + " in series else "")
+             for series, g in lines}  # fmt: skip
+    unique = len(set(short.values())) == len(short)
+    for i, (series, g) in enumerate(lines):
         g = g.sort_values("kv_bytes")
         kind = str(g["kind"].iloc[0])
         ax.plot(g["kv_bytes"] / 2**20, g["score"], marker=MARKERS[kind], linestyle=STYLES[kind],
-                color=palette[i % len(palette)], label=f"{series} ({kind})")  # fmt: skip
+                color=palette[i % len(palette)], label=f"{short[series] if unique else series} ({kind})")  # fmt: skip
     for _, r in c[c["kind"] == "full"].iterrows():
         mib = r["kv_bytes"] / 2**20
         ax.axhline(r["score"], color="black", linestyle="--", linewidth=0.8)
@@ -446,7 +452,7 @@ def figure(a: Analysis):
     ax.set_ylabel("score x100")
     ax.set_title(f"Eviction against quantization at equal bytes ({a.model})")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.subplots_adjust(left=0.07, right=0.62, bottom=0.1)
+    fig.subplots_adjust(left=0.07, right=0.72, bottom=0.1)
     return fig
 
 
@@ -695,7 +701,7 @@ def render(
     written, figures = [], {}
     for a in items:
         path = out / f"equal_bytes_{slug(a.model)}.png"
-        figure(a).savefig(path, dpi=150)
+        figure(a).savefig(path, dpi=150, bbox_inches="tight")  # the legend sits beside the axes
         figures[a.model] = path.name
         written.append(path)
     for name, frames in (("configs", [a.configs for a in items]), ("pairs", [a.pairs for a in items]),

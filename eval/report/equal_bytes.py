@@ -159,17 +159,19 @@ def counts_what_the_grid_counts(rows: pd.DataFrame) -> bool:
     return bool(rows["method"].eq("full").all() and quants.isna().all())
 
 
-def reused(plan: Sequence[Run], folder: Path) -> dict[Run, pd.DataFrame]:
+def reused(plan: Sequence[Run], folder: Path, own: pd.DataFrame | None = None) -> dict[Run, pd.DataFrame]:
     """{run: rows} of the grid's configs that a task's `reuse` folder (beside `folder`, the grid's
     results folder) already holds: the same config (model, task, hash) whose rows
     `counts_what_the_grid_counts`. The leaderboard's RULER cell is one of the grid's configs, so it is read, not
-    run again. A config that `folder` itself holds rows of is not reused (its own rows count)."""
+    run again. A config that `folder` itself holds rows of is not reused (its own rows count);
+    `own`: those rows where the caller has loaded them already."""
     root = folder.parent
     runs = [r for r in plan if r.reuse and (root / r.reuse).is_dir()]
     if not runs:
         return {}
     named = keys(runs)
-    own = ResultStore.load_dir(folder) if folder.is_dir() else pd.DataFrame()
+    if own is None:
+        own = ResultStore.load_dir(folder) if folder.is_dir() else pd.DataFrame()
     held = set() if own.empty else set(zip(own["model"], own["task"], own["method_hash"].astype(str)))
     out, folders = {}, {}
     for r in runs:
@@ -194,7 +196,7 @@ def load_rows(folder: Path, plan: Sequence[Run] = ()) -> pd.DataFrame:
     `reused` takes from a task's `reuse` folder beside it, named in `rows_from` (no plan: the folder
     alone)."""
     own = ResultStore.load_dir(folder) if folder.is_dir() else pd.DataFrame()
-    taken = [rows.assign(rows_from=r.reuse) for r, rows in reused(plan, folder).items()]
+    taken = [rows.assign(rows_from=r.reuse) for r, rows in reused(plan, folder, own).items()]
     return pd.concat([own, *taken], ignore_index=True) if taken else own
 
 

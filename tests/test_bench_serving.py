@@ -453,9 +453,11 @@ def test_run_interleaves_configurations_and_scores_the_same_requests(tokenizer, 
         built.append((cfg.label, max_seqs))
         return FakePipeline(clock, settings.pool_blocks, block=16, budget=cfg.budget, answer=answer)
 
+    ident = {"engine": "fake 1.0", "kv_cache_precision": "u8", "cpu": "fake CPU", "length": 160}
     res = serving.run(
-        settings, tokenizer, make, model="fake", clock=clock, sleep=clock.sleep, log=lambda s: None
-    )
+        settings, tokenizer, make, model="fake", clock=clock, sleep=clock.sleep, log=lambda s: None,
+        ident=ident,
+    )  # fmt: skip
     # one pipeline per configuration (+ the reference's), sized for the largest concurrency
     assert built == [("full", 1), ("full", 4), ("snapkv@128", 4), ("sum@128", 4)]
     assert len(res.points) == 2 * 2 * 2 * 3
@@ -475,6 +477,8 @@ def test_run_interleaves_configurations_and_scores_the_same_requests(tokenizer, 
     with open(out / "points.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == len(res.points) and set(serving.POINT_COLUMNS) <= set(rows[0])
+    # every point row says what ran
+    assert all(r["engine"] == "fake 1.0" and r["cpu"] == "fake CPU" and r["length"] == "160" for r in rows)
     assert (out / "search.csv").exists() and (out / "requests.csv").exists()
     figures = serving.plot(res.points, out / "throughput.png")
     assert [p.name for p in figures] == ["throughput_closed.png", "throughput_poisson.png"]
@@ -573,3 +577,15 @@ def test_the_bench_checks_sizes_against_the_engines_cpu_block():
     """The CLI checks the pool and budgets against the KV block before torch or the engine loads, so
     it holds its own copy of the CPU plugin's block size: the two agree."""
     assert serving.BLOCK_SIZE == KV_BLOCK_SIZE["CPU"]
+
+
+def test_identity_names_the_engine_precisions_cpu_and_settings():
+    pytest.importorskip("openvino_genai", reason="openvino_genai is not installed (pip install .[openvino])")
+    settings = serving.parse(["--length", "512", "--budgets", "256", "--rate", "0.25"])
+    ident = serving.identity(settings)
+    assert set(ident) == set(serving.IDENTITY_COLUMNS)
+    assert ident["engine"].startswith("openvino-genai 2026.")
+    # the plugin's resolved defaults, spelled as OpenVINO spells element types
+    assert ident["kv_cache_precision"] in {"u8", "u4", "f16", "bf16", "f32"}
+    assert ident["inference_precision"] in {"bf16", "f16", "f32"}
+    assert ident["length"] == 512 and ident["rate"] == 0.25 and ident["snapkv_window"] == 8

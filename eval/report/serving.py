@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from eval.engines.parity import load_dirs, parity_table
 from eval.report.wording import MARGIN, Line, diff_text, grouped, n_units_text, p_text
 from eval.stats import Spread, compare, holm, spread, tost
 from eval.tables import md_table
@@ -42,6 +43,14 @@ COMMAND = (
     "--out results/serving/MODEL   # one folder per model"
 )
 PAY_ROUNDS = 3  # rounds below which a ratio's IQR is not read: one or two values are no spread
+# Engine parity: the engine's rows (run.py engine=openvino) and the folders of the transformers rows
+# they are held against (the same task config, so the same samples)
+PARITY = "serving/parity"
+PARITY_HARNESS = ("needle_methods",)
+PARITY_COMMAND = (
+    "python run.py -m experiment=needle_methods engine=openvino method=full,snapkv,h2o "
+    "model=MODEL results_dir=results/serving/parity"
+)
 
 
 @dataclass
@@ -232,8 +241,36 @@ def section(root: Path) -> str:
         "",
     ]
     runs = serving_runs(folder)
-    if not runs:
-        return "\n".join([*out, "No rows yet.", ""])
     for run in runs:
         out += _serving_run(run, root)
-    return "\n".join(out)
+    if not runs:
+        out += ["No serving rows yet.", ""]
+    return "\n".join(out + parity_section(root))
+
+
+def parity_section(root: Path) -> list[str]:
+    """The engine-parity table (`eval.engines.parity.parity_table`): each engine config's rows in
+    `PARITY` against the closest transformers config in `PARITY_HARNESS`, on the same samples;
+    nothing while `PARITY` holds no rows."""
+    engine = root / PARITY
+    if not (engine.is_dir() and any(engine.rglob("*.jsonl"))):
+        return []
+    harness = [root / d for d in PARITY_HARNESS if (root / d).is_dir()]
+    table = parity_table(load_dirs([engine, *harness]), MARGIN)
+    return [
+        "### Does the engine agree with the harness?",
+        "",
+        f"```bash\n{PARITY_COMMAND}\n```",
+        "",
+        "The engine's rows (f32 KV cache and inference, the same prompt ids, stop tokens and scorer) held "
+        f"against the transformers rows of the same task config with the same method settings "
+        f"({', '.join(f'[{d}/]({d}/)' for d in PARITY_HARNESS)}): the share of samples scored the same and "
+        "answered with the same text (for the full cache: greedy parity), the flips each way, the "
+        f"difference with its paired 95% interval and the equivalence test at ±{MARGIN:g} points. "
+        "The engine keeps whole blocks of 32 tokens and scores them with its own aggregation, so an "
+        "eviction config is the closest harness config, not the same algorithm. "
+        f"Rows: [{PARITY}/]({PARITY}/).",
+        "",
+        table,
+        "",
+    ]

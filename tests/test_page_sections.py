@@ -259,10 +259,10 @@ def parity_rows(method: str, params: dict, scores: list[float], engine: str | No
     return out
 
 
-def test_parity_table_holds_the_engines_rows_against_the_harness_folder(tmp_path):
+def test_parity_table_holds_the_engines_rows_against_the_harness_rows_beside_them(tmp_path):
     assert serving.parity_section(tmp_path) == []  # no engine rows: nothing
     harness_scores = [1.0] * 10 + [0.0] * 10
-    write(tmp_path / "needle_methods", parity_rows("full", {}, harness_scores, None)
+    write(tmp_path / serving.PARITY, parity_rows("full", {}, harness_scores, None)
           + parity_rows("snapkv", snap(512), [0.0] * 20, None))  # fmt: skip
     engine_scores = [*harness_scores[:18], 1.0, 1.0]  # two samples the other way
     write(tmp_path / serving.PARITY, parity_rows("full", {}, engine_scores, "openvino"))

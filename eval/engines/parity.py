@@ -91,7 +91,8 @@ class Agreement:
 
 
 def _pair_key(df: pd.DataFrame) -> pd.Series:
-    # The same prompt: the sample id, and its prompt text's hash where both rows have one.
+    # The same prompt: the sample id and its prompt text's hash (a row without one, written before
+    # rows recorded it, pairs only with rows without one: an older prompt may differ).
     sha = df["prompt_sha"] if "prompt_sha" in df.columns else pd.Series("", index=df.index)
     return df["sample_id"].astype(str) + "|" + sha.fillna("").astype(str)
 

@@ -13,9 +13,10 @@ from typing import Any
 
 import pandas as pd
 
-from eval.engines.parity import load_dirs, parity_table
+from eval.engines.parity import parity_table
 from eval.report.wording import MARGIN, Line, diff_text, grouped, n_units_text, p_text
 from eval.stats import Spread, compare, holm, spread, tost
+from eval.store import ResultStore
 from eval.tables import md_table
 
 
@@ -43,13 +44,13 @@ COMMAND = (
     "--out results/serving/MODEL   # one folder per model"
 )
 PAY_ROUNDS = 3  # rounds below which a ratio's IQR is not read: one or two values are no spread
-# Engine parity: the engine's rows (run.py engine=openvino) and the folders of the transformers rows
-# they are held against (the same task config, so the same samples)
+# Engine parity: the engine's rows (run.py engine=openvino) beside the transformers rows of the same
+# task config (conf/experiment/engine_parity.yaml), so the same samples
 PARITY = "serving/parity"
-PARITY_HARNESS = ("needle_methods",)
 PARITY_COMMAND = (
-    "python run.py -m experiment=needle_methods engine=openvino method=full,snapkv,h2o "
-    "model=MODEL results_dir=results/serving/parity"
+    "python run.py -m experiment=engine_parity                                  # the harness\n"
+    "python run.py -m experiment=engine_parity engine=openvino engine.threads=1  # the engine\n"
+    "# and both with model=qwen2.5-coder-0.5b-instruct method=full,snapkv"
 )
 
 
@@ -250,21 +251,19 @@ def section(root: Path) -> str:
 
 def parity_section(root: Path) -> list[str]:
     """The engine-parity table (`eval.engines.parity.parity_table`): each engine config's rows in
-    `PARITY` against the closest transformers config in `PARITY_HARNESS`, on the same samples;
-    nothing while `PARITY` holds no rows."""
-    engine = root / PARITY
-    if not (engine.is_dir() and any(engine.rglob("*.jsonl"))):
+    `PARITY` against the closest transformers config there, on the same samples; nothing while
+    `PARITY` holds no rows."""
+    folder = root / PARITY
+    if not (folder.is_dir() and any(folder.rglob("*.jsonl"))):
         return []
-    harness = [root / d for d in PARITY_HARNESS if (root / d).is_dir()]
-    table = parity_table(load_dirs([engine, *harness]), MARGIN)
+    table = parity_table(ResultStore.load_dir(folder), MARGIN)
     return [
         "### Does the engine agree with the harness?",
         "",
         f"```bash\n{PARITY_COMMAND}\n```",
         "",
         "The engine's rows (f32 KV cache and inference, the same prompt ids, stop tokens and scorer) held "
-        f"against the transformers rows of the same task config with the same method settings "
-        f"({', '.join(f'[{d}/]({d}/)' for d in PARITY_HARNESS)}): the share of samples scored the same and "
+        "against the transformers rows (float32) of the same prompts with the same method settings: the share of samples scored the same and "
         "answered with the same text (for the full cache: greedy parity), the flips each way, the "
         f"difference with its paired 95% interval and the equivalence test at ±{MARGIN:g} points. "
         "The engine keeps whole blocks of 32 tokens and scores them with its own aggregation, so an "

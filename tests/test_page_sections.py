@@ -272,3 +272,14 @@ def test_parity_table_holds_the_engines_rows_against_the_harness_rows_beside_the
     cells = [c.strip() for c in line.strip("|").split("|")]
     # 20 pairs, 18 the same score and text, 2 flips towards the engine, 60 against 50
     assert cells[4:10] == ["20", "90%", "90%", "2", "0", "60.0"] and cells[10] == "50.0"
+
+
+def test_readme_says_where_each_eviction_config_pays_from_the_rows(tmp_path):
+    assert serving.readme_lines(tmp_path) == []
+    serving_folder(tmp_path)
+    (line,) = serving.readme_lines(tmp_path)
+    assert line.startswith("- tiny.gguf, a pool of 48 KV blocks ([serving/tiny/](serving/tiny/)): ")
+    assert "closed snapkv@256 pays from concurrency 2 (read at 2, throughput x1.20 [1.15, 1.25] (3)" in line
+    assert "exact match -100.0 [-100.0, -100.0] vs the full cache's 100.0" in line
+    assert "closed sum@256 pays at no concurrency up to 4 (read at 4" in line
+    assert line in page.readme_block(tmp_path)

@@ -554,7 +554,8 @@ def folder_readme(folder: Path) -> str | None:
 # ------------------------------------------------------------------------------------- top README
 def readme_block(root: Path) -> str:
     """The result lines of the top README.md: the default grid's full cache and SnapKV at 512
-    (results/sweep_window_budget), and StreamingLLM on needle_methods' 1K/2K prompts (SmolLM2)."""
+    (results/sweep_window_budget), StreamingLLM on needle_methods' 1K/2K prompts (SmolLM2), and
+    where eviction pays in the serving benchmark (results/serving, `serving.readme_lines`)."""
     sweep = load(root / "sweep_window_budget")
     sweep = sweep[(sweep["model"] == SMOL) & sweep["ok"]] if not sweep.empty else sweep
     rows = []
@@ -600,6 +601,16 @@ def readme_block(root: Path) -> str:
                 f"{100 * s['score'].mean():.0f} exact / {100 * s['partial'].mean():.0f} partial credit.",
                 "",
             ]
+    lines = serving.readme_lines(root)
+    if lines:
+        out += [
+            "Where eviction pays in a serving engine (OpenVINO GenAI's continuous batching over a fixed KV "
+            "pool, the same needle requests under each configuration; throughput ratio to the full cache "
+            "median [IQR] over rounds; [results page](results/README.md#where-does-eviction-pay-in-a-serving-engine)):",
+            "",
+            *lines,
+            "",
+        ]
     return "\n".join(out)
 
 

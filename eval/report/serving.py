@@ -273,3 +273,31 @@ def parity_section(root: Path) -> list[str]:
         table,
         "",
     ]
+
+
+def readme_lines(root: Path) -> list[str]:
+    """The top README's serving lines: per benchmark run (model) and arrival process, each eviction
+    config's concurrency from which it pays, its throughput ratio there and its exact match minus
+    the full cache's on the same requests (`serving_table`, Holm within the run); [] without runs."""
+    out = []
+    for run in serving_runs(root / FOLDER):
+        points = _csv_records(run / "points.csv")
+        requests = pd.read_csv(run / "requests.csv") if (run / "requests.csv").is_file() else pd.DataFrame()
+        model = ", ".join(sorted({str(p["model"]) for p in points if p.get("model")})) or run.name
+        pools = "/".join(
+            map(str, sorted({int(p["pool_blocks"]) for p in points if p.get("pool_blocks") is not None}))
+        )
+        said = []
+        for r in serving_table(points, requests):
+            where = f"from concurrency {r.pays}" if r.pays is not None else f"at no concurrency up to {r.top}"
+            ratio = f", throughput x{_spread_text(r.ratio)}" if r.ratio is not None else ""
+            c = r.line.vs_full if r.line is not None else None
+            cost = (
+                f", exact match {diff_text(c)} vs the full cache's {r.full_exact:.1f} (Holm p {p_text(r.line.holm_full)})"
+                if c is not None
+                else ""
+            )
+            said.append(f"{r.arrival} {r.config} pays {where} (read at {r.at}{ratio}{cost})")
+        rel = run.relative_to(root).as_posix()
+        out.append(f"- {model}, a pool of {pools} KV blocks ([{rel}/]({rel}/)): " + "; ".join(said) + ".")
+    return out

@@ -384,6 +384,7 @@ def test_pipelines_are_built_by_the_engines_builder(monkeypatch):
             max_num_seqs=3,
             max_num_batched_tokens=128,
             threads=2,
+            weights="file",
         )  # fmt: skip
         for _, kw in calls
     )
@@ -591,12 +592,21 @@ def test_the_bench_checks_sizes_against_the_engines_cpu_block():
     assert serving.BLOCK_SIZE == KV_BLOCK_SIZE["CPU"]
 
 
-def test_identity_names_the_engine_precisions_cpu_and_settings():
+def test_identity_names_the_engine_file_precisions_cpu_and_settings(tmp_path):
     pytest.importorskip("openvino_genai", reason="openvino_genai is not installed (pip install .[openvino])")
-    settings = serving.parse(["--length", "512", "--budgets", "256", "--rate", "0.25"])
+    from tiny_gguf import tiny_text_gguf
+
+    from eval.engines import openvino as ov_engine
+
+    assert serving.WEIGHTS == ov_engine.WEIGHTS
+    model = tiny_text_gguf(tmp_path / "tiny.gguf")
+    settings = serving.parse(
+        ["--model-path", str(model), "--length", "512", "--budgets", "256", "--rate", "0.25"]
+    )
     ident = serving.identity(settings)
     assert set(ident) == set(serving.IDENTITY_COLUMNS)
     assert ident["engine"].startswith("openvino-genai 2026.")
+    assert ident["model_file"] == "tiny.gguf" and ident["weights"] == "file"  # F32 tensors: served as it is
     # the plugin's resolved defaults, spelled as OpenVINO spells element types
     assert ident["kv_cache_precision"] in {"u8", "u4", "f16", "bf16", "f32"}
     assert ident["inference_precision"] in {"bf16", "f16", "f32"}

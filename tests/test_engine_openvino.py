@@ -183,6 +183,22 @@ def test_a_local_gguf_of_another_quantization_is_converted_once(tmp_path, monkey
     assert ov_engine.model_path(str(readable)) == readable.resolve()
 
 
+def test_a_quantized_gguf_the_engine_reads_is_rewritten_unless_weights_file(tmp_path, monkeypatch):
+    """weights=f16 (the default) gives the engine the harness' de-quantized weights; weights=file a
+    Q8_0 / Q4_0 / Q4_1 file as it is (the engine's own kernels)."""
+    monkeypatch.setenv("SNAPKV_BENCH_CACHE", str(tmp_path / "cache"))
+    src = tiny_llama_gguf(tmp_path / "q8.gguf", toy_tokenizer(), GGMLQuantizationType.Q8_0)
+    assert "Q8_0" in tensor_types(src)
+    assert ov_engine.model_path(str(src), "file") == src.resolve()
+    f16 = ov_engine.model_path(str(src))
+    assert f16.name == "q8.f16.gguf" and tensor_types(f16) <= {"F16", "F32"}
+    with pytest.raises(ValueError, match="weights='q4'"):
+        ov_engine.model_path(str(src), "q4")
+    with pytest.raises(ValueError, match="engine.weights='q4'"):
+        ov_engine.OpenVINOEngine(weights="q4")
+    assert ov_engine.OpenVINOEngine().identity()["weights"] == "f16"
+
+
 # ------------------------------------------------------------------------------------------ parity
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):

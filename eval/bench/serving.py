@@ -62,6 +62,9 @@ from eval.stats import spread
 from snapkv.errors import first_line
 from snapkv_models.embedded import EMBEDDED
 
+# eval.engines.openvino.WEIGHTS (a test holds them equal), here so the CLI checks it before importing the engine
+WEIGHTS = ("f16", "file")
+
 # Eviction modes: (the engine's aggregation, `eval.engines.openvino.AGGREGATIONS`; snapkv_window_size).
 # The three aggregation modes score every prompt token (window 0); `snapkv` scores the prompt by its
 # last `snapkv_window` queries (SnapKV's observation window), then aggregates like norm_sum.
@@ -85,7 +88,7 @@ REQUEST_COLUMNS = ["round", "arrival", "concurrency", "config", "mode", "budget"
                    "stalls", "stall_steps", "exact", "partial", "prediction"]  # fmt: skip
 # What every point row also says about the run (`identity`): the engine, the precisions the plugin
 # resolved, the CPU, and the request and eviction settings.
-IDENTITY_COLUMNS = ["engine", "kv_cache_precision", "inference_precision", "cpu", "cpu_kernels", "length",
+IDENTITY_COLUMNS = ["engine", "model_file", "weights", "kv_cache_precision", "inference_precision", "cpu", "cpu_kernels", "length",
                     "max_new_tokens", "rate", "seed", "start_size", "recent_size", "snapkv_window",
                     "batched_tokens"]  # fmt: skip
 POINT_COLUMNS = ["round", "order", "arrival", "concurrency", "config", "mode", "budget", "requests", "completed",
@@ -145,6 +148,7 @@ def parser() -> argparse.ArgumentParser:
     a = p.add_argument
     a("--model", default=EMBEDDED_MODEL, help="an embedded model (snapkv_models.embedded), unless --model-path")  # fmt: skip
     a("--model-path", default=None, help="a GGUF file or an OpenVINO IR folder instead of --model")
+    a("--weights", choices=WEIGHTS, default="file", help="file: a GGUF the engine reads served as it is (what a deployment loads); f16: any quantized GGUF rewritten as F16 first")  # fmt: skip
     a("--pool-blocks", type=int, default=96, help="the KV pool: num_kv_blocks (32 tokens each on CPU)")
     a("--concurrency", type=_ints, default=None, help="concurrency points (default: 1, 2, 4, ... up to the pool's limit)")  # fmt: skip
     a("--search", action="store_true", help="binary-search each configuration's largest concurrency without preemption")  # fmt: skip
@@ -174,6 +178,7 @@ class Settings:
 
     model: str
     model_path: str | None
+    weights: str
     pool_blocks: int
     concurrency: list[int] | None
     search: bool
@@ -411,6 +416,7 @@ class OvPipeline:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=settings.batched_tokens,
             threads=settings.threads,
+            weights=settings.weights,
         )
         self._next_id = 0
 
@@ -688,18 +694,22 @@ def plot(points: Sequence[dict[str, Any]], path: Path, column: str = "tokens_per
 
 
 def identity(settings: Settings) -> dict[str, Any]:
-    """What a point row records beyond its point: the engine's version, the KV cache and inference
+    """What a point row records beyond its point: the engine's version, the file its pipelines load and
+    how its weights got there (`--weights`), the KV cache and inference
     precisions the CPU plugin resolves by default (what the benchmark's pipelines run: bf16 inference
     on CPUs with bf16 instructions, so answers differ between CPU kinds), the CPU, and the settings
     every point shares."""
     import openvino as ov
 
+    from eval.engines.openvino import model_path as engine_path
     from eval.engines.openvino import version
     from eval.machine import cpu_kernels
 
     core = ov.Core()
     return dict(
         engine=f"openvino-genai {version()}",
+        model_file=engine_path(engine_model(settings), settings.weights).name,
+        weights=settings.weights,
         kv_cache_precision=core.get_property("CPU", "KV_CACHE_PRECISION").get_type_name(),
         inference_precision=core.get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name(),
         cpu=str(core.get_property("CPU", "FULL_DEVICE_NAME")),

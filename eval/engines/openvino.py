@@ -49,6 +49,13 @@ INSTALL = "pip install -e '.[openvino]' (openvino-genai==2026.4.1.0)"
 KV_BLOCK_SIZE = {"CPU": 32, "GPU": 16}
 # Tensor types the engine's GGUF reader loads; any other file is rewritten as F16 first.
 GGUF_TYPES = {"F32", "F16", "Q8_0", "Q4_0", "Q4_1"}
+# How a GGUF's weights reach the engine (`weights`): "f16", any quantized file rewritten as F16 (the
+# values transformers de-quantizes, rounded once to f16: on SmolLM2's Q4_1 file the engine's greedy
+# tokens then equal the harness'); "file", a file the reader loads as it is (its quantized tensors
+# go through the engine's own kernels: on the same file and prompts, greedy text diverged from the
+# harness' within 8 tokens, the harness' logit margin there 1.5-1.9).
+WEIGHTS = ("f16", "file")
+PLAIN_TYPES = {"F32", "F16"}
 AGGREGATIONS = ("sum", "norm_sum", "adaptive_rkv")
 # Releases whose Adaptive R-KV eviction fails on CPU with any prompt longer than the budget (tried:
 # SmolLM2 GGUF and a tiny Llama, block-aligned or not, chunked prefill or not, f32 or u8 KV).
@@ -79,13 +86,15 @@ def require() -> None:
 
 
 # --------------------------------------------------------------------------------------- models
-def _readable(gguf: Path) -> bool:
-    return tensor_types(gguf) <= GGUF_TYPES
+def _readable(gguf: Path, weights: str = "f16") -> bool:
+    return tensor_types(gguf) <= (PLAIN_TYPES if weights == "f16" else GGUF_TYPES)
 
 
-def _converted(gguf: Path, folder: Path) -> Path:
-    """`gguf` as the engine can read it: itself, or its F16 rewrite cached in `folder`."""
-    if _readable(gguf):
+def _converted(gguf: Path, folder: Path, weights: str = "f16") -> Path:
+    """`gguf` as the engine is given it (`WEIGHTS`): itself, or its F16 rewrite cached in `folder`."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)}, got weights={weights!r}")
+    if _readable(gguf, weights):
         return gguf
     target = folder / f"{gguf.stem}.f16.gguf"
     if not target.is_file():
@@ -109,20 +118,20 @@ def check_model(name: str) -> None:
     )
 
 
-def model_path(name: str) -> Path:
+def model_path(name: str, weights: str = "f16") -> Path:
     """What the engine loads for the model `name` (`check_model`): an embedded model's GGUF as it
-    is when the engine reads its tensor types, else its F16 rewrite cached beside it
-    (`{cache}/models/<name>/openvino/`); a local .gguf likewise (rewrite in
-    `{cache}/openvino/<sha of its path, size, mtime>/`); an IR folder as it is."""
+    is when it holds only F32 / F16 tensors (`weights="file"`: any tensor type the engine reads),
+    else its F16 rewrite cached beside it (`{cache}/models/<name>/openvino/`); a local .gguf
+    likewise (rewrite in `{cache}/openvino/<sha of its path, size, mtime>/`); an IR folder as it is."""
     check_model(name)
     if name in EMBEDDED:
-        return _converted(fetch_embedded(name), model_dir(name) / "openvino")
+        return _converted(fetch_embedded(name), model_dir(name) / "openvino", weights)
     path = Path(name).expanduser().resolve()
     if path.is_dir():
         return path
     st = path.stat()
     key = hashlib.sha256(f"{path}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return _converted(path, cache_root() / "openvino" / key)
+    return _converted(path, cache_root() / "openvino" / key, weights)
 
 
 # ------------------------------------------------------------------------------------- pipeline
@@ -160,6 +169,7 @@ def build_pipeline(
     max_num_batched_tokens: int | None = None,
     enable_prefix_caching: bool = False,
     threads: int | None = None,
+    weights: str = "f16",
 ):
     """A `ContinuousBatchingPipeline` for the model `model` (an embedded name, a .gguf file or an
     OpenVINO IR folder: `model_path`), its KV pool `cache_size_gb` GB, or `num_kv_blocks` blocks
@@ -172,7 +182,8 @@ def build_pipeline(
     f32 inference by the CPU's features). max_num_seqs: requests scheduled at once.
     max_num_batched_tokens: tokens one step may process (None: a whole prompt in one step, no
     chunked prefill); dynamic split-fuse is on. enable_prefix_caching: off, a finished request frees
-    its blocks. threads: the CPU plugin's INFERENCE_NUM_THREADS (None: the plugin's choice)."""
+    its blocks. threads: the CPU plugin's INFERENCE_NUM_THREADS (None: the plugin's choice).
+    weights: how a GGUF's weights reach the engine (`WEIGHTS`)."""
     require()
     import openvino_genai as ov_genai
 
@@ -195,7 +206,7 @@ def build_pipeline(
         props["INFERENCE_PRECISION_HINT"] = inference_precision
     if threads is not None:
         props["INFERENCE_NUM_THREADS"] = threads
-    return ov_genai.ContinuousBatchingPipeline(str(model_path(model)), sched, device, props)
+    return ov_genai.ContinuousBatchingPipeline(str(model_path(model, weights)), sched, device, props)
 
 
 # -------------------------------------------------------------------------------------- adapter
@@ -220,6 +231,7 @@ class OpenVINOEngine(Engine):
     kvcrush_anchor: str = "random"
     cache_size_gb: int = 1
     threads: int | None = None
+    weights: str = "f16"
     prefill_chunk: int | None = dataclasses.field(default=None, init=False, repr=False)
     method_name: str = dataclasses.field(default="full", init=False)
     eviction: dict[str, Any] | None = dataclasses.field(default=None, init=False)
@@ -236,6 +248,8 @@ class OpenVINOEngine(Engine):
                 raise bad(key, "one of " + ", ".join(PRECISIONS))
         if self.aggregation is not None and self.aggregation not in AGGREGATIONS:
             raise bad("aggregation", "null or one of " + ", ".join(AGGREGATIONS))
+        if self.weights not in WEIGHTS:
+            raise bad("weights", "one of " + ", ".join(WEIGHTS))
         if self.kvcrush_anchor not in KVCRUSH_ANCHORS:
             raise bad("kvcrush_anchor", "one of " + ", ".join(KVCRUSH_ANCHORS))
         for key, low in (("kvcrush", 0), ("cache_size_gb", 1)):
@@ -343,6 +357,7 @@ class OpenVINOEngine(Engine):
             "kv_block_size": self.block_size,
             "kv_cache_precision": self.kv_cache_precision,
             "inference_precision": self.inference_precision,
+            "weights": self.weights,
             "eviction": self.eviction,
         }
 
@@ -356,6 +371,7 @@ class OpenVINOEngine(Engine):
             cache_size_gb=self.cache_size_gb,
             max_num_batched_tokens=self.prefill_chunk,
             threads=self.threads,
+            weights=self.weights,
         )
         return {"attn_impl": f"openvino-paged-{self.device.lower()}", "device": self.device.lower()}
 

@@ -244,6 +244,33 @@ def test_full_cache_greedy_tokens_match_transformers(tiny):
 
 @needs_engine
 @in_child_process
+def test_token_parity_on_prompts_reports_identical_or_a_near_tie(tiny):
+    """The token-parity tool (scripts/engine_tokens.py) on the tiny model: both sides decode every
+    token (no stop), so a prompt is identical or names where it diverged."""
+    from eval.analysis.engine_tokens import token_parity
+
+    path, model = tiny
+    divs = token_parity(model, engine_for(path, "full"), [prompt_ids(120, 4), prompt_ids(33, 5)], 16)
+    assert len(divs) == 2 and all(d is None or d.margin < 1e-3 for d in divs)
+
+
+@pytest.mark.parametrize(
+    "argv, named",
+    [(["new_tokens=0"], "new_tokens=0"), (["engine.weights=q4"], "engine.weights='q4'"),
+     (["model"], "key=value"),
+     pytest.param(["model.name=meta-llama/Llama-3.1-8B"], "meta-llama/Llama-3.1-8B", marks=needs_engine)],
+)  # fmt: skip
+def test_token_parity_tool_refuses_bad_input_before_loading(argv, named, capsys, monkeypatch):
+    from eval.analysis import engine_tokens
+
+    monkeypatch.setattr(engine_tokens, "get_model", lambda spec: pytest.fail("loaded a model"))
+    assert engine_tokens.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err
+
+
+@needs_engine
+@in_child_process
 def test_budget_changes_what_the_engine_keeps_and_outputs(tiny):
     path, _ = tiny
     ids = prompt_ids(400, 3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from test_report import MODEL, base_row, write
 
@@ -283,3 +284,17 @@ def test_readme_says_where_each_eviction_config_pays_from_the_rows(tmp_path):
     assert "exact match -100.0 [-100.0, -100.0] vs the full cache's 100.0" in line
     assert "closed sum@256 pays at no concurrency up to 4 (read at 4" in line
     assert line in page.readme_block(tmp_path)
+
+
+def test_token_parity_csvs_become_a_line_each(tmp_path):
+    folder = tmp_path / serving.PARITY
+    folder.mkdir(parents=True)
+    rows = [dict(model="m", weights="f16", sample_id=f"s{i}", input_tokens=1000, new_tokens=32, identical=True)
+            for i in range(3)] + [dict(model="m", weights="f16", sample_id="s3", input_tokens=1000, new_tokens=32,
+                                       identical=False, step=7, reference=1, engine=2, margin=0.25)]  # fmt: skip
+    pd.DataFrame(rows).to_csv(folder / "tokens_m.csv", index=False)
+    assert serving.token_line(folder / "tokens_m.csv") == (
+        "- m (f16 weights; [tokens_m.csv](serving/parity/tokens_m.csv)): identical on 3 of 4 prompts (32 new "
+        "tokens each); otherwise the first divergence at new token 7-7 (median 7), the harness' logit margin "
+        "there 0.25-0.25 (median 0.25)."
+    )

@@ -257,6 +257,7 @@ def parity_section(root: Path) -> list[str]:
     if not (folder.is_dir() and any(folder.rglob("*.jsonl"))):
         return []
     table = parity_table(ResultStore.load_dir(folder), MARGIN)
+    tokens = [token_line(path) for path in sorted(folder.glob("tokens_*.csv"))]
     return [
         "### Does the engine agree with the harness?",
         "",
@@ -272,7 +273,41 @@ def parity_section(root: Path) -> list[str]:
         "",
         table,
         "",
+        *(
+            [
+                "Full cache, token by token (`python scripts/engine_tokens.py experiment=engine_parity "
+                "model=MODEL out=results/serving/parity/tokens_MODEL.csv`: both decode every new token, "
+                "no stop):",
+                "",
+                *tokens,
+                "",
+            ]
+            if tokens
+            else []
+        ),
     ]
+
+
+def token_line(path: Path) -> str:
+    """One token-parity CSV (scripts/engine_tokens.py) as a line: how many prompts' greedy tokens
+    are identical, and where the others first diverge with the harness' logit margin there."""
+    df = pd.read_csv(path)
+    same = df["identical"].astype(str).str.lower() == "true"
+    models = ", ".join(sorted(df["model"].astype(str).unique()))
+    weights = "/".join(sorted(df["weights"].astype(str).unique()))
+    line = (
+        f"- {models} ({weights} weights; [{path.name}]({PARITY}/{path.name})): identical on {int(same.sum())} "
+        f"of {len(df)} prompts ({'/'.join(map(str, sorted(df['new_tokens'].unique())))} new tokens each)"
+    )
+    off = df[~same]
+    if off.empty:
+        return line + "."
+    steps = off["step"].astype(int)
+    margins = pd.to_numeric(off["margin"], errors="coerce").dropna()
+    where = f"the first divergence at new token {steps.min()}-{steps.max()} (median {steps.median():g})"
+    if len(margins):
+        where += f", the harness' logit margin there {margins.min():.3g}-{margins.max():.3g} (median {margins.median():.3g})"
+    return f"{line}; otherwise {where}."
 
 
 def readme_lines(root: Path) -> list[str]:

@@ -695,6 +695,28 @@ state counted then and leaves out now: `eval.provenance.git_state`). Timings com
 machine: each row's `other_cores` and `load_1m` say how busy it was. The equal-bytes grid's RULER
 configs at 1024 are this cell's configs: its report reads them from here (results/equal_bytes).
 """,
+        "serving": """
+Two kinds of files. `smollm2-135m-instruct/` and `qwen2.5-coder-0.5b-instruct/` are serving
+benchmark runs (CSVs of `scripts/bench_serving.py`, not result rows), each on one thread
+(`--threads 1`) beside one other single-threaded job on this 2-core machine (every point records
+the CPU other processes used, `other_cores`; each ratio pairs neighbouring points of one round):
+
+    python scripts/bench_serving.py --model smollm2-135m-instruct --pool-blocks 96 --concurrency 1,2,4,8 \
+        --arrivals closed,poisson --rate 0.5 --budgets 256,512 --modes snapkv,norm_sum --rounds 3 \
+        --threads 1 --search --out results/serving/smollm2-135m-instruct
+    python scripts/bench_serving.py --model qwen2.5-coder-0.5b-instruct --pool-blocks 96 --concurrency 1,2,4,8 \
+        --arrivals closed,poisson --rate 0.25 --requests 8 --budgets 256,512 --modes snapkv --rounds 3 \
+        --threads 1 --search --out results/serving/qwen2.5-coder-0.5b-instruct
+
+Both serve with the CPU plugin's default precisions (a u8 KV cache, bf16 inference on this CPU) and
+the model file as the engine reads it: SmolLM2's Q4_1 GGUF through the engine's own kernels,
+Qwen2.5-Coder's Q4_K_M as its F16 rewrite (the engine's reader refuses Q4_K); the SmolLM2 run's
+points.csv was written before the benchmark recorded `model_file` and `weights`. The `sum` mode was left out of these runs to
+fit their time (the benchmark runs it: `--modes sum`); `adaptive_rkv` fails on this engine release
+(docs/benchmarking.md). `parity/` holds result rows: conf/experiment/engine_parity.yaml through the
+harness and through the engine (f32 KV cache and inference, F16 weights), and the token-parity CSVs
+of `scripts/engine_tokens.py`.
+""",
         "equal_bytes": """
 The grid of conf/experiment/equal_bytes.yaml (`python scripts/equal_bytes.py run`), one config after
 another, single-threaded, in two lanes from a clean checkout. The RULER task's full cache and the

@@ -298,3 +298,16 @@ def test_token_parity_csvs_become_a_line_each(tmp_path):
         "tokens each); otherwise the first divergence at new token 7-7 (median 7), the harness' logit margin "
         "there 0.25-0.25 (median 0.25)."
     )
+
+
+def test_the_search_is_read_beside_what_the_pool_holds(tmp_path):
+    # 96 blocks of 32 tokens: a 1024 + 32-token request takes 33 blocks whole (2 fit); at budget
+    # 256 its kept 8 blocks and the one being written (10 fit)
+    assert serving.pool_capacity(96, 1024, 32, None, 32) == 2
+    assert serving.pool_capacity(96, 1024, 32, 256, 32) == 10
+    assert serving.pool_capacity(96, 100, 32, 256, 32) == 16  # under the budget: all 5 blocks + 1
+    points = [{"config": "full", "budget": None, "pool_blocks": 96}, {"config": "snapkv@256", "budget": 256, "pool_blocks": 96}]  # fmt: skip
+    requests = pd.DataFrame({"prompt_tokens": [1024, 1000], "output_tokens": [32, 32]})
+    text = serving._capacity_text(points, requests, ["full", "snapkv@256"])
+    assert "holds whole requests of 1024 + 32 tokens: full 2; snapkv@256 10" in text
+    assert serving._capacity_text(points, pd.DataFrame(), ["full"]) == ""

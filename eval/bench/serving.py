@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from eval.machine import CpuNoise
-from eval.report.serving import ratios
+from eval.report.serving import pool_capacity, ratios
 from eval.stats import spread
 from snapkv.errors import first_line
 from snapkv_models.embedded import EMBEDDED
@@ -330,11 +330,11 @@ def default_concurrency(pool_blocks: int, prompt_tokens: int, max_new_tokens: in
     """1, 2, 4, ... up to the pool's limit, the limits themselves included: how many requests the
     pool holds whole with the full cache, and with the smallest budget (its evictable area fills up
     to `budget` plus a block being written). At most `cap`."""
-    need_full = math.ceil((prompt_tokens + max_new_tokens) / BLOCK_SIZE)
-    limits = {max(1, pool_blocks // need_full)}
+    limits = {max(1, pool_capacity(pool_blocks, prompt_tokens, max_new_tokens, None, BLOCK_SIZE))}
     if budgets:
-        need = math.ceil(min(min(budgets), prompt_tokens + max_new_tokens) / BLOCK_SIZE) + 1
-        limits.add(max(1, pool_blocks // need))
+        limits.add(
+            max(1, pool_capacity(pool_blocks, prompt_tokens, max_new_tokens, min(budgets), BLOCK_SIZE))
+        )
     top = min(max(limits), cap)
     points = {1 << k for k in range(top.bit_length()) if 1 << k <= top}
     return sorted(points | {x for x in limits if x <= cap})

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from eval.engines.openvino import KV_BLOCK_SIZE
 from eval.engines.parity import parity_table
 from eval.report.wording import MARGIN, Line, diff_text, grouped, n_units_text, p_text
 from eval.stats import Spread, compare, holm, spread, tost
@@ -37,12 +38,23 @@ def ratios(points: Sequence[dict[str, Any]], column: str = "tokens_per_s") -> di
     return out
 
 
+def pool_capacity(pool_blocks: int, prompt_tokens: int, new_tokens: int, budget: int | None, block: int) -> int:  # fmt: skip
+    """How many requests of `prompt_tokens` + `new_tokens` a pool of `pool_blocks` KV blocks of
+    `block` tokens holds whole: with the full cache (`budget` None) every token's block; with
+    eviction at `budget` its kept area plus the block being written."""
+    total = prompt_tokens + new_tokens
+    if budget is None:
+        return pool_blocks // math.ceil(total / block)
+    return pool_blocks // (math.ceil(min(budget, total) / block) + 1)
+
+
 # ------------------------------------------------------------------------- the results page section
 FOLDER = "serving"  # results/serving/<model>/{points,requests,search}.csv (eval.bench.serving)
 COMMAND = (
     "python scripts/bench_serving.py --model MODEL --search --rounds 3 "
     "--out results/serving/MODEL   # one folder per model"
 )
+BLOCK = KV_BLOCK_SIZE["CPU"]  # the serving benchmark's pool blocks (CPU)
 PAY_ROUNDS = 3  # rounds below which a ratio's IQR is not read: one or two values are no spread
 # Engine parity: the engine's rows (run.py engine=openvino) beside the transformers rows of the same
 # task config (conf/experiment/engine_parity.yaml), so the same samples
@@ -214,8 +226,35 @@ def _serving_run(run: Path, root: Path) -> list[str]:
             "- Largest concurrency without preemption (closed loop, binary search): "
             + "; ".join(f"{k} {limits[k]}" for k in order)
             + "."
+            + _capacity_text(points, requests, order)
         )
     return [*out, ""]
+
+
+def _capacity_text(points: list[dict], requests: pd.DataFrame, configs: Sequence[str]) -> str:
+    """What the pool holds whole per config (`pool_capacity`), to read the search beside: a scheduler
+    that makes a new request wait for free blocks before its first token preempts nothing, and the
+    pool's limit shows in TTFT instead."""
+    if requests.empty or "prompt_tokens" not in requests.columns:
+        return ""
+    pools = {int(p["pool_blocks"]) for p in points if p.get("pool_blocks") is not None}
+    if len(pools) != 1:
+        return ""
+    (pool,) = pools
+    prompt = pd.to_numeric(requests["prompt_tokens"], errors="coerce").max()
+    new = pd.to_numeric(requests["output_tokens"], errors="coerce").max()
+    if math.isnan(prompt) or math.isnan(new):
+        return ""
+    prompt, new = int(prompt), int(new)
+    budgets = {p["config"]: p.get("budget") for p in points}
+    held = "; ".join(
+        f"{c} {pool_capacity(pool, prompt, new, None if budgets.get(c) is None else int(budgets[c]), BLOCK)}"
+        for c in configs
+    )
+    return (
+        f" The pool of {pool} blocks holds whole requests of {prompt} + {new} tokens: {held}; a request "
+        "that waits for free blocks before its first token is not preempted (its wait is in TTFT)."
+    )
 
 
 def section(root: Path) -> str:

@@ -279,10 +279,12 @@ def test_readme_says_where_each_eviction_config_pays_from_the_rows(tmp_path):
     assert serving.readme_lines(tmp_path) == []
     serving_folder(tmp_path)
     (line,) = serving.readme_lines(tmp_path)
-    assert line.startswith("- tiny.gguf, a pool of 48 KV blocks ([serving/tiny/](serving/tiny/)): ")
-    assert "closed snapkv@256 pays from concurrency 2 (read at 2, throughput x1.20 [1.15, 1.25] (3)" in line
+    assert line.startswith(
+        "- tiny.gguf, a pool of 48 KV blocks, closed loop ([serving/tiny/](serving/tiny/)): "
+    )
+    assert "snapkv@256 pays from concurrency 2 (read at 2, throughput x1.20 [1.15, 1.25] (3)" in line
     assert "exact match -100.0 [-100.0, -100.0] vs the full cache's 100.0" in line
-    assert "closed sum@256 pays at no concurrency up to 4 (read at 4" in line
+    assert "sum@256 pays at no concurrency up to 4 (read at 4" in line
     assert line in page.readme_block(tmp_path)
 
 

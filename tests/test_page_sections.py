@@ -313,3 +313,16 @@ def test_the_search_is_read_beside_what_the_pool_holds(tmp_path):
     text = serving._capacity_text(points, requests, ["full", "snapkv@256"])
     assert "holds whole requests of 1024 + 32 tokens: full 2; snapkv@256 10" in text
     assert serving._capacity_text(points, pd.DataFrame(), ["full"]) == ""
+
+
+def test_the_reference_clock_is_read_where_every_point_has_it(tmp_path):
+    run = serving_folder(tmp_path)
+    points = pd.read_csv(run / "points.csv")
+    assert serving.throughput_column(points.to_dict("records")) == "tokens_per_s"
+    # the same run timed against a reference: snapkv@256's ratio at 1 now clearly above 1
+    ref = points.assign(ref_s=1.0, tokens_per_ref=points["tokens_per_s"])
+    ref.loc[(ref["config"] == "snapkv@256") & (ref["concurrency"] == 1), "tokens_per_ref"] = 12.0
+    ref.to_csv(run / "points.csv", index=False)
+    text = serving.section(tmp_path)
+    assert "reference-clock throughput ratio to full" in text
+    assert table_row(text, "closed | snapkv@256")[2:5] == ["1", "1", "1.20 [1.20, 1.20] (3)"]

@@ -606,7 +606,7 @@ def readme_block(root: Path) -> str:
         out += [
             "Where eviction pays in a serving engine (OpenVINO GenAI's continuous batching over a fixed KV "
             "pool, the same needle requests under each configuration; throughput ratio to the full cache "
-            "median [IQR] over rounds; [results page](results/README.md#where-does-eviction-pay-in-a-serving-engine)):",
+            "median [IQR] over rounds, in tokens per run of a reference request timed before each point; [results page](results/README.md#where-does-eviction-pay-in-a-serving-engine)):",
             "",
             *lines,
             "",

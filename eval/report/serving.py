@@ -116,10 +116,22 @@ def _exact_vs_full(requests: pd.DataFrame, arrival: str, c: int, config: str) ->
     return compare(x, y, unit), same, 100 * float(y.mean())
 
 
+def throughput_column(points: Sequence[dict]) -> str:
+    """The throughput the ratios read: tokens per reference run (`tokens_per_ref`, the machine's
+    speed at each point cancelled, as the speed benchmark's reference clock does) where every
+    timed point has one, else completed tokens/s."""
+
+    def has(p: dict, key: str) -> bool:
+        return p.get(key) is not None and not pd.isna(p.get(key))
+
+    timed = [p for p in points if has(p, "tokens_per_s")]
+    return "tokens_per_ref" if timed and all(has(p, "tokens_per_ref") for p in timed) else "tokens_per_s"
+
+
 def serving_table(points: list[dict], requests: pd.DataFrame) -> list[Paying]:
     """Per (arrival, eviction config) of one benchmark run: where it starts to pay and what its answers
-    cost there (`Paying`), Holm over the run's comparisons."""
-    rat = ratios(points)
+    cost there (`Paying`), Holm over the run's comparisons; throughput as `throughput_column` reads it."""
+    rat = ratios(points, throughput_column(points))
     keys = sorted({(p["arrival"], p["config"]) for p in points if p["config"] != "full"})
     out = []
     for arrival, config in keys:
@@ -194,7 +206,8 @@ def _serving_run(run: Path, root: Path) -> list[str]:
         rows.append([r.arrival, r.config, pays, "" if r.at is None else r.at, _spread_text(r.ratio),
                      "" if c is None else f"{r.full_exact + c.diff:.1f} ({r.full_exact:.1f})", diff_text(c),
                      "" if c is None else n_units_text(c), p_text(r.line.holm_full) if c is not None else ""])  # fmt: skip
-    headers = ["arrival", "config", "pays from", "at", "ratio to full: median [IQR] (rounds)",
+    unit = "reference-clock " if throughput_column(points) == "tokens_per_ref" else ""
+    headers = ["arrival", "config", "pays from", "at", f"{unit}throughput ratio to full: median [IQR] (rounds)",
                "exact x100 (full)", "minus full [95% CI]", "n", "Holm p"]  # fmt: skip
     out += [md_table(headers, rows, text_columns=2), ""]
     for arrival in sorted({r.arrival for r in table}):
@@ -276,7 +289,9 @@ def section(root: Path) -> str:
         "full cache and each eviction mode at each budget, concurrency 1 up to the pool's limit, the "
         "configurations interleaved within each round. Eviction pays from the smallest concurrency at which "
         "its completed tokens/s over the full cache's of the same round has its whole interquartile range "
-        "over the rounds above 1; its exact match there minus the full cache's, on the same requests. "
+        "over the rounds above 1 (tokens per run of a fixed reference request timed right before each point, "
+        "where the run has it: the machine's speed at that moment cancelled, as the speed benchmark's "
+        "reference clock does); its exact match there minus the full cache's, on the same requests. "
         f"How the benchmark runs: [docs/benchmarking.md](../docs/benchmarking.md#serving-at-a-fixed-kv-pool-openvino-genai). Rows: [{FOLDER}/]({FOLDER}/).",
         "",
     ]

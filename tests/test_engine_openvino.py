@@ -254,6 +254,17 @@ def test_token_parity_on_prompts_reports_identical_or_a_near_tie(tiny):
     assert len(divs) == 2 and all(d is None or d.margin < 1e-3 for d in divs)
 
 
+def test_token_parity_tool_reads_engine_options_as_hydra_does():
+    from eval.analysis.engine_tokens import _value, split
+
+    overrides, options, new_tokens, out = split(
+        ["model=m", "engine.threads=1", "engine.weights=file", "new_tokens=8"]
+    )
+    assert overrides == ["model=m"] and new_tokens == 8 and out is None
+    assert {k: _value(v) for k, v in options.items()} == {"threads": 1, "weights": "file"}
+    assert _value("null") is None and _value("true") is True
+
+
 @pytest.mark.parametrize(
     "argv, named",
     [(["new_tokens=0"], "new_tokens=0"), (["engine.weights=q4"], "engine.weights='q4'"),

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from hydra import compose, initialize_config_dir
 
 from eval.conf import CONF_DIR
@@ -88,10 +89,8 @@ def split(argv: Sequence[str]) -> tuple[list[str], dict[str, str], int, str | No
 
 
 def _value(text: str) -> Any:
-    """An engine option's value as Hydra would read it."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.create({"v": text}).v if text not in ("null", "~") else None
+    """An engine option's value as a Hydra override reads it (YAML: 1 an int, null None, f16 a string)."""
+    return yaml.safe_load(text)
 
 
 def main(argv: Sequence[str]) -> int:

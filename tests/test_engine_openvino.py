@@ -397,3 +397,13 @@ def test_parity_table_holds_each_engine_config_against_the_matching_harness_conf
         [1] * 3, engine="openvino", method_hash="lone", params={"budget": 1024, "window": 32}
     )
     assert "| none |" in parity_table(pd.concat([lone, same], ignore_index=True))
+    # the same configs on a second model: a line per model, each against its own harness rows
+    other = [x.assign(model="m2", score=1 - x["score"]) for x in (e, same)]
+    lines = [
+        x for x in parity_table(pd.concat([e, same, *other], ignore_index=True)).splitlines() if "#eng" in x
+    ]
+    assert len(lines) == 2 and "| m | " in lines[0] and "| m2 | " in lines[1]
+    assert (
+        "| 6 | 83% | 83% | 1 | 0 | 66.7 | 50.0 |" in lines[0]
+        and "| 6 | 83% | 83% | 0 | 1 | 33.3 | 50.0 |" in lines[1]
+    )

@@ -178,10 +178,11 @@ def parity_table(df: pd.DataFrame, margin: float | None = 5.0) -> str:
     ]
     if "engine" not in df.columns:
         return "\n".join(lines)
-    for h, rows in df[df["engine"].notna()].groupby("method_hash", sort=True):
+    # one line per engine config and model (a config's hash leaves the model out)
+    for (_, _, h), rows in df[df["engine"].notna()].groupby(["task", "model", "method_hash"], sort=True):
         first = rows.iloc[0]
         label = f"{first['engine']} {first['method']} {_short(_params(first))} #{h}"
-        base = closest(df, h)
+        base = closest(df[(df["task"] == first["task"]) & (df["model"] == first["model"])], h)
         if base.empty:
             lines.append(f"| {first['task']} | {first['model']} | {label} | none | | | | | | | | | |")
             continue

@@ -714,8 +714,13 @@ Qwen2.5-Coder's Q4_K_M as its F16 rewrite (the engine's reader refuses Q4_K); th
 points.csv was written before the benchmark recorded `model_file` and `weights`. The `sum` mode was left out of these runs to
 fit their time (the benchmark runs it: `--modes sum`); `adaptive_rkv` fails on this engine release
 (docs/benchmarking.md). `parity/` holds result rows: conf/experiment/engine_parity.yaml through the
-harness and through the engine (f32 KV cache and inference, F16 weights), and the token-parity CSVs
-of `scripts/engine_tokens.py`.
+harness and through the engine (f32 KV cache and inference, F16 weights; one thread each), and the
+token-parity CSVs of `scripts/engine_tokens.py` (the same prompts; Qwen's 1K and 2K ones):
+
+    python scripts/engine_tokens.py experiment=engine_parity model=smollm2-135m-instruct engine.threads=1 \
+        out=results/serving/parity/tokens_smollm2-135m-instruct.csv
+    python scripts/engine_tokens.py experiment=engine_parity model=qwen2.5-coder-0.5b-instruct \
+        'task.lengths=[1000,2000]' engine.threads=1 out=results/serving/parity/tokens_qwen2.5-coder-0.5b-instruct.csv
 """,
         "equal_bytes": """
 The grid of conf/experiment/equal_bytes.yaml (`python scripts/equal_bytes.py run`), one config after

@@ -166,8 +166,10 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
         print(f"{stem}: no {param} sweep found (python run.py -m experiment={stem})")
         return []
     everything = load(root)
+    # the harness' full cache (an engine's rows, eval/engines/, are another implementation)
+    harness = everything["engine"].isna() if "engine" in everything.columns else True
     full_all = everything[
-        (everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full")
+        (everything["task"] == "needle") & everything["ok"] & (everything["method"] == "full") & harness
     ]
     written = []
     for model, m in d.groupby("model", sort=True):

@@ -601,7 +601,7 @@ def readme_block(root: Path) -> str:
                 f"{100 * s['score'].mean():.0f} exact / {100 * s['partial'].mean():.0f} partial credit.",
                 "",
             ]
-    lines = serving.readme_lines(root)
+    lines = serving.readme_lines(root, "results/")
     if lines:
         out += [
             "Where eviction pays in a serving engine (OpenVINO GenAI's continuous batching over a fixed KV "

@@ -364,10 +364,11 @@ def token_line(path: Path) -> str:
     return f"{line}; otherwise {where}."
 
 
-def readme_lines(root: Path) -> list[str]:
+def readme_lines(root: Path, prefix: str = "") -> list[str]:
     """The top README's serving lines: per benchmark run (model), closed loop (else every arrival
     process), each eviction config's concurrency from which it pays, its throughput ratio there and its exact match minus
-    the full cache's on the same requests (`serving_table`, Holm within the run); [] without runs."""
+    the full cache's on the same requests (`serving_table`, Holm within the run); [] without runs.
+    `prefix`: what the links need before the run's folder (the top README: "results/")."""
     out = []
     for run in serving_runs(root / FOLDER):
         points = _csv_records(run / "points.csv")
@@ -389,7 +390,7 @@ def readme_lines(root: Path) -> list[str]:
                 else ""
             )
             said.append(f"{r.config} pays {where} (read at {r.at}{ratio}{cost})")
-        rel = run.relative_to(root).as_posix()
+        rel = prefix + run.relative_to(root).as_posix()
         arrival = "closed loop" if closed else ", ".join(sorted({r.arrival for r in table}))
         out.append(
             f"- {model}, a pool of {pools} KV blocks, {arrival} ([{rel}/]({rel}/)): " + "; ".join(said) + "."

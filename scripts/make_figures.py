@@ -192,6 +192,19 @@ def sweep_figure(root: Path, out: Path, param: str, stem: str) -> list[Path]:
     return written
 
 
+def serving_figures(root: Path) -> list[Path]:
+    """Each serving run's throughput figures (`eval.bench.serving.plot`, what the benchmark draws)
+    redrawn from its points.csv in results/serving/<model>/."""
+    from eval.bench.serving import plot
+    from eval.report.serving import serving_runs
+
+    written = []
+    for run in serving_runs(root / "serving"):
+        df = pd.read_csv(run / "points.csv")
+        written += plot(df.astype(object).where(df.notna(), None).to_dict("records"), run / "throughput.png")
+    return written
+
+
 def digits(root: Path, out: Path) -> list[Path]:
     """The digits figures (`eval.analysis.digits`) from results/digits/."""
     sub, written = root / "digits", []
@@ -292,6 +305,7 @@ def main(argv: list[str]) -> int:
         root / equal_bytes_report.FOLDER, plan=equal_bytes_report.load_plan()
     )
     written += latency(root, out)
+    written += serving_figures(root)
     written += observation(root, out)
     docs = (
         Path(cfg.docs) if cfg.docs else (GPU_DOCS if root.resolve() == (ROOT / "results").resolve() else None)

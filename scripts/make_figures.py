@@ -293,6 +293,7 @@ def main(argv: list[str]) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     written = reports(root)
+    written += serving_figures(root)  # before the page, which links them
     df = load(root)
     if not df.empty:
         written += table1(df, out)
@@ -305,7 +306,6 @@ def main(argv: list[str]) -> int:
         root / equal_bytes_report.FOLDER, plan=equal_bytes_report.load_plan()
     )
     written += latency(root, out)
-    written += serving_figures(root)
     written += observation(root, out)
     docs = (
         Path(cfg.docs) if cfg.docs else (GPU_DOCS if root.resolve() == (ROOT / "results").resolve() else None)

@@ -196,12 +196,11 @@ def serving_figures(root: Path) -> list[Path]:
     """Each serving run's throughput figures (`eval.bench.serving.plot`, what the benchmark draws)
     redrawn from its points.csv in results/serving/<model>/."""
     from eval.bench.serving import plot
-    from eval.report.serving import serving_runs
+    from eval.report.serving import csv_records, serving_runs
 
     written = []
     for run in serving_runs(root / "serving"):
-        df = pd.read_csv(run / "points.csv")
-        written += plot(df.astype(object).where(df.notna(), None).to_dict("records"), run / "throughput.png")
+        written += plot(csv_records(run / "points.csv"), run / "throughput.png")
     return written
 
 

@@ -83,7 +83,13 @@ class Paying:
     full_exact: float = math.nan
 
 
-def _csv_records(path: Path) -> list[dict]:
+def read_run(run: Path) -> tuple[list[dict], pd.DataFrame]:
+    """A benchmark folder's points (`csv_records`) and requests (empty without requests.csv)."""
+    requests = pd.read_csv(run / "requests.csv") if (run / "requests.csv").is_file() else pd.DataFrame()
+    return csv_records(run / "points.csv"), requests
+
+
+def csv_records(path: Path) -> list[dict]:
     """A benchmark CSV's rows, empty cells as None (as the benchmark wrote them)."""
     df = pd.read_csv(path)
     return df.astype(object).where(df.notna(), None).to_dict("records")
@@ -174,8 +180,7 @@ def _spread_text(s: Spread | None) -> str:
 
 def _serving_run(run: Path, root: Path) -> list[str]:
     """One benchmark folder's table and reading lines."""
-    points = _csv_records(run / "points.csv")
-    requests = pd.read_csv(run / "requests.csv") if (run / "requests.csv").is_file() else pd.DataFrame()
+    points, requests = read_run(run)
     rel = run.relative_to(root).as_posix()
     models = sorted({str(p["model"]) for p in points if p.get("model")})
     pools = sorted({int(p["pool_blocks"]) for p in points if p.get("pool_blocks") is not None})
@@ -371,8 +376,7 @@ def readme_lines(root: Path, prefix: str = "") -> list[str]:
     `prefix`: what the links need before the run's folder (the top README: "results/")."""
     out = []
     for run in serving_runs(root / FOLDER):
-        points = _csv_records(run / "points.csv")
-        requests = pd.read_csv(run / "requests.csv") if (run / "requests.csv").is_file() else pd.DataFrame()
+        points, requests = read_run(run)
         model = ", ".join(sorted({str(p["model"]) for p in points if p.get("model")})) or run.name
         pools = "/".join(
             map(str, sorted({int(p["pool_blocks"]) for p in points if p.get("pool_blocks") is not None}))
